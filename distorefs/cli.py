@@ -1,0 +1,295 @@
+"""The `distore` command: mount, umount, status.
+
+Owns argument parsing, the checks a user gets one clear line for (mount point missing or
+already mounted, no /dev/fuse, data dir locked, bad size), exit codes (0 ok, 1 failure,
+2 bad input) and starting the daemon in the background. The daemon itself is daemon.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import select
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any
+
+from distorefs import __version__
+from distorefs.errors import ConfigError
+from distorefs.units import format_size, parse_size
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+READY_TIMEOUT_S = 120.0
+
+
+class CliError(Exception):
+    """A failure to print as one line; `code` is the exit status."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILURE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def default_data_dir() -> str:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "distorefs")
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="distore", description="distorefs: training data as files")
+    parser.add_argument("--version", action="version", version=f"distorefs {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    mount = sub.add_parser("mount", help="mount distorefs (single node, embedded default)")
+    mount.add_argument("mountpoint")
+    mount.add_argument("--data-dir", default=None, help=f"where the log and metadata live (default {default_data_dir()})")
+    mount.add_argument("--dram-budget", default="1GiB", help="DRAM cache size, e.g. 512MiB, 4GiB (default 1GiB)")
+    mount.add_argument("--foreground", action="store_true", help="stay in the foreground, log to stderr")
+    mount.add_argument("--allow-other", action="store_true", help="let other users access the mount")
+    mount.add_argument("--debug", action="store_true", help="log every failed request")
+    mount.add_argument("--flush-interval", type=_positive_float, default=1.0, metavar="S")
+    mount.add_argument("--sync-interval", type=_positive_float, default=5.0, metavar="S")
+    mount.add_argument("--compact-interval", type=_positive_float, default=5.0, metavar="S")
+    mount.add_argument("--segment-size", default="64MiB", help="log segment size (default 64MiB)")
+    mount.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+
+    umount = sub.add_parser("umount", help="persist everything, unmount, wait for the daemon to exit")
+    umount.add_argument("mountpoint")
+    umount.add_argument("--timeout", type=_positive_float, default=120.0, metavar="S")
+
+    status = sub.add_parser("status", help="show the daemon's state")
+    status.add_argument("mountpoint")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+# --- mount -------------------------------------------------------------------------------
+
+
+def check_mountpoint(mountpoint: str) -> None:
+    if not os.path.exists("/dev/fuse"):
+        raise CliError("no /dev/fuse: load the fuse module (modprobe fuse) or give the container /dev/fuse")
+    if os.geteuid() != 0 and shutil.which("fusermount3") is None:
+        raise CliError("fusermount3 not found: install the fuse3 package")
+    try:
+        st = os.stat(mountpoint)
+    except FileNotFoundError:
+        raise CliError(f"mount point {mountpoint} does not exist") from None
+    except OSError as exc:
+        raise CliError(f"mount point {mountpoint} is unusable ({exc.strerror}); a stale mount? try: fusermount3 -u {mountpoint}") from None
+    if not os.path.isdir(mountpoint):
+        raise CliError(f"mount point {mountpoint} is not a directory")
+    if os.path.ismount(mountpoint) or _is_mount(mountpoint):
+        raise CliError(f"mount point {mountpoint} is already mounted")
+    del st
+
+
+def _is_mount(path: str) -> bool:
+    target = os.path.abspath(path)
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        return any(line.split()[4].replace("\\040", " ") == target for line in f)
+
+
+def _daemon_config(args: argparse.Namespace) -> Any:
+    from distorefs.daemon import DaemonConfig
+
+    config = DaemonConfig(
+        mountpoint=os.path.abspath(args.mountpoint),
+        data_dir=os.path.abspath(args.data_dir or default_data_dir()),
+        dram_budget_bytes=parse_size(args.dram_budget),
+        allow_other=args.allow_other,
+        segment_bytes=parse_size(args.segment_size),
+        flush_interval_s=args.flush_interval,
+        sync_interval_s=args.sync_interval,
+        compact_interval_s=args.compact_interval,
+    )
+    config.validate()
+    return config
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    try:
+        config = _daemon_config(args)
+    except ConfigError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    check_mountpoint(args.mountpoint)
+    if args.foreground:
+        return run_foreground(config, args)
+    return start_background(config, args)
+
+
+def run_foreground(config: Any, args: argparse.Namespace) -> int:
+    import trio
+
+    from distorefs.daemon import serve
+
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    ready_fd = args.ready_fd
+
+    def ready(message: str) -> None:
+        print(message, flush=True)
+        if ready_fd is not None:
+            os.write(ready_fd, f"READY {message}\n".encode())
+            os.close(ready_fd)
+
+    try:
+        trio.run(serve, config, ready)
+    except ConfigError as exc:
+        if ready_fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(ready_fd, f"ERROR {exc}\n".encode())
+        raise CliError(str(exc)) from None
+    return EXIT_OK
+
+
+def start_background(config: Any, args: argparse.Namespace) -> int:
+    os.makedirs(config.data_dir, mode=0o700, exist_ok=True)
+    log_path = os.path.join(config.data_dir, "daemon.log")
+    read_fd, write_fd = os.pipe()
+    argv = [
+        sys.executable, "-m", "distorefs", "mount", config.mountpoint, "--foreground",
+        "--data-dir", config.data_dir, "--dram-budget", str(config.dram_budget_bytes),
+        "--segment-size", str(config.segment_bytes),
+        "--flush-interval", str(config.flush_interval_s), "--sync-interval", str(config.sync_interval_s),
+        "--compact-interval", str(config.compact_interval_s), "--ready-fd", str(write_fd),
+    ]  # fmt: skip
+    if config.allow_other:
+        argv.append("--allow-other")
+    if args.debug:
+        argv.append("--debug")
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+            pass_fds=(write_fd,), start_new_session=True,
+        )  # fmt: skip
+    os.close(write_fd)
+    line = _read_line(read_fd, READY_TIMEOUT_S)
+    os.close(read_fd)
+    if line.startswith("READY "):
+        print(line[len("READY ") :])
+        return EXIT_OK
+    if line.startswith("ERROR "):
+        proc.wait(timeout=30)
+        raise CliError(line[len("ERROR ") :])
+    code = proc.poll()
+    if code is None:
+        proc.terminate()
+        raise CliError(f"the daemon did not report ready within {READY_TIMEOUT_S:.0f} s; see {log_path}")
+    raise CliError(f"the daemon exited with status {code} before mounting; see {log_path}")
+
+
+def _read_line(fd: int, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    data = b""
+    while b"\n" not in data:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        readable, _, _ = select.select([fd], [], [], left)
+        if not readable:
+            break
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode(errors="replace").split("\n", 1)[0]
+
+
+# --- umount and status -------------------------------------------------------------------
+
+
+def read_status(mountpoint: str) -> dict[str, Any]:
+    path = os.path.join(mountpoint, ".distore", "status")
+    try:
+        with open(path, encoding="utf-8") as f:
+            result: dict[str, Any] = json.load(f)
+            return result
+    except FileNotFoundError:
+        raise CliError(f"{mountpoint} is not a distorefs mount") from None
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise CliError(f"{path} is not valid JSON: {exc}") from None
+
+
+def wait_pid_exit(pid: int, timeout_s: float) -> bool:
+    """Wait until process `pid` has exited; False on timeout."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        readable, _, _ = select.select([pidfd], [], [], timeout_s)
+        return bool(readable)
+    finally:
+        os.close(pidfd)
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    mountpoint = os.path.abspath(args.mountpoint)
+    if not _is_mount(mountpoint):
+        raise CliError(f"{mountpoint} is not mounted")
+    pid = int(read_status(mountpoint)["pid"])
+    result = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        reason = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "unknown error"
+        raise CliError(f"cannot unmount {mountpoint}: {reason}")
+    if not wait_pid_exit(pid, args.timeout):
+        raise CliError(f"unmounted, but daemon {pid} is still persisting after {args.timeout:.0f} s")
+    print(f"distorefs: unmounted {mountpoint}; daemon {pid} persisted everything and exited")
+    return EXIT_OK
+
+
+def format_status(status: dict[str, Any]) -> str:
+    rows = [
+        ("pid", str(status["pid"])),
+        ("mountpoint", status["mountpoint"]),
+        ("data dir", status["data_dir"]),
+        ("DRAM", f"{format_size(status['dram_used_bytes'])} used of {format_size(status['dram_budget_bytes'])}"
+                 f" ({format_size(status['dram_dirty_bytes'])} not yet in the log)"),
+        ("log", f"{format_size(status['log_bytes'])} in {status['log_segments']} segments,"
+                f" {status['log_live_ratio'] * 100:.1f}% live"),
+        ("files", f"{status['files']} ({format_size(status['file_bytes'])})"),
+        ("directories", str(status["directories"])),
+        ("symlinks", str(status["symlinks"])),
+        ("uptime", f"{status['uptime_s']:.0f} s"),
+    ]  # fmt: skip
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    status = read_status(os.path.abspath(args.mountpoint))
+    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"mount": cmd_mount, "umount": cmd_umount, "status": cmd_status}
+    try:
+        return handlers[args.command](args)
+    except CliError as exc:
+        print(f"distore {args.command}: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

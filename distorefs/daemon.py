@@ -1,0 +1,165 @@
+"""The daemon: builds the tiers, stores and fs layer from a DaemonConfig, mounts, runs the
+background tasks in one nursery, and on unmount or SIGTERM/SIGINT flushes everything to
+the log, commits durably and exits.
+
+Owns the data dir lock (`lock`, flock'ed for the daemon's life) and the order of start-up
+and teardown; everything it starts is named. It does not parse the command line
+(`cli.py` does) and serves no request itself (`fs/ops.py` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pyfuse3
+import trio
+
+from distorefs.errors import ConfigError
+from distorefs.fs.control import MountInfo, VirtualTree
+from distorefs.fs.ops import FsOperations
+from distorefs.stores.files import FileStore
+from distorefs.tiers.blocks import DEFAULT_BLOCK_BYTES, BlockStore
+from distorefs.tiers.dram import DramCache
+from distorefs.tiers.metadb import MetaDb
+from distorefs.tiers.nvme_log import DEFAULT_SEGMENT_BYTES, NvmeLog
+
+log = logging.getLogger(__name__)
+
+MIN_DRAM_BUDGET_BYTES = 8 * 1024 * 1024
+READ_AHEAD_KB = 1024
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    mountpoint: str
+    data_dir: str
+    dram_budget_bytes: int = 1024**3
+    allow_other: bool = False
+    block_bytes: int = DEFAULT_BLOCK_BYTES
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    flush_interval_s: float = 1.0
+    sync_interval_s: float = 5.0
+    compact_interval_s: float = 5.0
+    compact_min_dead_ratio: float = 0.5
+
+    def validate(self) -> None:
+        if self.dram_budget_bytes < MIN_DRAM_BUDGET_BYTES:
+            raise ConfigError(f"--dram-budget must be >= 8MiB, got {self.dram_budget_bytes} bytes")
+        for name in ("flush_interval_s", "sync_interval_s", "compact_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0.0 < self.compact_min_dead_ratio <= 1.0:
+            raise ConfigError(f"compact_min_dead_ratio must be in (0, 1], got {self.compact_min_dead_ratio}")
+
+
+@contextlib.contextmanager
+def data_dir_lock(data_dir: str) -> Iterator[None]:
+    """Hold `data_dir/lock` exclusively; raise ConfigError naming the holder if taken."""
+    os.makedirs(data_dir, mode=0o700, exist_ok=True)
+    path = os.path.join(data_dir, "lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise ConfigError(f"data dir {data_dir} is locked by another daemon (pid {holder})") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def mount_device(mountpoint: str) -> str | None:
+    """The `major:minor` of the mount at `mountpoint`, read from /proc (no FUSE request)."""
+    target = os.path.abspath(mountpoint)
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        found = None
+        for line in f:
+            parts = line.split()
+            if parts[4].replace("\\040", " ") == target:
+                found = parts[2]
+        return found
+
+
+def raise_read_ahead(mountpoint: str) -> None:
+    """Ask the kernel for 1 MiB read-ahead on this mount (needs root; optional)."""
+    device = mount_device(mountpoint)
+    if device is None:
+        return
+    try:
+        with open(f"/sys/class/bdi/{device}/read_ahead_kb", "w", encoding="ascii") as f:
+            f.write(str(READ_AHEAD_KB))
+    except OSError as exc:
+        log.info("read-ahead stays at the kernel default (%s)", exc)
+
+
+async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
+    """Mount, serve until unmounted or signalled, then persist everything and return.
+
+    `ready` is called with a one-line message once the mount is up.
+    """
+    config.validate()
+    data_dir = os.path.abspath(config.data_dir)
+    with data_dir_lock(data_dir):
+        started = time.monotonic()
+        nvme_log = await trio.to_thread.run_sync(
+            NvmeLog.open, os.path.join(data_dir, "log"), config.segment_bytes
+        )
+        meta = MetaDb.open(os.path.join(data_dir, "meta.sqlite"))
+        try:
+            blocks = BlockStore(nvme_log, DramCache(config.dram_budget_bytes), meta, config.block_bytes)
+            files = FileStore.load(blocks, meta)
+            virtual = VirtualTree(
+                MountInfo(os.getpid(), data_dir, os.path.abspath(config.mountpoint), time.time_ns()), files, blocks
+            )
+            ops = FsOperations(files, virtual, data_dir, config.block_bytes)
+            await blocks.commit(durable=True)
+            log.info(
+                "recovered %s in %.2f s (torn tail dropped: %d bytes)",
+                data_dir, time.monotonic() - started, nvme_log.dropped_tail_bytes,
+            )  # fmt: skip
+            options = set(pyfuse3.default_options) | {"fsname=distorefs", "subtype=distorefs", "noatime"}
+            if config.allow_other:
+                options.add("allow_other")
+            try:
+                pyfuse3.init(ops, config.mountpoint, options)
+            except RuntimeError as exc:
+                raise ConfigError(f"cannot mount {config.mountpoint}: {exc}") from None
+            try:
+                raise_read_ahead(config.mountpoint)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(blocks.run_flusher, config.flush_interval_s, name="flusher")
+                    nursery.start_soon(blocks.run_syncer, config.sync_interval_s, name="syncer")
+                    nursery.start_soon(
+                        blocks.run_compactor, config.compact_interval_s, config.compact_min_dead_ratio,
+                        name="compactor",
+                    )  # fmt: skip
+                    nursery.start_soon(_stop_on_signal, name="signals")
+                    ready(f"distorefs: mounted {config.mountpoint} (pid {os.getpid()}, data dir {data_dir})")
+                    await pyfuse3.main()
+                    nursery.cancel_scope.cancel()
+            finally:
+                pyfuse3.close(unmount=True)
+                log.info("unmounted %s; persisting", config.mountpoint)
+                with trio.CancelScope(shield=True):
+                    await blocks.close()
+        finally:
+            meta.close()
+    log.info("daemon exits cleanly")
+
+
+async def _stop_on_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("got %s: unmounting", signal.Signals(signum).name)
+            pyfuse3.terminate()
+            return

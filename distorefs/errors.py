@@ -1,0 +1,89 @@
+"""Domain errors of distorefs. Each carries the errno the fs layer answers with.
+
+Only `fs/ops.py` turns these into `pyfuse3.FUSEError`; the layers below raise these and
+never import pyfuse3.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+
+
+class DistorefsError(Exception):
+    """Base class: a failure with an errno and a message naming the offending value."""
+
+    errno: int = _errno.EIO
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(DistorefsError):
+    errno = _errno.EINVAL
+
+
+class NotFound(DistorefsError):
+    errno = _errno.ENOENT
+
+
+class Exists(DistorefsError):
+    errno = _errno.EEXIST
+
+
+class NotEmpty(DistorefsError):
+    errno = _errno.ENOTEMPTY
+
+
+class IsADirectory(DistorefsError):
+    errno = _errno.EISDIR
+
+
+class NotADirectory(DistorefsError):
+    errno = _errno.ENOTDIR
+
+
+class NameTooLong(DistorefsError):
+    errno = _errno.ENAMETOOLONG
+
+
+class NotPermitted(DistorefsError):
+    errno = _errno.EPERM
+
+
+class Busy(DistorefsError):
+    errno = _errno.EBUSY
+
+
+class ReadOnly(DistorefsError):
+    errno = _errno.EROFS
+
+
+class NoSuchAttribute(DistorefsError):
+    errno = _errno.ENODATA
+
+
+class NotSupported(DistorefsError):
+    errno = _errno.ENOTSUP
+
+
+class TooBig(DistorefsError):
+    errno = _errno.E2BIG
+
+
+class FileTooLarge(DistorefsError):
+    errno = _errno.EFBIG
+
+
+class StoreFull(DistorefsError):
+    errno = _errno.ENOSPC
+
+
+class Corrupted(DistorefsError):
+    """A log record failed its length, key or crc32c check."""
+
+    errno = _errno.EIO
+
+
+class ConfigError(Exception):
+    """Bad command-line or configuration input; the CLI prints it as one line and exits 2."""

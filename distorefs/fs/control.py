@@ -1,0 +1,163 @@
+"""Virtual nodes: `.distore/` control files and the reserved kind directories.
+
+Owns the nodes that are not files of the POSIX tree: their inode numbers (from
+VIRTUAL_BASE up, far above the tree's), their attributes and their contents. A control
+file renders its bytes when it is opened, so one open reads one consistent snapshot.
+
+This is where a directory kind plugs in: `buffers/`, `weights/` and `datasets/` are
+KindDirectory nodes. The issues that bring replay buffers, weights and datasets replace
+the `PlannedKind` placeholders with kinds that supply their own children and control
+files; until then those directories are empty and refuse writes with EROFS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from distorefs import __version__
+from distorefs.errors import NotFound, ReadOnly
+from distorefs.stores.files import FileStore
+from distorefs.tiers.blocks import BlockStore
+
+VIRTUAL_BASE = 1 << 62
+
+
+@dataclass(frozen=True)
+class MountInfo:
+    """Facts about this daemon that `.distore/status` reports."""
+
+    pid: int
+    data_dir: str
+    mountpoint: str
+    started_ns: int
+
+
+class VirtualNode:
+    def __init__(self, ino: int, name: bytes, mode: int) -> None:
+        self.ino = ino
+        self.name = name
+        self.mode = mode
+        self.mtime_ns = time.time_ns()
+
+
+class ControlFile(VirtualNode):
+    """A read-only file of size 0 whose content is rendered per open (like /proc)."""
+
+    def __init__(self, ino: int, name: bytes, render: Callable[[], bytes]) -> None:
+        super().__init__(ino, name, stat.S_IFREG | 0o444)
+        self.render = render
+
+
+class VirtualDir(VirtualNode):
+    def __init__(self, ino: int, name: bytes, mode: int = stat.S_IFDIR | 0o555) -> None:
+        super().__init__(ino, name, mode)
+        self.children: dict[bytes, VirtualNode] = {}
+
+    def lookup(self, name: bytes) -> VirtualNode:
+        node = self.children.get(name)
+        if node is None:
+            raise NotFound(f"no entry {name.decode(errors='replace')!r} in {self.name.decode()}/")
+        return node
+
+    def entries(self) -> list[tuple[bytes, VirtualNode]]:
+        return list(self.children.items())
+
+    def refuse(self, what: str) -> ReadOnly:
+        return ReadOnly(f"{self.name.decode()}/ is read-only: cannot {what}")
+
+
+class KindDirectory(VirtualDir):
+    """A reserved top-level directory whose contents a store kind supplies."""
+
+
+class PlannedKind(KindDirectory):
+    """Placeholder for a kind not built yet: empty, read-only, saying why."""
+
+    def __init__(self, ino: int, name: bytes, arrives_with: str) -> None:
+        super().__init__(ino, name, stat.S_IFDIR | 0o755)
+        self.arrives_with = arrives_with
+
+    def refuse(self, what: str) -> ReadOnly:
+        return ReadOnly(f"{self.name.decode()}/ is reserved for {self.arrives_with}, not available yet: cannot {what}")
+
+
+class VirtualTree:
+    """The virtual nodes by inode, and the names they reserve at the root."""
+
+    def __init__(self, info: MountInfo, files: FileStore, blocks: BlockStore) -> None:
+        self._next = VIRTUAL_BASE
+        self.nodes: dict[int, VirtualNode] = {}
+        self.root_nodes: dict[bytes, VirtualNode] = {}
+        self._info = info
+        self._files = files
+        self._blocks = blocks
+        control = self._add_root(VirtualDir(self._ino(), b".distore"))
+        assert isinstance(control, VirtualDir)
+        self._add_child(control, ControlFile(self._ino(), b"status", self.render_status))
+        self._add_child(control, ControlFile(self._ino(), b"version", self.render_version))
+        for name, arrives_with in (
+            (b"buffers", "replay buffers"),
+            (b"weights", "versioned weights"),
+            (b"datasets", "datasets"),
+        ):
+            self._add_root(PlannedKind(self._ino(), name, arrives_with))
+
+    def _ino(self) -> int:
+        self._next += 1
+        return self._next
+
+    def _add_root(self, node: VirtualNode) -> VirtualNode:
+        self.nodes[node.ino] = node
+        self.root_nodes[node.name] = node
+        return node
+
+    def _add_child(self, parent: VirtualDir, node: VirtualNode) -> None:
+        self.nodes[node.ino] = node
+        parent.children[node.name] = node
+
+    def __contains__(self, ino: int) -> bool:
+        return ino >= VIRTUAL_BASE
+
+    def get(self, ino: int) -> VirtualNode:
+        node = self.nodes.get(ino)
+        if node is None:
+            raise NotFound(f"no virtual inode {ino}")
+        return node
+
+    # --- renderers ----------------------------------------------------------------------
+
+    def status(self) -> dict[str, object]:
+        blocks = self._blocks.statistics()
+        files = self._files.statistics()
+        st = os.statvfs(self._info.data_dir)
+        return {
+            "pid": self._info.pid,
+            "version": __version__,
+            "mountpoint": self._info.mountpoint,
+            "data_dir": self._info.data_dir,
+            "uptime_s": round((time.time_ns() - self._info.started_ns) / 1e9, 3),
+            "dram_used_bytes": blocks.dram_used_bytes,
+            "dram_budget_bytes": blocks.dram_budget_bytes,
+            "dram_dirty_bytes": blocks.dram_dirty_bytes,
+            "log_bytes": blocks.log_bytes,
+            "log_live_bytes": blocks.log_live_bytes,
+            "log_live_ratio": round(blocks.log_live_ratio, 4),
+            "log_segments": blocks.log_segments,
+            "files": files.files,
+            "directories": files.directories,
+            "symlinks": files.symlinks,
+            "file_bytes": files.file_bytes,
+            "disk_free_bytes": st.f_bavail * st.f_frsize,
+            "blocks": asdict(blocks),
+        }
+
+    def render_status(self) -> bytes:
+        return (json.dumps(self.status(), indent=2) + "\n").encode()
+
+    def render_version(self) -> bytes:
+        return f"distorefs {__version__}\n".encode()

@@ -1,0 +1,435 @@
+"""FsOperations: the pyfuse3 adapter, the only place FUSEError is raised.
+
+Owns what is FUSE-specific: file handles, kernel lookup counts, attribute timeouts,
+cache flags per open, and the translation of DistorefsError into an errno. It routes each
+request either to the POSIX tree (FileStore) or to a virtual node (VirtualTree); the
+reserved names at the root (`.distore`, `buffers`, `weights`, `datasets`, `checkpoints`)
+cannot be created, removed or renamed.
+
+An unexpected exception is logged with its request, answered with EIO, and turns the
+mount degraded: reads go on, changes get EROFS.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, ParamSpec, TypeVar
+
+import pyfuse3
+
+from distorefs.errors import Busy, DistorefsError, Exists, NotPermitted, ReadOnly
+from distorefs.fs.control import ControlFile, VirtualDir, VirtualNode, VirtualTree
+from distorefs.stores.files import ROOT_INODE, FileStore, Inode
+from distorefs.types import FileHandle
+
+log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+CHECKPOINTS = b"checkpoints"
+ATTR_TIMEOUT_S = 1.0
+
+
+@dataclass
+class Handle:
+    """An open file or directory. `content` holds a control file's rendered bytes;
+    `entries` a directory's snapshot for readdir."""
+
+    ino: int
+    virtual: bool
+    content: bytes = b""
+    entries: list[tuple[bytes, int]] = field(default_factory=list)
+
+
+def _translate(mutates: bool) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
+    """Wrap an operation: DistorefsError -> its errno; anything else -> EIO + degraded."""
+
+    def wrap(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+        @functools.wraps(fn)
+        async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            self = args[0]
+            assert isinstance(self, FsOperations)
+            if mutates and self.degraded:
+                raise pyfuse3.FUSEError(errno.EROFS)
+            try:
+                return await fn(*args, **kwargs)
+            except pyfuse3.FUSEError:
+                raise
+            except DistorefsError as exc:
+                log.debug("%s%r: %s", fn.__name__, args[1:], exc.message)
+                raise pyfuse3.FUSEError(exc.errno) from None
+            except Exception:
+                log.exception("unexpected error in %s%r; the mount is now degraded (read-only)", fn.__name__, args[1:])
+                self.degraded = True
+                raise pyfuse3.FUSEError(errno.EIO) from None
+
+        return wrapper
+
+    return wrap
+
+
+class FsOperations(pyfuse3.Operations):  # type: ignore[misc]
+    """Routes kernel requests to the POSIX tree and the virtual nodes."""
+
+    supports_dot_lookup = True
+    enable_writeback_cache = False
+
+    def __init__(self, files: FileStore, virtual: VirtualTree, data_dir: str, block_bytes: int) -> None:
+        super().__init__()
+        self.files = files
+        self.virtual = virtual
+        self.data_dir = data_dir
+        self.block_bytes = block_bytes
+        self.degraded = False
+        self._handles: dict[int, Handle] = {}
+        self._next_fh = 1
+        self._ensure_checkpoints()
+
+    def _ensure_checkpoints(self) -> None:
+        try:
+            self.files.lookup(ROOT_INODE, CHECKPOINTS)
+        except DistorefsError:
+            root = self.files.get(ROOT_INODE)
+            self.files.mkdir(ROOT_INODE, CHECKPOINTS, 0o755, root.uid, root.gid)
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _attrs(self, inode: Inode) -> pyfuse3.EntryAttributes:
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino = inode.ino
+        attr.generation = 0
+        attr.entry_timeout = ATTR_TIMEOUT_S
+        attr.attr_timeout = ATTR_TIMEOUT_S
+        attr.st_mode = inode.mode
+        attr.st_nlink = inode.nlink
+        attr.st_uid = inode.uid
+        attr.st_gid = inode.gid
+        attr.st_rdev = inode.rdev
+        attr.st_size = inode.size
+        attr.st_blksize = self.block_bytes
+        attr.st_blocks = (inode.size + 511) // 512
+        attr.st_atime_ns = inode.atime_ns
+        attr.st_mtime_ns = inode.mtime_ns
+        attr.st_ctime_ns = inode.ctime_ns
+        return attr
+
+    def _virtual_attrs(self, node: VirtualNode) -> pyfuse3.EntryAttributes:
+        attr = pyfuse3.EntryAttributes()
+        root = self.files.get(ROOT_INODE)
+        attr.st_ino = node.ino
+        attr.entry_timeout = ATTR_TIMEOUT_S
+        attr.attr_timeout = 0 if isinstance(node, ControlFile) else ATTR_TIMEOUT_S
+        attr.st_mode = node.mode
+        attr.st_nlink = 2 if isinstance(node, VirtualDir) else 1
+        attr.st_uid = root.uid
+        attr.st_gid = root.gid
+        attr.st_size = 0
+        attr.st_blksize = 4096
+        attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = node.mtime_ns
+        return attr
+
+    def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
+        """Attributes for a reply that hands the kernel a new lookup reference."""
+        self.files.ref(inode.ino)
+        return self._attrs(inode)
+
+    def _new_fh(self, handle: Handle) -> FileHandle:
+        fh = FileHandle(self._next_fh)
+        self._next_fh += 1
+        self._handles[fh] = handle
+        return fh
+
+    def _virtual_dir(self, ino: int) -> VirtualDir | None:
+        if ino in self.virtual:
+            node = self.virtual.get(ino)
+            if isinstance(node, VirtualDir):
+                return node
+            raise NotPermitted("not a directory")
+        return None
+
+    def _guard_reserved(self, parent: int, name: bytes, what: str) -> None:
+        if parent == ROOT_INODE and (name in self.virtual.root_nodes or name == CHECKPOINTS):
+            raise Busy(f"{name.decode()}/ is a reserved directory: cannot {what}")
+
+    def _guard_virtual_parent(self, parent: int, what: str) -> None:
+        vdir = self._virtual_dir(parent)
+        if vdir is not None:
+            raise vdir.refuse(what)
+
+    # --- lookups and attributes ---------------------------------------------------------
+
+    @_translate(mutates=False)
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        vdir = self._virtual_dir(parent_inode)
+        if vdir is not None:
+            if name == b".":
+                return self._virtual_attrs(vdir)
+            if name == b"..":
+                return self._entry(self.files.get(ROOT_INODE))
+            return self._virtual_attrs(vdir.lookup(name))
+        if parent_inode == ROOT_INODE and name in self.virtual.root_nodes:
+            return self._virtual_attrs(self.virtual.root_nodes[name])
+        return self._entry(self.files.lookup(parent_inode, name))
+
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        for ino, nlookup in inode_list:
+            if ino not in self.virtual:
+                self.files.unref(ino, nlookup)
+
+    @_translate(mutates=False)
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if inode in self.virtual:
+            return self._virtual_attrs(self.virtual.get(inode))
+        return self._attrs(self.files.get(inode))
+
+    @_translate(mutates=True)
+    async def setattr(
+        self,
+        inode: int,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        fh: int | None,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        if inode in self.virtual:
+            raise ReadOnly("virtual nodes cannot change their attributes")
+        changed = await self.files.setattr(
+            inode,
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            size=attr.st_size if fields.update_size else None,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None,
+            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+        )
+        return self._attrs(changed)
+
+    @_translate(mutates=False)
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        return self.files.readlink(inode)
+
+    @_translate(mutates=False)
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        st = os.statvfs(self.data_dir)
+        stats = self.files.statistics()
+        out = pyfuse3.StatvfsData()
+        out.f_bsize = 4096
+        out.f_frsize = 4096
+        scale = st.f_frsize / 4096
+        out.f_blocks = int(st.f_blocks * scale)
+        out.f_bfree = int(st.f_bfree * scale)
+        out.f_bavail = int(st.f_bavail * scale)
+        used = stats.files + stats.directories + stats.symlinks + stats.other
+        out.f_files = used + (1 << 32)
+        out.f_ffree = 1 << 32
+        out.f_favail = 1 << 32
+        out.f_namemax = 255
+        return out
+
+    # --- creating and removing ----------------------------------------------------------
+
+    @_translate(mutates=True)
+    async def mknod(
+        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        self._guard_virtual_parent(parent_inode, "create files")
+        self._guard_reserved(parent_inode, name, "create it")
+        return self._entry(self.files.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
+
+    @_translate(mutates=True)
+    async def mkdir(
+        self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        self._guard_virtual_parent(parent_inode, "create directories")
+        if parent_inode == ROOT_INODE and (name in self.virtual.root_nodes or name == CHECKPOINTS):
+            raise Exists(f"{name.decode()}/ exists (reserved)")
+        return self._entry(self.files.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
+
+    @_translate(mutates=True)
+    async def symlink(
+        self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        self._guard_virtual_parent(parent_inode, "create symlinks")
+        self._guard_reserved(parent_inode, name, "create it")
+        return self._entry(self.files.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+
+    @_translate(mutates=True)
+    async def link(
+        self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        if inode in self.virtual:
+            raise NotPermitted("cannot hard-link a virtual node")
+        self._guard_virtual_parent(new_parent_inode, "create links")
+        self._guard_reserved(new_parent_inode, new_name, "create it")
+        return self._entry(self.files.link(inode, new_parent_inode, new_name))
+
+    @_translate(mutates=True)
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self._guard_virtual_parent(parent_inode, "remove files")
+        self._guard_reserved(parent_inode, name, "remove it")
+        self.files.unlink(parent_inode, name)
+
+    @_translate(mutates=True)
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self._guard_virtual_parent(parent_inode, "remove directories")
+        self._guard_reserved(parent_inode, name, "remove it")
+        self.files.rmdir(parent_inode, name)
+
+    @_translate(mutates=True)
+    async def rename(
+        self,
+        parent_inode_old: int,
+        name_old: bytes,
+        parent_inode_new: int,
+        name_new: bytes,
+        flags: int,
+        ctx: pyfuse3.RequestContext,
+    ) -> None:
+        for parent in (parent_inode_old, parent_inode_new):
+            self._guard_virtual_parent(parent, "rename entries")
+        self._guard_reserved(parent_inode_old, name_old, "rename it")
+        self._guard_reserved(parent_inode_new, name_new, "replace it")
+        self.files.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+
+    # --- files --------------------------------------------------------------------------
+
+    @_translate(mutates=False)
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if inode in self.virtual:
+            node = self.virtual.get(inode)
+            if not isinstance(node, ControlFile):
+                raise NotPermitted("not a file")
+            if flags & os.O_ACCMODE != os.O_RDONLY:
+                raise ReadOnly(f"{node.name.decode()} is read-only")
+            fh = self._new_fh(Handle(inode, virtual=True, content=node.render()))
+            return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+        if flags & os.O_TRUNC and self.degraded:
+            raise ReadOnly("the mount is degraded (read-only) after an internal error")
+        inode_obj = self.files.get(inode)
+        if flags & os.O_TRUNC and inode_obj.size:
+            await self.files.setattr(inode, size=0)
+        self.files.ref(inode)
+        fh = self._new_fh(Handle(inode, virtual=False))
+        # The kernel page cache stays valid across opens: every change to a tree file
+        # passes through this kernel, which updates or drops its pages itself.
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    @_translate(mutates=True)
+    async def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        self._guard_virtual_parent(parent_inode, "create files")
+        self._guard_reserved(parent_inode, name, "create it")
+        inode = self.files.mknod(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), 0, ctx.uid, ctx.gid)
+        self.files.ref(inode.ino)
+        fh = self._new_fh(Handle(inode.ino, virtual=False))
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._entry(inode)
+
+    @_translate(mutates=False)
+    async def read(self, fh: int, off: int, size: int) -> bytes | bytearray | memoryview:
+        handle = self._handles[fh]
+        if handle.virtual:
+            return handle.content[off : off + size]
+        return await self.files.read(handle.ino, off, size)
+
+    @_translate(mutates=True)
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        handle = self._handles[fh]
+        if handle.virtual:
+            raise ReadOnly("control file is read-only")
+        return await self.files.write(handle.ino, off, buf)
+
+    @_translate(mutates=False)
+    async def flush(self, fh: int) -> None:
+        handle = self._handles[fh]
+        if not handle.virtual and not self.degraded:
+            await self.files.flush(handle.ino)
+
+    @_translate(mutates=False)
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        handle = self._handles[fh]
+        if not handle.virtual:
+            await self.files.fsync(handle.ino)
+
+    @_translate(mutates=False)
+    async def release(self, fh: int) -> None:
+        handle = self._handles.pop(fh)
+        if not handle.virtual:
+            self.files.unref(handle.ino)
+
+    # --- directories --------------------------------------------------------------------
+
+    @_translate(mutates=False)
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> FileHandle:
+        vdir = self._virtual_dir(inode)
+        if vdir is not None:
+            entries = [(name, node.ino) for name, node in vdir.entries()]
+            return self._new_fh(Handle(inode, virtual=True, entries=entries))
+        entries = self.files.entries(inode)
+        if inode == ROOT_INODE:
+            entries = [(name, node.ino) for name, node in self.virtual.root_nodes.items()] + [
+                (name, ino) for name, ino in entries if name not in self.virtual.root_nodes
+            ]
+        return self._new_fh(Handle(inode, virtual=False, entries=entries))
+
+    @_translate(mutates=False)
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        entries = self._handles[fh].entries
+        for position in range(start_id, len(entries)):
+            name, ino = entries[position]
+            if ino in self.virtual:
+                attrs = self._virtual_attrs(self.virtual.get(ino))
+                if not pyfuse3.readdir_reply(token, name, attrs, position + 1):
+                    return
+                continue
+            if ino not in self.files:
+                continue  # removed since opendir
+            if not pyfuse3.readdir_reply(token, name, self._attrs(self.files.get(ino)), position + 1):
+                return
+            self.files.ref(ino)  # readdirplus hands the kernel a lookup reference
+
+    @_translate(mutates=False)
+    async def releasedir(self, fh: int) -> None:
+        del self._handles[fh]
+
+    @_translate(mutates=False)
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        await self.files.sync_all()
+
+    # --- xattrs -------------------------------------------------------------------------
+
+    @_translate(mutates=True)
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
+        if inode in self.virtual:
+            raise ReadOnly("virtual nodes take no attributes")
+        self.files.setxattr(inode, name, value)
+
+    @_translate(mutates=False)
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        if inode in self.virtual:
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        return self.files.getxattr(inode, name)
+
+    @_translate(mutates=False)
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        if inode in self.virtual:
+            return []
+        return self.files.listxattr(inode)
+
+    @_translate(mutates=True)
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        if inode in self.virtual:
+            raise ReadOnly("virtual nodes take no attributes")
+        self.files.removexattr(inode, name)
+
+    def status(self) -> dict[str, Any]:
+        out = self.virtual.status()
+        out["degraded"] = self.degraded
+        return out

@@ -1,0 +1,436 @@
+"""BlockStore: blocks named by BlockKey, written back from DRAM to the segment log.
+
+Owns the block index (key -> LogLocation), its persistence in MetaDb's `blocks` table,
+per-segment live-byte accounting, and the three background tasks that `daemon.py` starts:
+the flusher (dirty DRAM blocks -> log), the syncer (periodic durable commit) and the
+compactor (rewrite live records of sparse segments, then drop those segments).
+
+It knows nothing about files: a store above gives each block a key and reads or writes
+byte ranges inside it. What must stay atomic between awaits is listed in
+docs/concurrency.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import trio
+
+from distorefs.errors import StoreFull
+from distorefs.tiers.dram import Block, DramCache, capacity_for
+from distorefs.tiers.metadb import MetaDb
+from distorefs.tiers.nvme_log import HEADER, NvmeLog
+from distorefs.types import BlockKey, LogLocation
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_BYTES = 1024 * 1024
+FLUSH_BATCH_BYTES = 16 * 1024 * 1024
+
+
+def _record_bytes(location: LogLocation) -> int:
+    return HEADER.size + location.length
+
+
+@dataclass(frozen=True)
+class BlockStatistics:
+    dram_budget_bytes: int
+    dram_used_bytes: int
+    dram_dirty_bytes: int
+    dram_blocks: int
+    dram_hits: int
+    dram_misses: int
+    dram_evictions: int
+    log_bytes: int
+    log_live_bytes: int
+    log_segments: int
+    log_live_ratio: float
+    flushed_bytes: int
+    compacted_segments: int
+    reclaimed_bytes: int
+    blocks: int
+
+
+class BlockStore:
+    """Blocks in DRAM over the segment log, with write-back.
+
+    Examples:
+        >>> blocks = BlockStore(NvmeLog.open(d), DramCache(512 << 20), MetaDb.open(db))
+        >>> await blocks.write(BlockKey(7, 0), 0, b"abc")   # in DRAM, dirty
+        >>> await blocks.flush(owner=7)                      # in the log (OS page cache)
+        >>> await blocks.commit(durable=True)                # on the device
+    """
+
+    def __init__(
+        self,
+        log_: NvmeLog,
+        dram: DramCache,
+        meta: MetaDb,
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
+        io_threads: int = 4,
+    ) -> None:
+        if dram.budget_bytes < 4 * block_bytes:
+            raise ValueError(f"DRAM budget {dram.budget_bytes} must hold at least 4 blocks of {block_bytes}")
+        self._log = log_
+        self._dram = dram
+        self._meta = meta
+        self.block_bytes = block_bytes
+        self._io_limiter = trio.CapacityLimiter(io_threads)
+        self._index: dict[BlockKey, LogLocation] = {}
+        self._seg_live: dict[int, int] = {}
+        self._seg_keys: dict[int, set[BlockKey]] = {}
+        self._owned: dict[int, set[int]] = {}  # owner -> indices present in the index
+        self._dirty: dict[int, set[int]] = {}
+        self._loading: dict[BlockKey, trio.Event] = {}
+        self._frozen: dict[int, int] = {}  # id(block) -> flushes in flight reading its buffer
+        self._flush_lock = trio.Lock()
+        self._flush_wanted = trio.Event()
+        self._room_freed = trio.Event()
+        self._flushed_bytes = 0
+        self._compacted_segments = 0
+        self._reclaimed_bytes = 0
+        for owner, index, segment, offset, length in meta.rows("blocks"):
+            self._add_location(BlockKey(owner, index), LogLocation(segment, offset, length))
+
+    # --- index bookkeeping (sync) -----------------------------------------------------
+
+    def _add_location(self, key: BlockKey, location: LogLocation) -> None:
+        self._index[key] = location
+        self._seg_live[location.segment] = self._seg_live.get(location.segment, 0) + _record_bytes(location)
+        self._seg_keys.setdefault(location.segment, set()).add(key)
+        self._owned.setdefault(key.owner, set()).add(key.index)
+
+    def _drop_location(self, key: BlockKey) -> None:
+        old = self._index.pop(key, None)
+        if old is not None:
+            self._seg_live[old.segment] -= _record_bytes(old)
+            self._seg_keys[old.segment].discard(key)
+            owned = self._owned[key.owner]
+            owned.discard(key.index)
+            if not owned:
+                del self._owned[key.owner]
+
+    def _set_location(self, key: BlockKey, location: LogLocation) -> None:
+        self._drop_location(key)
+        self._add_location(key, location)
+        self._meta.put("blocks", tuple(key), tuple(location))
+
+    def owner_keys(self, owner: int) -> list[BlockKey]:
+        """Keys of `owner` that hold data, in DRAM or in the log (unordered)."""
+        indices = self._owned.get(owner, set()) | self._dirty.get(owner, set())
+        return [BlockKey(owner, i) for i in indices]
+
+    def has_block(self, key: BlockKey) -> bool:
+        return key in self._index or self._dram.peek(key) is not None
+
+    # --- reading ----------------------------------------------------------------------
+
+    async def get(self, key: BlockKey) -> Block | None:
+        """Return the block (from DRAM, else loaded from the log), or None for a hole.
+
+        Raises Corrupted when the log record fails its checks.
+        """
+        while True:
+            block = self._dram.get(key)
+            if block is not None:
+                return block
+            location = self._index.get(key)
+            if location is None:
+                return None
+            loaded = await self._load(key, location)
+            if loaded is not None:
+                return loaded
+
+    async def _load(self, key: BlockKey, location: LogLocation) -> Block | None:
+        """Read a block from the log into DRAM; None when the caller must look again."""
+        pending = self._loading.get(key)
+        if pending is not None:
+            await pending.wait()
+            return None
+        done = self._loading[key] = trio.Event()
+        try:
+            payload = await trio.to_thread.run_sync(self._log.read, location, key, limiter=self._io_limiter)
+        finally:
+            del self._loading[key]
+            done.set()
+        if self._dram.peek(key) is not None or self._index.get(key) != location:
+            return None  # changed while we read: look again
+        block = Block(payload, len(payload), dirty=False)
+        if self._dram.make_room(block.capacity_bytes):
+            self._dram.insert(key, block)
+        return block
+
+    # --- writing ----------------------------------------------------------------------
+
+    async def write(self, key: BlockKey, offset: int, data: bytes | memoryview) -> None:
+        """Copy `data` into the block at `offset` (zero-filling any gap); the block turns dirty.
+
+        Waits while DRAM is full of dirty blocks until the flusher has made room.
+        """
+        end = offset + len(data)
+        if end > self.block_bytes:
+            raise ValueError(f"write to {key} ends at {end}, past the block size {self.block_bytes}")
+        block = await self._writable(key, end)
+        if offset > block.length:
+            block.buf[block.length : offset] = bytes(offset - block.length)
+        block.buf[offset:end] = data
+        if end > block.length:
+            block.length = end
+        self._mark_dirty(key, block)
+
+    async def truncate(self, key: BlockKey, length: int) -> None:
+        """Cut the block to `length` bytes (0 deletes it). Extending is the caller's job."""
+        if length == 0:
+            self.delete(key)
+            return
+        if not self.has_block(key):
+            return
+        block = await self._writable(key, 0)
+        if length < block.length:
+            block.length = length
+            self._mark_dirty(key, block)
+
+    def delete(self, key: BlockKey) -> None:
+        """Forget the block in DRAM and in the index; its log record becomes dead."""
+        block = self._dram.remove(key)
+        if block is not None and block.dirty:
+            self._unmark_dirty(key)
+        if key in self._index:
+            self._drop_location(key)
+            self._meta.delete("blocks", tuple(key))
+
+    async def _writable(self, key: BlockKey, end: int) -> Block:
+        """Return the cached block with capacity for `end` bytes and no flush reading it.
+
+        All awaits happen here, before the caller mutates the block.
+        """
+        while True:
+            block = self._dram.get(key)
+            if block is None and key in self._index:
+                loaded = await self._load(key, self._index[key])
+                if loaded is not None and self._dram.peek(key) is not loaded:
+                    await self._wait_for_room()  # read, but DRAM had no room to keep it
+                continue
+            have = block.capacity_bytes if block is not None else 0
+            length = block.length if block is not None else 0
+            want = capacity_for(max(end, length), self.block_bytes)
+            frozen = block is not None and id(block) in self._frozen
+            need = (want if frozen else max(0, want - have))
+            if need and not self._dram.make_room(need):
+                await self._wait_for_room()
+                continue
+            break
+        if block is None:
+            block = Block(bytearray(want), 0, dirty=False)
+            self._dram.insert(key, block)
+        elif frozen or want > have:
+            # A flush is writing the old buffer from a thread (or it is too small): copy.
+            buf = bytearray(max(want, have))
+            buf[: block.length] = memoryview(block.buf)[: block.length]
+            self._dram.replace_buffer(block, buf)
+        return block
+
+    async def _wait_for_room(self) -> None:
+        if self._dram.dirty_bytes == 0 and not self._frozen:
+            raise StoreFull(
+                f"DRAM budget of {self._dram.budget_bytes} bytes cannot hold one more block"
+            )
+        self._flush_wanted.set()
+        room = self._room_freed
+        await room.wait()
+
+    def _mark_dirty(self, key: BlockKey, block: Block) -> None:
+        self._dram.mark_dirty(block)
+        self._dirty.setdefault(key.owner, set()).add(key.index)
+        if self._dram.dirty_bytes > self._dram.budget_bytes // 4:
+            self._flush_wanted.set()
+
+    def _unmark_dirty(self, key: BlockKey) -> None:
+        indices = self._dirty.get(key.owner)
+        if indices is not None:
+            indices.discard(key.index)
+            if not indices:
+                del self._dirty[key.owner]
+
+    # --- flushing and committing --------------------------------------------------------
+
+    @property
+    def dirty_bytes(self) -> int:
+        return self._dram.dirty_bytes
+
+    async def flush(self, owner: int | None = None) -> None:
+        """Write dirty blocks (of `owner`, or all) to the log; they turn clean.
+
+        When this returns the data is in the log's write path (it survives a killed daemon);
+        `commit` makes the index say where it is.
+        """
+        async with self._flush_lock:
+            if owner is None:
+                keys = [BlockKey(o, i) for o, idx in self._dirty.items() for i in sorted(idx)]
+            else:
+                keys = [BlockKey(owner, i) for i in sorted(self._dirty.get(owner, ()))]
+            batch: list[BlockKey] = []
+            batch_bytes = 0
+            for key in keys:
+                batch.append(key)
+                batch_bytes += self.block_bytes
+                if batch_bytes >= FLUSH_BATCH_BYTES:
+                    await self._flush_batch(batch)
+                    batch, batch_bytes = [], 0
+            if batch:
+                await self._flush_batch(batch)
+
+    async def _flush_batch(self, keys: Iterable[BlockKey]) -> None:
+        snapshots: list[tuple[BlockKey, Block, int]] = []
+        records: list[tuple[BlockKey, memoryview]] = []
+        for key in keys:
+            block = self._dram.peek(key)
+            if block is None or not block.dirty:
+                continue
+            snapshots.append((key, block, block.version))
+            records.append((key, memoryview(block.buf)[: block.length]))
+            self._frozen[id(block)] = self._frozen.get(id(block), 0) + 1
+        if not records:
+            return
+        try:
+            locations = await trio.to_thread.run_sync(self._log.append_many, records, limiter=self._io_limiter)
+        finally:
+            for _key, block, _version in snapshots:
+                left = self._frozen[id(block)] - 1
+                if left:
+                    self._frozen[id(block)] = left
+                else:
+                    del self._frozen[id(block)]
+            for record in records:
+                record[1].release()
+        for (key, block, version), location in zip(snapshots, locations, strict=True):
+            self._flushed_bytes += location.length
+            if self._dram.peek(key) is not block:
+                continue  # deleted while in flight: the new record is dead
+            self._set_location(key, location)
+            if block.version == version:
+                self._dram.mark_clean(block)
+                self._unmark_dirty(key)
+        self._room_freed.set()
+        self._room_freed = trio.Event()
+
+    async def commit(self, durable: bool = False) -> None:
+        """Commit staged metadata; `durable` fsyncs the log first, then commits with FULL."""
+        if durable:
+            await self._meta.commit(durable=True, before_commit=self._log.sync, checkpoint=True)
+        else:
+            await self._meta.commit()
+
+    async def run_flusher(self, interval_s: float = 1.0) -> None:
+        """Background task: flush on memory pressure, and at least every `interval_s`."""
+        while True:
+            with trio.move_on_after(interval_s):
+                await self._flush_wanted.wait()
+            self._flush_wanted = trio.Event()
+            if self._dirty:
+                await self.flush()
+                await self.commit()
+
+    async def run_syncer(self, interval_s: float = 5.0) -> None:
+        """Background task: bound what a power loss can take to `interval_s` of closed data."""
+        while True:
+            await trio.sleep(interval_s)
+            if self._meta.pending_changes:
+                await self.commit(durable=True)
+
+    async def run_compactor(self, interval_s: float = 5.0, min_dead_ratio: float = 0.5) -> None:
+        """Background task: compact sealed segments whose dead share reached `min_dead_ratio`."""
+        while True:
+            await trio.sleep(interval_s)
+            await self.compact(min_dead_ratio)
+
+    # --- compaction ---------------------------------------------------------------------
+
+    def _compaction_victims(self, min_dead_ratio: float) -> list[int]:
+        active = self._log.active_segment
+        victims = []
+        for segment, size in self._log.segment_sizes().items():
+            if segment == active:
+                continue
+            live = self._seg_live.get(segment, 0)
+            if size == 0 or live <= size * (1.0 - min_dead_ratio):
+                victims.append(segment)
+        return sorted(victims)
+
+    async def compact(self, min_dead_ratio: float = 0.5) -> int:
+        """Move the live records out of sparse sealed segments and delete those segments.
+
+        Returns the bytes of log reclaimed. Reads and writes go on meanwhile: each record
+        moves with one read and one append, and its index entry moves only if nobody
+        changed the block in between.
+        """
+        victims = self._compaction_victims(min_dead_ratio)
+        if not victims:
+            return 0
+        for segment in victims:
+            for key in list(self._seg_keys.get(segment, ())):
+                location = self._index.get(key)
+                if location is None or location.segment != segment:
+                    continue
+                cached = self._dram.peek(key)
+                if cached is not None and cached.dirty:
+                    continue  # the flusher will write it elsewhere anyway
+                payload = await trio.to_thread.run_sync(self._log.read, location, key, limiter=self._io_limiter)
+                moved = await trio.to_thread.run_sync(self._log.append, key, payload, limiter=self._io_limiter)
+                if self._index.get(key) == location:
+                    self._set_location(key, moved)
+        await self.flush()
+        await self.commit(durable=True)
+        reclaimed = 0
+        sizes = self._log.segment_sizes()
+        for segment in victims:
+            if self._seg_live.get(segment, 0) == 0 and segment in sizes:
+                await trio.to_thread.run_sync(self._log.delete_segment, segment, limiter=self._io_limiter)
+                self._seg_live.pop(segment, None)
+                self._seg_keys.pop(segment, None)
+                reclaimed += sizes[segment]
+                self._compacted_segments += 1
+        self._reclaimed_bytes += reclaimed
+        if reclaimed:
+            log.info("compaction: reclaimed %d bytes from %d segments", reclaimed, len(victims))
+        return reclaimed
+
+    # --- lifetime and numbers -------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Flush everything, commit durably and close the log (clean unmount)."""
+        await self.flush()
+        await self.commit(durable=True)
+        await trio.to_thread.run_sync(self._log.close)
+
+    def statistics(self) -> BlockStatistics:
+        dram = self._dram.statistics()
+        log_bytes = sum(self._log.segment_sizes().values())
+        live = sum(self._seg_live.values())
+        return BlockStatistics(
+            dram_budget_bytes=dram.budget_bytes,
+            dram_used_bytes=dram.used_bytes,
+            dram_dirty_bytes=dram.dirty_bytes,
+            dram_blocks=dram.blocks,
+            dram_hits=dram.hits,
+            dram_misses=dram.misses,
+            dram_evictions=dram.evictions,
+            log_bytes=log_bytes,
+            log_live_bytes=live,
+            log_segments=len(self._log.segment_sizes()),
+            log_live_ratio=(live / log_bytes) if log_bytes else 1.0,
+            flushed_bytes=self._flushed_bytes,
+            compacted_segments=self._compacted_segments,
+            reclaimed_bytes=self._reclaimed_bytes,
+            blocks=len(self._index),
+        )
+
+
+def blocks_for_range(offset: int, size: int, block_bytes: int) -> range:
+    """Indices of the blocks that bytes [offset, offset + size) touch."""
+    if size <= 0:
+        return range(0)
+    return range(offset // block_bytes, math.ceil((offset + size) / block_bytes))

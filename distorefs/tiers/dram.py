@@ -1,0 +1,148 @@
+"""DramCache: blocks held in the daemon's memory under a byte budget.
+
+Owns the block buffers, their LRU order and the byte accounting (used, dirty). It never
+evicts a dirty block: the block tier above persists dirty blocks to the log, marks them
+clean, and only then can they go. Synchronous and atomic between awaits.
+
+A block's buffer is a bytearray whose capacity grows by doubling up to the block size;
+`length` says how many bytes are valid. Buffers are replaced when they grow, never resized
+in place, so a memoryview handed to the kernel reply never sees a resize.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from distorefs.types import BlockKey
+
+MIN_CAPACITY_BYTES = 4096
+
+
+class Block:
+    """One cached block. `version` increases on every change, so a flush can tell whether
+    the block changed while its snapshot was being written."""
+
+    __slots__ = ("buf", "length", "dirty", "version")
+
+    def __init__(self, buf: bytearray, length: int, dirty: bool) -> None:
+        self.buf = buf
+        self.length = length
+        self.dirty = dirty
+        self.version = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return len(self.buf)
+
+
+def capacity_for(length: int, block_bytes: int) -> int:
+    """The buffer capacity for `length` valid bytes: the next power of two, 4 KiB to a block."""
+    capacity = MIN_CAPACITY_BYTES
+    while capacity < length:
+        capacity *= 2
+    return min(capacity, block_bytes) if length <= block_bytes else length
+
+
+@dataclass(frozen=True)
+class DramStatistics:
+    budget_bytes: int
+    used_bytes: int
+    dirty_bytes: int
+    blocks: int
+    hits: int
+    misses: int
+    evictions: int
+
+
+class DramCache:
+    """LRU of blocks under `budget_bytes`, counted by buffer capacity."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._blocks: OrderedDict[BlockKey, Block] = OrderedDict()
+        self.used_bytes = 0
+        self.dirty_bytes = 0
+        self._hits = 0
+        self._misses = 0
+        self._evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def get(self, key: BlockKey) -> Block | None:
+        """Return the block and make it most recently used, or None on a miss."""
+        block = self._blocks.get(key)
+        if block is None:
+            self._misses += 1
+            return None
+        self._hits += 1
+        self._blocks.move_to_end(key)
+        return block
+
+    def peek(self, key: BlockKey) -> Block | None:
+        """Return the block without touching LRU order or counters."""
+        return self._blocks.get(key)
+
+    def insert(self, key: BlockKey, block: Block) -> None:
+        """Add a block that is not cached yet; the caller made room with `make_room`."""
+        assert key not in self._blocks
+        self._blocks[key] = block
+        self.used_bytes += block.capacity_bytes
+        if block.dirty:
+            self.dirty_bytes += block.capacity_bytes
+
+    def remove(self, key: BlockKey) -> Block | None:
+        block = self._blocks.pop(key, None)
+        if block is not None:
+            self.used_bytes -= block.capacity_bytes
+            if block.dirty:
+                self.dirty_bytes -= block.capacity_bytes
+        return block
+
+    def replace_buffer(self, block: Block, buf: bytearray) -> None:
+        """Swap a block's buffer for a bigger (or smaller) one, keeping the accounting."""
+        delta = len(buf) - block.capacity_bytes
+        block.buf = buf
+        self.used_bytes += delta
+        if block.dirty:
+            self.dirty_bytes += delta
+
+    def mark_dirty(self, block: Block) -> None:
+        block.version += 1
+        if not block.dirty:
+            block.dirty = True
+            self.dirty_bytes += block.capacity_bytes
+
+    def mark_clean(self, block: Block) -> None:
+        if block.dirty:
+            block.dirty = False
+            self.dirty_bytes -= block.capacity_bytes
+
+    def make_room(self, need_bytes: int) -> bool:
+        """Evict clean blocks, least recently used first, until `need_bytes` more fit.
+
+        Returns False when only dirty blocks are left and they do not fit.
+        """
+        if self.used_bytes + need_bytes <= self.budget_bytes:
+            return True
+        for key in list(self._blocks):
+            block = self._blocks[key]
+            if block.dirty:
+                continue
+            self.remove(key)
+            self._evictions += 1
+            if self.used_bytes + need_bytes <= self.budget_bytes:
+                return True
+        return self.used_bytes + need_bytes <= self.budget_bytes
+
+    def statistics(self) -> DramStatistics:
+        return DramStatistics(
+            budget_bytes=self.budget_bytes,
+            used_bytes=self.used_bytes,
+            dirty_bytes=self.dirty_bytes,
+            blocks=len(self._blocks),
+            hits=self._hits,
+            misses=self._misses,
+            evictions=self._evictions,
+        )

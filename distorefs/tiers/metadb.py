@@ -1,0 +1,177 @@
+"""MetaDb: the embedded metadata database (SQLite in WAL mode) under the data dir.
+
+Owns the tables and their commits. Callers keep their own in-memory state and stage
+changes here with `put`/`delete`; staged changes coalesce per primary key and go to disk
+in one transaction per `commit`. Commits are serialised by one trio.Lock and run in a
+worker thread.
+
+Durability: a plain commit reaches the OS (survives a killed daemon); a durable commit
+first runs the caller's `before_commit` (the log's fsync) and then commits with
+synchronous=FULL, so metadata never becomes durable ahead of the log records it names.
+Automatic WAL checkpoints are off; a durable commit can ask for one.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import trio
+
+SCHEMA_VERSION = 1
+
+TABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # table: (primary key columns, value columns)
+    "inodes": (
+        ("ino",),
+        ("mode", "nlink", "uid", "gid", "rdev", "size", "atime_ns", "mtime_ns", "ctime_ns", "target"),
+    ),
+    "dentries": (("parent", "name"), ("ino",)),
+    "blocks": (("owner", "idx"), ("segment", "offset", "length")),
+    "xattrs": (("ino", "name"), ("value",)),
+    "kv": (("key",), ("value",)),
+}
+
+Row = tuple[Any, ...]
+
+
+class MetaDb:
+    """SQLite tables with staged, coalescing changes.
+
+    Examples:
+        >>> db = MetaDb.open("/data/meta.sqlite")
+        >>> db.put("kv", ("next_ino",), (42,))
+        >>> await db.commit()                     # survives kill -9
+        >>> await db.commit(durable=True, before_commit=log.sync)   # survives power loss
+    """
+
+    def __init__(self, path: str, conn: sqlite3.Connection) -> None:
+        self.path = path
+        self._conn = conn
+        self._pending: dict[str, dict[tuple[Any, ...], Row | None]] = {t: {} for t in TABLES}
+        self._lock = trio.Lock()
+        self._thread_lock = threading.Lock()
+        self.commits = 0
+
+    @classmethod
+    def open(cls, path: str) -> MetaDb:
+        conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA wal_autocheckpoint=0")
+        for table, (keys, values) in TABLES.items():
+            columns = ", ".join(keys + values)
+            conn.execute(
+                f"CREATE TABLE IF NOT EXISTS {table} ({columns}, PRIMARY KEY ({', '.join(keys)})) WITHOUT ROWID"
+            )
+        found = conn.execute("SELECT value FROM kv WHERE key = 'schema_version'").fetchone()
+        if found is None:
+            conn.execute("INSERT INTO kv VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
+        elif found[0] != SCHEMA_VERSION:
+            raise RuntimeError(f"{path}: metadata schema {found[0]}, this distorefs reads {SCHEMA_VERSION}")
+        return cls(path, conn)
+
+    def rows(self, table: str) -> Iterator[Row]:
+        """Yield the committed rows of `table` (startup only: it reads on the caller's thread)."""
+        keys, values = TABLES[table]
+        yield from self._conn.execute(f"SELECT {', '.join(keys + values)} FROM {table}")
+
+    def get_kv(self, key: str, default: Any = None) -> Any:
+        staged = self._pending["kv"].get((key,), ...)
+        if staged is not ...:
+            return default if staged is None else staged[0]
+        row = self._conn.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
+        return default if row is None else row[0]
+
+    def put(self, table: str, key: tuple[Any, ...], values: Row) -> None:
+        self._pending[table][key] = values
+
+    def delete(self, table: str, key: tuple[Any, ...]) -> None:
+        self._pending[table][key] = None
+
+    @property
+    def pending_changes(self) -> int:
+        return sum(len(p) for p in self._pending.values())
+
+    async def commit(
+        self,
+        durable: bool = False,
+        before_commit: Callable[[], None] | None = None,
+        checkpoint: bool = False,
+    ) -> None:
+        """Write every staged change in one transaction.
+
+        `before_commit` runs in the worker thread after the changes were taken and before
+        the transaction (the log's fsync, so that durable metadata never names a record
+        that is not durable). `checkpoint` (with `durable`) then folds the WAL into the
+        database file in the same step, so nothing newer slips in between.
+        """
+        async with self._lock:
+            pending = self._pending
+            if not any(pending.values()) and not durable:
+                return
+            self._pending = {t: {} for t in TABLES}
+            try:
+                await trio.to_thread.run_sync(self._commit_sync, pending, durable, before_commit, checkpoint)
+            except BaseException:
+                # Put the changes back, newer staged values winning, so nothing is lost.
+                for table, changes in pending.items():
+                    changes.update(self._pending[table])
+                    self._pending[table] = changes
+                raise
+
+    def _commit_sync(
+        self,
+        pending: dict[str, dict[tuple[Any, ...], Row | None]],
+        durable: bool,
+        before_commit: Callable[[], None] | None,
+        checkpoint: bool,
+    ) -> None:
+        with self._thread_lock:
+            if before_commit is not None:
+                before_commit()
+            conn = self._conn
+            if durable:
+                conn.execute("PRAGMA synchronous=FULL")
+            try:
+                conn.execute("BEGIN")
+                for table, changes in pending.items():
+                    if not changes:
+                        continue
+                    keys, values = TABLES[table]
+                    where = " AND ".join(f"{k} = ?" for k in keys)
+                    deletes = [k for k, v in changes.items() if v is None]
+                    upserts = [k + v for k, v in changes.items() if v is not None]
+                    if deletes:
+                        conn.executemany(f"DELETE FROM {table} WHERE {where}", deletes)
+                    if upserts:
+                        marks = ", ".join("?" * (len(keys) + len(values)))
+                        conn.executemany(f"INSERT OR REPLACE INTO {table} VALUES ({marks})", upserts)
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            finally:
+                if durable:
+                    conn.execute("PRAGMA synchronous=NORMAL")
+            self.commits += 1
+            if durable and checkpoint:
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    def size_bytes(self) -> int:
+        total = 0
+        for suffix in ("", "-wal"):
+            try:
+                total += os.stat(self.path + suffix).st_size
+            except FileNotFoundError:
+                pass
+        return total
+
+    def close(self) -> None:
+        with self._thread_lock:
+            self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._conn.close()

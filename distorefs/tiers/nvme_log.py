@@ -1,0 +1,351 @@
+"""NvmeLog: the append-only segment log on local NVMe.
+
+Owns the bytes on disk: segment files, the record format, appends, reads with checks,
+fsync, torn-tail recovery and deleting whole segments. It does not know which records
+are live; the block tier above it keeps that index and decides what to compact.
+
+All methods are synchronous and may block on the disk: callers on the event loop run
+them through `trio.to_thread.run_sync` with the tier's CapacityLimiter. Appends are
+serialised by an internal lock; reads run concurrently with appends.
+
+Record layout (little endian, also in docs/formats.md):
+
+    offset  size  field
+    0       4     magic    0x44535452 ("DSTR")
+    4       4     length   payload length in bytes
+    8       8     owner    BlockKey.owner
+    16      8     index    BlockKey.index
+    24      8     seq      log-wide sequence number, increasing
+    32      4     crc      crc32c of bytes 0..31 and of the payload
+    36      ...   payload
+
+A segment is a file `seg-<id:010d>.log` in the log directory. Only the newest segment can
+hold a torn tail: a segment is fsync'ed before the next one is created.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import crc32c
+
+from distorefs.errors import Corrupted
+from distorefs.types import BlockKey, LogLocation
+
+log = logging.getLogger(__name__)
+
+MAGIC = 0x44535452
+HEADER = struct.Struct("<IIQQQI")
+HEADER_CRC_SPAN = HEADER.size - 4
+MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
+DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
+_SEGMENT_PREFIX = "seg-"
+_SEGMENT_SUFFIX = ".log"
+
+
+def segment_name(segment: int) -> str:
+    return f"{_SEGMENT_PREFIX}{segment:010d}{_SEGMENT_SUFFIX}"
+
+
+def encode_header(key: BlockKey, seq: int, payload: bytes | bytearray | memoryview) -> bytes:
+    """Return the 36-byte header for `payload` under `key`, crc included."""
+    head = struct.pack("<IIQQQ", MAGIC, len(payload), key.owner, key.index, seq)
+    crc = crc32c.crc32c(payload, crc32c.crc32c(head))
+    return head + struct.pack("<I", crc)
+
+
+@dataclass(frozen=True)
+class LogRecord:
+    """One record as found by a scan."""
+
+    location: LogLocation
+    key: BlockKey
+    seq: int
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class LogStatistics:
+    segments: int
+    log_bytes: int
+    active_segment: int
+    synced_bytes: int
+
+
+class _Segment:
+    """An open segment file. `readers` counts preads in flight so delete can wait to close."""
+
+    def __init__(self, segment: int, path: str, fd: int, size_bytes: int) -> None:
+        self.segment = segment
+        self.path = path
+        self.fd = fd
+        self.size_bytes = size_bytes
+        self.synced_bytes = size_bytes
+        self.readers = 0
+        self.deleted = False
+
+
+class NvmeLog:
+    """A directory of segment files holding crc32c-checked records.
+
+    Examples:
+        >>> log = NvmeLog.open("/data/log")          # recovers a torn tail if any
+        >>> loc = log.append(BlockKey(7, 0), b"hello")
+        >>> log.sync()                                 # durable from here on
+        >>> bytes(log.read(loc, BlockKey(7, 0)))
+        b'hello'
+    """
+
+    def __init__(self, directory: str, segment_bytes: int) -> None:
+        self.directory = directory
+        self.segment_bytes = segment_bytes
+        self._segments: dict[int, _Segment] = {}
+        self._active: _Segment | None = None
+        self._seq = 0
+        self._append_lock = threading.Lock()
+        self._fd_lock = threading.Lock()
+        self.dropped_tail_bytes = 0
+
+    # --- opening and recovery -------------------------------------------------------
+
+    @classmethod
+    def open(cls, directory: str, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> NvmeLog:
+        """Open (creating if needed) the log in `directory` and recover it.
+
+        Recovery scans the newest segment, keeps its longest valid prefix of records and
+        truncates the rest (a torn tail), then starts a fresh segment for new appends.
+        Older segments were fsync'ed whole before their successor was created.
+        """
+        os.makedirs(directory, exist_ok=True)
+        self = cls(directory, segment_bytes)
+        ids = sorted(
+            int(name[len(_SEGMENT_PREFIX) : -len(_SEGMENT_SUFFIX)])
+            for name in os.listdir(directory)
+            if name.startswith(_SEGMENT_PREFIX) and name.endswith(_SEGMENT_SUFFIX)
+        )
+        for segment in ids:
+            path = os.path.join(directory, segment_name(segment))
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            self._segments[segment] = _Segment(segment, path, fd, os.fstat(fd).st_size)
+        if ids:
+            self._recover_tail(self._segments[ids[-1]])
+            self._seq = self._last_seq(ids[-1]) + 1
+        self._start_segment((ids[-1] + 1) if ids else 1)
+        return self
+
+    def _recover_tail(self, seg: _Segment) -> None:
+        valid_end = 0
+        for record in self._scan_segment(seg):
+            valid_end = record.location.offset + HEADER.size + record.location.length
+        if valid_end < seg.size_bytes:
+            dropped = seg.size_bytes - valid_end
+            log.warning(
+                "log %s: dropped a torn tail of %d bytes at offset %d", seg.path, dropped, valid_end
+            )
+            os.ftruncate(seg.fd, valid_end)
+            os.fsync(seg.fd)
+            seg.size_bytes = seg.synced_bytes = valid_end
+            self.dropped_tail_bytes += dropped
+
+    def _last_seq(self, newest: int) -> int:
+        last = -1
+        for segment in sorted(self._segments, reverse=True):
+            for record in self._scan_segment(self._segments[segment]):
+                last = max(last, record.seq)
+            if last >= 0 or segment != newest:
+                return last
+        return last
+
+    def _start_segment(self, segment: int) -> None:
+        path = os.path.join(self.directory, segment_name(segment))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        self._fsync_directory()
+        seg = _Segment(segment, path, fd, 0)
+        self._segments[segment] = seg
+        self._active = seg
+
+    def _fsync_directory(self) -> None:
+        dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    # --- appending ------------------------------------------------------------------
+
+    def append(self, key: BlockKey, payload: bytes | bytearray | memoryview) -> LogLocation:
+        """Append one record and return its location. Blocks on the disk write.
+
+        The record is in the OS page cache when this returns (it survives a killed
+        daemon); call `sync()` to make it survive a power loss.
+        """
+        return self.append_many([(key, payload)])[0]
+
+    def append_many(
+        self, records: list[tuple[BlockKey, bytes | bytearray | memoryview]]
+    ) -> list[LogLocation]:
+        """Append records in order with as few writes as possible; return their locations."""
+        for _key, payload in records:
+            if len(payload) > MAX_PAYLOAD_BYTES:
+                raise ValueError(f"record payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+        locations: list[LogLocation] = []
+        with self._append_lock:
+            buffers: list[bytes | bytearray | memoryview] = []
+            assert self._active is not None
+            start = self._active.size_bytes
+            for key, payload in records:
+                size = HEADER.size + len(payload)
+                seg = self._active
+                if seg.size_bytes > 0 and seg.size_bytes + size > self.segment_bytes:
+                    self._write(seg, start, buffers)
+                    buffers = []
+                    self._seal_active()
+                    seg = self._active
+                    start = 0
+                buffers.append(encode_header(key, self._seq, payload))
+                buffers.append(payload)
+                locations.append(LogLocation(seg.segment, seg.size_bytes, len(payload)))
+                seg.size_bytes += size
+                self._seq += 1
+            self._write(self._active, start, buffers)
+        return locations
+
+    def _write(self, seg: _Segment, offset: int, buffers: list[bytes | bytearray | memoryview]) -> None:
+        # pwritev takes at most IOV_MAX (1024) buffers and may write short.
+        pending = [memoryview(b).cast("B") for b in buffers]
+        while pending:
+            batch = pending[:1024]
+            written = os.pwritev(seg.fd, batch, offset)
+            offset += written
+            while batch and written >= len(batch[0]):
+                written -= len(batch[0])
+                batch.pop(0)
+                pending.pop(0)
+            if written:
+                pending[0] = pending[0][written:]
+
+    def _seal_active(self) -> None:
+        seg = self._active
+        assert seg is not None
+        os.fsync(seg.fd)
+        seg.synced_bytes = seg.size_bytes
+        self._start_segment(seg.segment + 1)
+
+    def sync(self) -> None:
+        """Make every record appended so far durable on the device."""
+        with self._append_lock:
+            seg = self._active
+            assert seg is not None
+            target = seg.size_bytes
+        if seg.synced_bytes < target:
+            os.fdatasync(seg.fd)
+            seg.synced_bytes = max(seg.synced_bytes, target)
+
+    # --- reading --------------------------------------------------------------------
+
+    def read(self, location: LogLocation, key: BlockKey) -> bytearray:
+        """Return the payload at `location`, checked against `key`, its length and crc32c.
+
+        Raises Corrupted when anything does not match (a torn or overwritten record).
+        """
+        seg = self._acquire(location.segment)
+        if seg is None:
+            raise Corrupted(f"log: segment {location.segment} of {key} is gone")
+        try:
+            header = bytearray(HEADER.size)
+            payload = bytearray(location.length)
+            got = os.preadv(seg.fd, [header, payload], location.offset)
+        finally:
+            self._release(seg)
+        if got != HEADER.size + location.length:
+            raise Corrupted(f"log: short record for {key} at {location}")
+        magic, length, owner, index, _seq, crc = HEADER.unpack(header)
+        if magic != MAGIC or length != location.length or (owner, index) != key:
+            raise Corrupted(f"log: record at {location} is not {key}")
+        if crc32c.crc32c(payload, crc32c.crc32c(memoryview(header)[:HEADER_CRC_SPAN])) != crc:
+            raise Corrupted(f"log: crc32c mismatch for {key} at {location}")
+        return payload
+
+    def _acquire(self, segment: int) -> _Segment | None:
+        with self._fd_lock:
+            seg = self._segments.get(segment)
+            if seg is None or seg.deleted:
+                return None
+            seg.readers += 1
+            return seg
+
+    def _release(self, seg: _Segment) -> None:
+        with self._fd_lock:
+            seg.readers -= 1
+            if seg.deleted and seg.readers == 0:
+                os.close(seg.fd)
+
+    def scan(self) -> Iterator[LogRecord]:
+        """Yield every valid record of every segment in log order (recovery, tests)."""
+        for segment in sorted(self._segments):
+            seg = self._segments.get(segment)
+            if seg is not None and not seg.deleted:
+                yield from self._scan_segment(seg)
+
+    def _scan_segment(self, seg: _Segment) -> Iterator[LogRecord]:
+        offset = 0
+        size = os.fstat(seg.fd).st_size
+        while offset + HEADER.size <= size:
+            header = os.pread(seg.fd, HEADER.size, offset)
+            magic, length, owner, index, seq, crc = HEADER.unpack(header)
+            if magic != MAGIC or length > MAX_PAYLOAD_BYTES or offset + HEADER.size + length > size:
+                return
+            payload = os.pread(seg.fd, length, offset + HEADER.size)
+            if len(payload) != length:
+                return
+            if crc32c.crc32c(payload, crc32c.crc32c(header[:HEADER_CRC_SPAN])) != crc:
+                return
+            yield LogRecord(LogLocation(seg.segment, offset, length), BlockKey(owner, index), seq, payload)
+            offset += HEADER.size + length
+
+    # --- segments -------------------------------------------------------------------
+
+    def segment_sizes(self) -> dict[int, int]:
+        """Bytes written per live segment, the active one included."""
+        return {s: seg.size_bytes for s, seg in self._segments.items() if not seg.deleted}
+
+    @property
+    def active_segment(self) -> int:
+        assert self._active is not None
+        return self._active.segment
+
+    def delete_segment(self, segment: int) -> None:
+        """Remove a sealed segment. The caller guarantees nothing durable points into it."""
+        if self._active is not None and segment == self._active.segment:
+            raise ValueError(f"log: cannot delete the active segment {segment}")
+        with self._fd_lock:
+            seg = self._segments.pop(segment)
+            seg.deleted = True
+            os.unlink(seg.path)
+            if seg.readers == 0:
+                os.close(seg.fd)
+
+    def statistics(self) -> LogStatistics:
+        sizes = self.segment_sizes()
+        assert self._active is not None
+        return LogStatistics(
+            segments=len(sizes),
+            log_bytes=sum(sizes.values()),
+            active_segment=self._active.segment,
+            synced_bytes=self._active.synced_bytes,
+        )
+
+    def close(self) -> None:
+        """fsync the active segment and close every file."""
+        with self._fd_lock:
+            for seg in self._segments.values():
+                if seg is self._active:
+                    os.fsync(seg.fd)
+                os.close(seg.fd)
+            self._segments.clear()
+            self._active = None

@@ -1,0 +1,23 @@
+"""Small shared types: typed ids and the key that names a block in the tiers."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, NewType
+
+InodeId = NewType("InodeId", int)
+FileHandle = NewType("FileHandle", int)
+
+
+class BlockKey(NamedTuple):
+    """Names one block in the tiers: an owner (a file's inode, later a buffer) and an index."""
+
+    owner: int
+    index: int
+
+
+class LogLocation(NamedTuple):
+    """Where one record lives in the segment log: segment id, header offset, payload length."""
+
+    segment: int
+    offset: int
+    length: int
