@@ -234,13 +234,15 @@ class BlockStore:
         return block
 
     async def _wait_for_room(self) -> None:
+        """DRAM is full of dirty blocks: write them back here (the flusher may be busy or
+        absent), so a writer waits at most for one flush, never for a task to wake."""
         if self._dram.dirty_bytes == 0 and not self._frozen:
-            raise StoreFull(
-                f"DRAM budget of {self._dram.budget_bytes} bytes cannot hold one more block"
-            )
-        self._flush_wanted.set()
-        room = self._room_freed
-        await room.wait()
+            raise StoreFull(f"DRAM budget of {self._dram.budget_bytes} bytes cannot hold one more block")
+        if self._flush_lock.locked():
+            room = self._room_freed
+            await room.wait()
+        else:
+            await self.flush()
 
     def _mark_dirty(self, key: BlockKey, block: Block) -> None:
         self._dram.mark_dirty(block)
@@ -272,16 +274,12 @@ class BlockStore:
                 keys = [BlockKey(o, i) for o, idx in self._dirty.items() for i in sorted(idx)]
             else:
                 keys = [BlockKey(owner, i) for i in sorted(self._dirty.get(owner, ()))]
-            batch: list[BlockKey] = []
-            batch_bytes = 0
-            for key in keys:
-                batch.append(key)
-                batch_bytes += self.block_bytes
-                if batch_bytes >= FLUSH_BATCH_BYTES:
-                    await self._flush_batch(batch)
-                    batch, batch_bytes = [], 0
-            if batch:
-                await self._flush_batch(batch)
+            per_batch = max(1, FLUSH_BATCH_BYTES // self.block_bytes)
+            try:
+                for start in range(0, len(keys), per_batch):
+                    await self._flush_batch(keys[start : start + per_batch])
+            finally:
+                self._wake_room_waiters()
 
     async def _flush_batch(self, keys: Iterable[BlockKey]) -> None:
         snapshots: list[tuple[BlockKey, Block, int]] = []
@@ -314,6 +312,9 @@ class BlockStore:
             if block.version == version:
                 self._dram.mark_clean(block)
                 self._unmark_dirty(key)
+        self._wake_room_waiters()
+
+    def _wake_room_waiters(self) -> None:
         self._room_freed.set()
         self._room_freed = trio.Event()
 

@@ -1,0 +1,176 @@
+"""Shared fixtures: real distorefs mounts that always come down, even on failure."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+READY_TIMEOUT_S = 60.0
+EXIT_TIMEOUT_S = 60.0
+
+
+def fuse_missing() -> str | None:
+    """Why a real mount cannot run here, or None."""
+    if not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse on this machine"
+    if shutil.which("fusermount3") is None:
+        return "fusermount3 not installed (Debian package fuse3)"
+    return None
+
+
+def is_mounted(path: Path) -> bool:
+    target = str(path.resolve())
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        return any(line.split()[4] == target for line in f)
+
+
+@dataclass
+class Mount:
+    """One running daemon in the foreground and its mount point."""
+
+    path: Path
+    data_dir: Path
+    proc: subprocess.Popen[bytes]
+    ready_line: str
+    extra_args: list[str] = field(default_factory=list)
+
+    def status(self) -> dict[str, object]:
+        result: dict[str, object] = json.loads((self.path / ".distore" / "status").read_text())
+        return result
+
+    def unmount(self) -> int:
+        """fusermount3 -u, then wait for the daemon; returns its exit status."""
+        subprocess.run(["fusermount3", "-u", str(self.path)], check=True, capture_output=True)
+        return self.proc.wait(timeout=EXIT_TIMEOUT_S)
+
+    def kill9(self) -> None:
+        """kill -9 the daemon and remove the dead mount."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=EXIT_TIMEOUT_S)
+        subprocess.run(["fusermount3", "-u", "-z", str(self.path)], check=False, capture_output=True)
+
+    def cleanup(self) -> None:
+        """Force everything down (used on failure paths)."""
+        if self.proc.poll() is None:
+            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], check=False, capture_output=True)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=20)
+        if is_mounted(self.path):
+            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], check=False, capture_output=True)
+
+
+def start_daemon(path: Path, data_dir: Path, *extra: str) -> Mount:
+    """Run `distore mount --foreground` and wait, under a deadline, for its ready line."""
+    path.mkdir(parents=True, exist_ok=True)
+    log_path = data_dir.parent / f"{data_dir.name}.daemon.log"
+    data_dir.parent.mkdir(parents=True, exist_ok=True)
+    log_file = open(log_path, "ab")  # noqa: SIM115 - the daemon owns it for its lifetime
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distorefs", "mount", str(path), "--foreground", "--data-dir", str(data_dir), *extra],
+        stdout=subprocess.PIPE,
+        stderr=log_file,
+        stdin=subprocess.DEVNULL,
+    )
+    log_file.close()
+    assert proc.stdout is not None
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    line = b""
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        readable, _, _ = select.select([proc.stdout], [], [], max(left, 0))
+        if not readable:
+            break
+        chunk = os.read(proc.stdout.fileno(), 1)
+        if not chunk:
+            break
+        line += chunk
+    if b"mounted" not in line:
+        mount = Mount(path, data_dir, proc, line.decode())
+        mount.cleanup()
+        pytest.fail(f"daemon did not get ready: {line!r}; log:\n{log_path.read_text()[-3000:]}")
+    return Mount(path, data_dir, proc, line.decode().strip(), list(extra))
+
+
+@contextlib.contextmanager
+def mounted_at(path: Path, data_dir: Path, *extra: str) -> Iterator[Mount]:
+    """A mount for the block's duration; unmounts cleanly and checks the exit status."""
+    mount = start_daemon(path, data_dir, *extra)
+    try:
+        yield mount
+    except BaseException:
+        mount.cleanup()
+        raise
+    if mount.proc.poll() is None:
+        try:
+            code = mount.unmount()
+        except BaseException:
+            mount.cleanup()
+            raise
+        assert code == 0, f"daemon exited with {code}"
+    else:
+        mount.cleanup()
+
+
+@pytest.fixture(scope="module")
+def mounted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
+    """One distorefs mount shared by a test module."""
+    why = fuse_missing()
+    if why:
+        pytest.skip(why)
+    base = tmp_path_factory.mktemp("mnt")
+    with mounted_at(base / "mnt", base / "data", "--dram-budget", "256MiB") as mount:
+        yield mount
+
+
+@pytest.fixture
+def mount_factory(tmp_path: Path) -> Iterator[object]:
+    """Start daemons on demand in this test (remounts, crashes); all come down at the end."""
+    why = fuse_missing()
+    if why:
+        pytest.skip(why)
+    started: list[Mount] = []
+
+    def start(*extra: str, data_dir: Path | None = None) -> Mount:
+        mount = start_daemon(tmp_path / "mnt", data_dir or tmp_path / "data", *extra)
+        started.append(mount)
+        return mount
+
+    yield start
+    for mount in started:
+        mount.cleanup()
+
+
+@pytest.fixture
+def scratch(mounted: Mount, request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A fresh directory inside the shared mount for one test."""
+    path = mounted.path / "t" / request.node.name.replace("[", "_").replace("]", "_")
+    path.mkdir(parents=True)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def tmpfs_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory on tmpfs (/dev/shm), the reference for byte-for-byte comparisons."""
+    base = Path("/dev/shm")
+    if not base.is_dir():
+        pytest.skip("/dev/shm (tmpfs) is not available")
+    path = base / f"distorefs-ref-{os.getpid()}-{tmp_path.name}"
+    path.mkdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

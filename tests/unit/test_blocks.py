@@ -1,0 +1,95 @@
+"""The block tier without a mount: write-back, eviction under the budget, reload, compaction."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from distorefs.tiers.blocks import BlockStore
+from distorefs.tiers.dram import DramCache
+from distorefs.tiers.metadb import MetaDb
+from distorefs.tiers.nvme_log import NvmeLog
+from distorefs.types import BlockKey
+
+BLOCK = 64 * 1024
+
+
+def open_store(tmp_path: Path, budget: int = 8 * BLOCK, segment: int = 4 * BLOCK) -> BlockStore:
+    log = NvmeLog.open(str(tmp_path / "log"), segment_bytes=segment)
+    meta = MetaDb.open(str(tmp_path / "meta.sqlite"))
+    return BlockStore(log, DramCache(budget), meta, block_bytes=BLOCK)
+
+
+async def read_all(store: BlockStore, key: BlockKey) -> bytes:
+    block = await store.get(key)
+    assert block is not None
+    return bytes(block.buf[: block.length])
+
+
+async def test_write_stays_dirty_until_flush_then_survives_reopen(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    await store.write(BlockKey(5, 0), 10, b"abc")
+    assert store.dirty_bytes > 0
+    assert await read_all(store, BlockKey(5, 0)) == bytes(10) + b"abc"
+    await store.close()
+    store = open_store(tmp_path)
+    assert await read_all(store, BlockKey(5, 0)) == bytes(10) + b"abc"
+    await store.close()
+
+
+async def test_working_set_three_times_the_budget_stays_under_it_and_reads_back(tmp_path: Path) -> None:
+    budget = 8 * BLOCK
+    store = open_store(tmp_path, budget=budget)
+    count = 24
+    for i in range(count):
+        await store.write(BlockKey(1, i), 0, bytes([i]) * BLOCK)
+        assert store.statistics().dram_used_bytes <= budget
+    for i in reversed(range(count)):
+        assert await read_all(store, BlockKey(1, i)) == bytes([i]) * BLOCK
+        assert store.statistics().dram_used_bytes <= budget
+    assert store.statistics().dram_evictions > 0
+    await store.close()
+
+
+async def test_truncate_and_delete_drop_data(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    await store.write(BlockKey(1, 0), 0, b"0123456789")
+    await store.flush()
+    await store.truncate(BlockKey(1, 0), 4)
+    assert await read_all(store, BlockKey(1, 0)) == b"0123"
+    store.delete(BlockKey(1, 0))
+    assert await store.get(BlockKey(1, 0)) is None
+    assert store.owner_keys(1) == []
+    await store.close()
+
+
+async def test_compaction_moves_live_records_and_frees_dead_segments(tmp_path: Path) -> None:
+    store = open_store(tmp_path, segment=4 * BLOCK)
+    for i in range(16):
+        await store.write(BlockKey(1, i), 0, bytes([i]) * BLOCK)
+    await store.flush()
+    for i in range(16):
+        if i % 4:
+            store.delete(BlockKey(1, i))
+    before = store.statistics().log_bytes
+    reclaimed = await store.compact(min_dead_ratio=0.5)
+    after = store.statistics()
+    assert reclaimed > 0
+    assert after.log_bytes < before
+    assert after.log_live_ratio > 0.5
+    await store.close()
+    store = open_store(tmp_path, segment=4 * BLOCK)
+    for i in range(0, 16, 4):
+        assert await read_all(store, BlockKey(1, i)) == bytes([i]) * BLOCK
+    files = os.listdir(tmp_path / "log")
+    assert len(files) < 5
+    await store.close()
+
+
+async def test_write_past_the_block_is_refused(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    with pytest.raises(ValueError, match="past the block size"):
+        await store.write(BlockKey(1, 0), BLOCK - 1, b"ab")
+    await store.close()
