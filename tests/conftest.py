@@ -53,12 +53,19 @@ class Mount:
     def unmount(self) -> int:
         """fusermount3 -u, then wait for the daemon; returns its exit status."""
         subprocess.run(["fusermount3", "-u", str(self.path)], check=True, capture_output=True)
-        return self.proc.wait(timeout=EXIT_TIMEOUT_S)
+        code = self.proc.wait(timeout=EXIT_TIMEOUT_S)
+        self._close_pipe()
+        return code
+
+    def _close_pipe(self) -> None:
+        if self.proc.stdout is not None and not self.proc.stdout.closed:
+            self.proc.stdout.close()
 
     def kill9(self) -> None:
         """kill -9 the daemon and remove the dead mount."""
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=EXIT_TIMEOUT_S)
+        self._close_pipe()
         subprocess.run(["fusermount3", "-u", "-z", str(self.path)], check=False, capture_output=True)
 
     def cleanup(self) -> None:
@@ -72,6 +79,7 @@ class Mount:
                 self.proc.wait(timeout=20)
         if is_mounted(self.path):
             subprocess.run(["fusermount3", "-u", "-z", str(self.path)], check=False, capture_output=True)
+        self._close_pipe()
 
 
 def start_daemon(path: Path, data_dir: Path, *extra: str) -> Mount:

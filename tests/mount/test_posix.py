@@ -1,0 +1,316 @@
+"""The ordinary POSIX tree through a real mount, with plain file calls."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Mount
+
+pytestmark = pytest.mark.mount
+
+
+def test_root_holds_the_reserved_directories(mounted: Mount) -> None:
+    names = set(os.listdir(mounted.path))
+    assert {"buffers", "weights", "checkpoints", "datasets", ".distore"} <= names
+    assert sorted(os.listdir(mounted.path / ".distore")) == ["status", "version"]
+
+
+def test_status_is_json_with_the_daemon_facts(mounted: Mount) -> None:
+    status = json.loads((mounted.path / ".distore" / "status").read_text())
+    assert status["pid"] == mounted.proc.pid
+    assert status["data_dir"] == str(mounted.data_dir)
+    for key in ("dram_used_bytes", "dram_budget_bytes", "log_bytes"):
+        assert isinstance(status[key], int)
+    assert status["dram_budget_bytes"] == 256 * 2**20
+    assert (mounted.path / ".distore" / "version").read_text().startswith("distorefs ")
+
+
+def test_distore_dir_is_read_only(mounted: Mount) -> None:
+    with pytest.raises(OSError) as excinfo:
+        (mounted.path / ".distore" / "status").write_text("x")
+    assert excinfo.value.errno in (errno.EACCES, errno.EROFS)
+    with pytest.raises(OSError) as excinfo:
+        (mounted.path / ".distore" / "new").write_text("x")
+    assert excinfo.value.errno in (errno.EACCES, errno.EROFS)
+
+
+def test_reserved_directories_cannot_be_removed_or_renamed(mounted: Mount) -> None:
+    for name in ("checkpoints", "buffers", ".distore"):
+        with pytest.raises(OSError) as excinfo:
+            os.rmdir(mounted.path / name)
+        assert excinfo.value.errno == errno.EBUSY
+        with pytest.raises(OSError) as excinfo:
+            os.rename(mounted.path / name, mounted.path / f"{name}-moved")
+        assert excinfo.value.errno == errno.EBUSY
+    with pytest.raises(OSError) as excinfo:
+        os.mkdir(mounted.path / "weights")
+    assert excinfo.value.errno == errno.EEXIST
+
+
+def test_planned_kinds_refuse_writes_with_erofs(mounted: Mount) -> None:
+    with pytest.raises(OSError) as excinfo:
+        os.mkdir(mounted.path / "buffers" / "atari")
+    assert excinfo.value.errno == errno.EROFS
+
+
+def test_checkpoints_is_an_ordinary_tree(mounted: Mount) -> None:
+    path = mounted.path / "checkpoints" / "run1"
+    path.mkdir()
+    (path / "step-100.pt").write_bytes(b"weights" * 1000)
+    assert (path / "step-100.pt").read_bytes() == b"weights" * 1000
+    (path / "step-100.pt").unlink()
+    path.rmdir()
+
+
+def test_write_at_any_offset_and_sparse_holes_read_zeros(scratch: Path) -> None:
+    path = scratch / "sparse"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        os.pwrite(fd, b"tail", 5 * 1024 * 1024 + 17)
+        os.pwrite(fd, b"head", 3)
+        assert os.fstat(fd).st_size == 5 * 1024 * 1024 + 21
+        data = os.pread(fd, 6 * 1024 * 1024, 0)
+    finally:
+        os.close(fd)
+    expected = bytearray(5 * 1024 * 1024 + 21)
+    expected[3:7] = b"head"
+    expected[-4:] = b"tail"
+    assert data == expected
+
+
+def test_truncate_shrinks_and_extends_with_zeros(scratch: Path) -> None:
+    path = scratch / "t"
+    path.write_bytes(b"x" * 3_000_000)
+    os.truncate(path, 1_500_001)
+    assert path.stat().st_size == 1_500_001
+    os.truncate(path, 2_000_000)
+    data = path.read_bytes()
+    assert data == b"x" * 1_500_001 + bytes(499_999)
+    with open(path, "r+b") as f:
+        f.truncate(0)
+    assert path.read_bytes() == b""
+
+
+def test_open_with_o_trunc_empties_the_file(scratch: Path) -> None:
+    path = scratch / "t"
+    path.write_bytes(b"old content that is long")
+    path.write_bytes(b"new")
+    assert path.read_bytes() == b"new"
+
+
+def test_mkdir_rmdir_and_enotempty(scratch: Path) -> None:
+    (scratch / "d" / "e").mkdir(parents=True)
+    with pytest.raises(OSError) as excinfo:
+        os.rmdir(scratch / "d")
+    assert excinfo.value.errno == errno.ENOTEMPTY
+    os.rmdir(scratch / "d" / "e")
+    os.rmdir(scratch / "d")
+    assert not (scratch / "d").exists()
+
+
+def test_unlink_while_open_keeps_data(scratch: Path) -> None:
+    path = scratch / "open"
+    payload = os.urandom(3 * 1024 * 1024)
+    path.write_bytes(payload)
+    with open(path, "rb") as f:
+        path.unlink()
+        assert not path.exists()
+        assert f.read() == payload
+        assert os.fstat(f.fileno()).st_nlink == 0
+
+
+def test_rename_replaces_the_target_atomically(scratch: Path) -> None:
+    (scratch / "a").write_text("new")
+    (scratch / "b").write_text("old")
+    os.rename(scratch / "a", scratch / "b")
+    assert (scratch / "b").read_text() == "new"
+    assert not (scratch / "a").exists()
+
+
+def test_rename_across_directories_moves_subtrees(scratch: Path) -> None:
+    (scratch / "x" / "sub").mkdir(parents=True)
+    (scratch / "x" / "sub" / "f").write_text("f")
+    (scratch / "y").mkdir()
+    os.rename(scratch / "x" / "sub", scratch / "y" / "sub2")
+    assert (scratch / "y" / "sub2" / "f").read_text() == "f"
+    assert os.listdir(scratch / "x") == []
+    assert os.stat(scratch / "x").st_nlink == 2
+    assert os.stat(scratch / "y").st_nlink == 3
+
+
+def test_rename_errors(scratch: Path) -> None:
+    (scratch / "file").write_text("f")
+    (scratch / "dir").mkdir()
+    (scratch / "full").mkdir()
+    (scratch / "full" / "x").write_text("x")
+    cases = [
+        ("file", "dir", errno.EISDIR),
+        ("dir", "file", errno.ENOTDIR),
+        ("dir", "full", errno.ENOTEMPTY),
+        ("missing", "other", errno.ENOENT),
+    ]
+    for old, new, code in cases:
+        with pytest.raises(OSError) as excinfo:
+            os.rename(scratch / old, scratch / new)
+        assert excinfo.value.errno == code, (old, new)
+    with pytest.raises(OSError) as excinfo:
+        os.rename(scratch / "dir", scratch / "dir" / "inside")
+    assert excinfo.value.errno == errno.EINVAL
+    assert (scratch / "file").read_text() == "f"  # nothing half-applied
+
+
+def test_rename_dir_over_empty_dir(scratch: Path) -> None:
+    (scratch / "src").mkdir()
+    (scratch / "src" / "f").write_text("f")
+    (scratch / "dst").mkdir()
+    os.rename(scratch / "src", scratch / "dst")
+    assert (scratch / "dst" / "f").read_text() == "f"
+    assert os.stat(scratch).st_nlink == 3
+
+
+def test_symlink_and_readlink(scratch: Path) -> None:
+    (scratch / "target").write_text("hi")
+    os.symlink("target", scratch / "link")
+    assert os.readlink(scratch / "link") == "target"
+    assert (scratch / "link").read_text() == "hi"
+    assert stat.S_ISLNK(os.lstat(scratch / "link").st_mode)
+    os.symlink("/nowhere/at/all", scratch / "dangling")
+    assert os.readlink(scratch / "dangling") == "/nowhere/at/all"
+
+
+def test_hard_links_share_data_and_count(scratch: Path) -> None:
+    (scratch / "a").write_text("shared")
+    os.link(scratch / "a", scratch / "b")
+    assert os.stat(scratch / "a").st_nlink == 2
+    assert os.stat(scratch / "a").st_ino == os.stat(scratch / "b").st_ino
+    (scratch / "a").unlink()
+    assert (scratch / "b").read_text() == "shared"
+    assert os.stat(scratch / "b").st_nlink == 1
+
+
+def test_stat_reports_size_mode_owner_and_times(scratch: Path) -> None:
+    before = time.time_ns()
+    path = scratch / "s"
+    path.write_bytes(b"12345")
+    st = os.stat(path)
+    assert st.st_size == 5
+    assert stat.S_ISREG(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o644 & ~_umask()
+    assert (st.st_uid, st.st_gid) == (os.getuid(), os.getgid())
+    assert st.st_nlink == 1
+    assert before - 10**9 <= st.st_mtime_ns <= time.time_ns() + 10**9
+    assert st.st_ctime_ns >= st.st_mtime_ns - 10**9
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_chmod_chown_utimens(scratch: Path) -> None:
+    path = scratch / "c"
+    path.write_text("c")
+    os.chmod(path, 0o600)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    os.chown(path, 1234, 5678)
+    st = os.stat(path)
+    assert (st.st_uid, st.st_gid) == (1234, 5678)
+    os.utime(path, ns=(1_000_000_000_123, 2_000_000_000_456))
+    st = os.stat(path)
+    assert st.st_atime_ns == 1_000_000_000_123
+    assert st.st_mtime_ns == 2_000_000_000_456
+
+
+def test_statfs_reports_space_and_name_max(mounted: Mount) -> None:
+    st = os.statvfs(mounted.path)
+    assert st.f_bsize > 0
+    assert st.f_blocks > 0
+    assert 0 < st.f_bavail <= st.f_blocks
+    assert st.f_namemax == 255
+
+
+def test_fsync_and_fdatasync_succeed_and_persist_to_the_log(mounted: Mount, scratch: Path) -> None:
+    path = scratch / "synced"
+    with open(path, "wb") as f:
+        f.write(b"d" * 2_000_000)
+        f.flush()
+        os.fsync(f.fileno())
+        assert mounted.status()["dram_dirty_bytes"] == 0
+        f.write(b"e")
+        f.flush()
+        os.fdatasync(f.fileno())
+    assert path.read_bytes() == b"d" * 2_000_000 + b"e"
+
+
+def test_user_xattrs_round_trip_and_others_are_refused(scratch: Path) -> None:
+    path = scratch / "x"
+    path.write_text("x")
+    os.setxattr(path, "user.origin", b"replay-7")
+    assert os.getxattr(path, "user.origin") == b"replay-7"
+    assert "user.origin" in os.listxattr(path)
+    with pytest.raises(OSError) as excinfo:
+        os.getxattr(path, "user.missing")
+    assert excinfo.value.errno == errno.ENODATA
+    with pytest.raises(OSError) as excinfo:
+        os.setxattr(path, "trusted.secret", b"no")
+    assert excinfo.value.errno == errno.ENOTSUP
+    os.removexattr(path, "user.origin")
+    assert os.listxattr(path) == []
+
+
+def test_long_names_get_enametoolong(scratch: Path) -> None:
+    with pytest.raises(OSError) as excinfo:
+        (scratch / ("n" * 256)).write_text("x")
+    assert excinfo.value.errno == errno.ENAMETOOLONG
+    (scratch / ("n" * 255)).write_text("ok")
+
+
+def test_missing_entries_get_enoent(scratch: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        (scratch / "nope").read_bytes()
+    with pytest.raises(FileNotFoundError):
+        os.unlink(scratch / "nope")
+
+
+def test_permissions_are_enforced_by_the_kernel(scratch: Path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to switch users")
+    path = scratch / "private"
+    path.write_text("secret")
+    os.chmod(path, 0o600)
+    os.chown(path, 0, 0)
+    pid = os.fork()
+    if pid == 0:  # child: become nobody and try to read
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                path.read_text()
+            except PermissionError:
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "nobody could read a 0600 root file"
+
+
+def test_create_list_remove_5000_entries(scratch: Path) -> None:
+    directory = scratch / "many"
+    directory.mkdir()
+    count = 5000
+    for i in range(count):
+        os.mknod(directory / f"f{i:05d}", 0o644 | stat.S_IFREG)
+    names = os.listdir(directory)
+    assert sorted(names) == [f"f{i:05d}" for i in range(count)]
+    for name in names:
+        os.unlink(directory / name)
+    assert os.listdir(directory) == []
