@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Installs what distorefs needs on a Debian machine, idempotently: the fuse3 packages, a C
+# toolchain and Python headers for pyfuse3, a .venv, and the package with its test extra.
+# Sourced by scripts/demo.sh and scripts/test.sh; safe to run again (it skips what is there).
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$REPO/.venv"
+PYTHON="${PYTHON:-python3}"
+
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
+}
+
+need_apt=()
+command -v fusermount3 >/dev/null 2>&1 || need_apt+=(fuse3)
+dpkg -s libfuse3-dev >/dev/null 2>&1 || need_apt+=(libfuse3-dev)
+command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
+command -v gcc >/dev/null 2>&1 || need_apt+=(gcc)
+"$PYTHON" -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+    || need_apt+=(python3-dev)
+"$PYTHON" -c 'import ensurepip, venv' >/dev/null 2>&1 || need_apt+=(python3-venv)
+if [ ${#need_apt[@]} -gt 0 ]; then
+    echo "setup: installing Debian packages: ${need_apt[*]}"
+    as_root apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "setup: creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+stamp="$VENV/.distorefs-installed"
+want="$(sha256sum "$REPO/pyproject.toml" | cut -d' ' -f1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    echo "setup: installing distorefs and its test extra into $VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    "$VENV/bin/python" -m pip install -q -e "$REPO[test]"
+    echo "$want" > "$stamp"
+fi
+export PATH="$VENV/bin:$PATH"

@@ -1,0 +1,122 @@
+"""The distore command: background mount, status, umount, and one clear line per error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from distorefs import cli
+from tests.conftest import Mount, fuse_missing, is_mounted
+
+pytestmark = pytest.mark.mount
+
+
+def distore(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "distorefs", *args], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+@pytest.fixture
+def background(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A mount point and data dir; whatever the test mounts there comes down at the end."""
+    why = fuse_missing()
+    if why:
+        pytest.skip(why)
+    mnt, data = tmp_path / "mnt", tmp_path / "data"
+    mnt.mkdir()
+    yield mnt, data
+    if is_mounted(mnt):
+        pid = None
+        try:
+            pid = json.loads((mnt / ".distore" / "status").read_text())["pid"]
+        except (OSError, ValueError):
+            pass
+        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
+        if pid is not None:
+            cli.wait_pid_exit(pid, 30)
+
+
+def test_background_mount_status_and_umount(background: tuple[Path, Path]) -> None:
+    mnt, data = background
+    result = distore("mount", str(mnt), "--data-dir", str(data), "--dram-budget", "64MiB")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"distorefs: mounted {mnt}")
+    (mnt / "checkpoints" / "f").write_bytes(b"payload")
+
+    status = distore("status", str(mnt))
+    assert status.returncode == 0
+    for label in ("pid", "data dir", "DRAM", "log", "files", "directories"):
+        assert label in status.stdout
+    assert "64.0 MiB" in status.stdout
+    as_json = json.loads(distore("status", str(mnt), "--json").stdout)
+    assert as_json["data_dir"] == str(data)
+    assert as_json["files"] == 1
+    pid = as_json["pid"]
+
+    result = distore("umount", str(mnt))
+    assert result.returncode == 0, result.stderr
+    assert not is_mounted(mnt)
+    assert not os.path.exists(f"/proc/{pid}") or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+    result = distore("mount", str(mnt), "--data-dir", str(data))
+    assert result.returncode == 0, result.stderr
+    assert (mnt / "checkpoints" / "f").read_bytes() == b"payload"
+    assert distore("umount", str(mnt)).returncode == 0
+
+
+def test_umount_of_a_busy_mount_fails_and_leaves_it_mounted(background: tuple[Path, Path]) -> None:
+    mnt, data = background
+    assert distore("mount", str(mnt), "--data-dir", str(data)).returncode == 0
+    with open(mnt / "checkpoints" / "open", "wb"):
+        result = distore("umount", str(mnt))
+        assert result.returncode == 1
+        assert result.stderr.startswith(f"distore umount: cannot unmount {mnt}")
+        assert len(result.stderr.strip().splitlines()) == 1
+        assert is_mounted(mnt)
+    assert distore("umount", str(mnt)).returncode == 0
+
+
+def test_mount_errors_are_one_line_and_nonzero(mounted: Mount, tmp_path: Path) -> None:
+    cases = [
+        (("mount", str(tmp_path / "missing")), 1, f"distore mount: mount point {tmp_path / 'missing'} does not exist"),
+        (("mount", str(mounted.path), "--data-dir", str(tmp_path / "d")), 1,
+         f"distore mount: mount point {mounted.path} is already mounted"),
+        (("mount", str(tmp_path), "--dram-budget", "5XB"), 2,
+         "distore mount: unknown size unit 'XB' in '5XB' (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"),
+        (("mount", str(tmp_path), "--dram-budget", "1MiB"), 2,
+         "distore mount: --dram-budget must be >= 8MiB, got 1048576 bytes"),
+        (("umount", str(tmp_path)), 1, f"distore umount: {tmp_path} is not mounted"),
+        (("status", str(tmp_path)), 1, f"distore status: {tmp_path} is not a distorefs mount"),
+    ]  # fmt: skip
+    for args, code, message in cases:
+        result = distore(*args)
+        assert (result.returncode, result.stderr.strip()) == (code, message), args
+        assert result.stdout == ""
+
+
+def test_data_dir_locked_by_another_daemon(mounted: Mount, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    result = distore("mount", str(other), "--data-dir", str(mounted.data_dir))
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        f"distore mount: data dir {mounted.data_dir} is locked by another daemon (pid {mounted.proc.pid})"
+    )
+    assert not is_mounted(other)
+
+
+def test_missing_dev_fuse_is_reported(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    # /dev/fuse cannot be taken away from a running machine; hide it from this check only.
+    real_exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: False if p == "/dev/fuse" else real_exists(p))
+    assert cli.main(["mount", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "distore mount: no /dev/fuse: load the fuse module (modprobe fuse) or give the container /dev/fuse"
+    )
