@@ -135,7 +135,6 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
             except RuntimeError as exc:
                 raise ConfigError(f"cannot mount {config.mountpoint}: {exc}") from None
             try:
-                raise_read_ahead(config.mountpoint)
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(blocks.run_flusher, config.flush_interval_s, name="flusher")
                     nursery.start_soon(blocks.run_syncer, config.sync_interval_s, name="syncer")
@@ -143,7 +142,9 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
                         blocks.run_compactor, config.compact_interval_s, config.compact_min_dead_ratio,
                         name="compactor",
                     )  # fmt: skip
+                    nursery.start_soon(blocks.run_prefetcher, name="prefetcher")
                     nursery.start_soon(_stop_on_signal, name="signals")
+                    nursery.start_soon(_tune_after_init, config.mountpoint, name="tune")
                     ready(f"distorefs: mounted {config.mountpoint} (pid {os.getpid()}, data dir {data_dir})")
                     await pyfuse3.main()
                     nursery.cancel_scope.cancel()
@@ -155,6 +156,13 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
         finally:
             meta.close()
     log.info("daemon exits cleanly")
+
+
+async def _tune_after_init(mountpoint: str) -> None:
+    """Raise read-ahead once the kernel has processed FUSE INIT (which resets it): a stat
+    of the mount point is answered only after INIT."""
+    await trio.to_thread.run_sync(os.stat, mountpoint)
+    await trio.to_thread.run_sync(raise_read_ahead, mountpoint)
 
 
 async def _stop_on_signal() -> None:

@@ -44,6 +44,7 @@ ROOT_INODE = InodeId(1)
 NAME_MAX = 255
 XATTR_VALUE_MAX = 64 * 1024
 MAX_FILE_BYTES = 1 << 44  # 16 TiB
+PREFETCH_BLOCKS = 8
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 
@@ -114,6 +115,7 @@ class FileStore:
         self._parent: dict[int, int] = {}
         self._xattrs: dict[int, dict[bytes, bytes]] = {}
         self._refs: dict[int, int] = {}
+        self._read_end: dict[int, int] = {}  # where each file's last read ended
         self._next_ino = 2
 
     @classmethod
@@ -382,6 +384,7 @@ class FileStore:
         for key in self._blocks.owner_keys(ino):
             self._blocks.delete(key)
         del self._inodes[ino]
+        self._read_end.pop(ino, None)
         self._meta.delete("inodes", (ino,))
         for name in self._xattrs.pop(ino, {}):
             self._meta.delete("xattrs", (ino, name))
@@ -460,6 +463,11 @@ class FileStore:
         size = min(size, inode.size - offset)
         bb = self.block_bytes
         first, last = offset // bb, (offset + size - 1) // bb
+        if self._read_end.get(ino) == offset:
+            # Sequential: have the next blocks loaded from the log while this one is served.
+            ahead = min(last + 1 + PREFETCH_BLOCKS, -(-inode.size // bb))
+            self._blocks.prefetch(BlockKey(ino, i) for i in range(last + 1, ahead))
+        self._read_end[ino] = offset + size
         if first == last:
             block = await self._blocks.get(BlockKey(ino, first))
             inner = offset - first * bb
@@ -502,13 +510,11 @@ class FileStore:
     async def flush(self, ino: int) -> None:
         """On close: the file's data goes to the log and its metadata to the database,
         so a killed daemon keeps it (not yet durable against power loss)."""
-        await self._blocks.flush(owner=ino)
-        await self._blocks.commit()
+        await self._blocks.persist(ino)
 
     async def fsync(self, ino: int) -> None:
         """The file's data and all metadata are on the device when this returns."""
-        await self._blocks.flush(owner=ino)
-        await self._blocks.commit(durable=True)
+        await self._blocks.persist(ino, durable=True)
 
     async def sync_all(self) -> None:
         await self._blocks.flush()

@@ -21,7 +21,7 @@ import trio
 
 from distorefs.errors import StoreFull
 from distorefs.tiers.dram import Block, DramCache, capacity_for
-from distorefs.tiers.metadb import MetaDb
+from distorefs.tiers.metadb import Changes, MetaDb
 from distorefs.tiers.nvme_log import HEADER, NvmeLog
 from distorefs.types import BlockKey, LogLocation
 
@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_BYTES = 1024 * 1024
 FLUSH_BATCH_BYTES = 16 * 1024 * 1024
+PREFETCH_QUEUE = 64
+PREFETCH_CONCURRENCY = 4
 
 
 def _record_bytes(location: LogLocation) -> int:
@@ -49,6 +51,7 @@ class BlockStatistics:
     log_segments: int
     log_live_ratio: float
     flushed_bytes: int
+    prefetched_blocks: int
     compacted_segments: int
     reclaimed_bytes: int
     blocks: int
@@ -90,6 +93,8 @@ class BlockStore:
         self._flush_wanted = trio.Event()
         self._room_freed = trio.Event()
         self._flushed_bytes = 0
+        self._prefetch_send, self._prefetch_recv = trio.open_memory_channel[BlockKey](PREFETCH_QUEUE)
+        self._prefetched = 0
         self._compacted_segments = 0
         self._reclaimed_bytes = 0
         for owner, index, segment, offset, length in meta.rows("blocks"):
@@ -113,10 +118,11 @@ class BlockStore:
             if not owned:
                 del self._owned[key.owner]
 
-    def _set_location(self, key: BlockKey, location: LogLocation) -> None:
+    def _set_location(self, key: BlockKey, location: LogLocation, stage: bool = True) -> None:
         self._drop_location(key)
         self._add_location(key, location)
-        self._meta.put("blocks", tuple(key), tuple(location))
+        if stage:
+            self._meta.put("blocks", tuple(key), tuple(location))
 
     def owner_keys(self, owner: int) -> list[BlockKey]:
         """Keys of `owner` that hold data, in DRAM or in the log (unordered)."""
@@ -162,6 +168,36 @@ class BlockStore:
         if self._dram.make_room(block.capacity_bytes):
             self._dram.insert(key, block)
         return block
+
+    def prefetch(self, keys: Iterable[BlockKey]) -> None:
+        """Ask the prefetcher to load these blocks from the log; never waits. Keys that are
+        cached, holes, already loading, or that do not fit in the queue are skipped."""
+        for key in keys:
+            if key in self._index and key not in self._loading and self._dram.peek(key) is None:
+                try:
+                    self._prefetch_send.send_nowait(key)
+                except trio.WouldBlock:
+                    return
+
+    async def run_prefetcher(self) -> None:
+        """Background task: load queued blocks, a few at a time, so sequential readers of
+        cold data find the next blocks in DRAM."""
+        slots = trio.Semaphore(PREFETCH_CONCURRENCY)
+
+        async def load(key: BlockKey) -> None:
+            try:
+                if self._dram.peek(key) is None:
+                    await self.get(key)
+                    self._prefetched += 1
+            except Exception as exc:  # best effort: the reader gets the error when it gets there
+                log.warning("prefetch of %s failed: %s", key, exc)
+            finally:
+                slots.release()
+
+        async with trio.open_nursery() as nursery:
+            async for key in self._prefetch_recv:
+                await slots.acquire()
+                nursery.start_soon(load, key)
 
     # --- writing ----------------------------------------------------------------------
 
@@ -281,7 +317,12 @@ class BlockStore:
             finally:
                 self._wake_room_waiters()
 
-    async def _flush_batch(self, keys: Iterable[BlockKey]) -> None:
+    def _freeze(self, keys: Iterable[BlockKey]) -> tuple[list[tuple[BlockKey, Block, int]], list[tuple[BlockKey, memoryview]]]:
+        """Take snapshots of the dirty blocks among `keys` for a write from a thread.
+
+        The buffers are not copied: a frozen block is copied by the next writer instead
+        (copy on write, in `_writable`), so the thread reads a stable buffer.
+        """
         snapshots: list[tuple[BlockKey, Block, int]] = []
         records: list[tuple[BlockKey, memoryview]] = []
         for key in keys:
@@ -291,28 +332,75 @@ class BlockStore:
             snapshots.append((key, block, block.version))
             records.append((key, memoryview(block.buf)[: block.length]))
             self._frozen[id(block)] = self._frozen.get(id(block), 0) + 1
+        return snapshots, records
+
+    def _thaw(self, snapshots: list[tuple[BlockKey, Block, int]], records: list[tuple[BlockKey, memoryview]]) -> None:
+        for _key, block, _version in snapshots:
+            left = self._frozen[id(block)] - 1
+            if left:
+                self._frozen[id(block)] = left
+            else:
+                del self._frozen[id(block)]
+        for record in records:
+            record[1].release()
+
+    def _apply_flushed(
+        self, snapshots: list[tuple[BlockKey, Block, int]], locations: list[LogLocation], staged: bool
+    ) -> None:
+        """Point the index at the new records; blocks unchanged since the snapshot turn clean.
+
+        `staged` False means the rows were committed with the records already.
+        """
+        for (key, block, version), location in zip(snapshots, locations, strict=True):
+            self._flushed_bytes += location.length
+            if self._dram.peek(key) is not block:
+                # Deleted while in flight: the record is dead. If its row went to the
+                # database with it, stage the delete.
+                if not staged and key not in self._index:
+                    self._meta.delete("blocks", tuple(key))
+                continue
+            self._set_location(key, location, stage=staged)
+            if block.version == version:
+                self._dram.mark_clean(block)
+                self._unmark_dirty(key)
+
+    async def _flush_batch(self, keys: Iterable[BlockKey]) -> None:
+        snapshots, records = self._freeze(keys)
         if not records:
             return
         try:
             locations = await trio.to_thread.run_sync(self._log.append_many, records, limiter=self._io_limiter)
         finally:
-            for _key, block, _version in snapshots:
-                left = self._frozen[id(block)] - 1
-                if left:
-                    self._frozen[id(block)] = left
-                else:
-                    del self._frozen[id(block)]
-            for record in records:
-                record[1].release()
-        for (key, block, version), location in zip(snapshots, locations, strict=True):
-            self._flushed_bytes += location.length
-            if self._dram.peek(key) is not block:
-                continue  # deleted while in flight: the new record is dead
-            self._set_location(key, location)
-            if block.version == version:
-                self._dram.mark_clean(block)
-                self._unmark_dirty(key)
+            self._thaw(snapshots, records)
+        self._apply_flushed(snapshots, locations, staged=True)
         self._wake_room_waiters()
+
+    async def persist(self, owner: int, durable: bool = False) -> None:
+        """Flush `owner`'s dirty blocks and commit all staged metadata, in one trip to a
+        worker thread (close and fsync of a small file pay one hop, not two).
+
+        Not durable: survives a killed daemon. Durable: the log is fsync'ed before the
+        metadata commits with synchronous=FULL, so it survives a power loss.
+        """
+        if len(self._dirty.get(owner, ())) * self.block_bytes > FLUSH_BATCH_BYTES:
+            await self.flush(owner)  # big files go in batches first
+        async with self._flush_lock:
+            snapshots, records = self._freeze(BlockKey(owner, i) for i in sorted(self._dirty.get(owner, ())))
+            locations: list[LogLocation] = []
+
+            def append_then_rows() -> Changes:
+                locations.extend(self._log.append_many(records) if records else [])
+                if durable:
+                    self._log.sync()
+                return {"blocks": {tuple(r[0]): tuple(loc) for r, loc in zip(records, locations, strict=True)}}
+
+            try:
+                await self._meta.commit(durable=durable, before_commit=append_then_rows, checkpoint=durable)
+            finally:
+                self._thaw(snapshots, records)
+            if locations:
+                self._apply_flushed(snapshots, locations, staged=False)
+                self._wake_room_waiters()
 
     def _wake_room_waiters(self) -> None:
         self._room_freed.set()
@@ -424,6 +512,7 @@ class BlockStore:
             log_segments=len(self._log.segment_sizes()),
             log_live_ratio=(live / log_bytes) if log_bytes else 1.0,
             flushed_bytes=self._flushed_bytes,
+            prefetched_blocks=self._prefetched,
             compacted_segments=self._compacted_segments,
             reclaimed_bytes=self._reclaimed_bytes,
             blocks=len(self._index),

@@ -36,6 +36,7 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 Row = tuple[Any, ...]
+Changes = dict[str, dict[tuple[Any, ...], Row | None]]
 
 
 class MetaDb:
@@ -51,7 +52,7 @@ class MetaDb:
     def __init__(self, path: str, conn: sqlite3.Connection) -> None:
         self.path = path
         self._conn = conn
-        self._pending: dict[str, dict[tuple[Any, ...], Row | None]] = {t: {} for t in TABLES}
+        self._pending: Changes = {t: {} for t in TABLES}
         self._lock = trio.Lock()
         self._thread_lock = threading.Lock()
         self.commits = 0
@@ -99,19 +100,21 @@ class MetaDb:
     async def commit(
         self,
         durable: bool = False,
-        before_commit: Callable[[], None] | None = None,
+        *,
+        before_commit: Callable[[], Changes | None] | None = None,
         checkpoint: bool = False,
     ) -> None:
         """Write every staged change in one transaction.
 
         `before_commit` runs in the worker thread after the changes were taken and before
-        the transaction (the log's fsync, so that durable metadata never names a record
-        that is not durable). `checkpoint` (with `durable`) then folds the WAL into the
-        database file in the same step, so nothing newer slips in between.
+        the transaction: the log's appends and fsync, so that metadata never names a
+        record written after it, all in one trip to the thread. The changes it returns
+        join the transaction and win over staged ones for the same key. `checkpoint`
+        (with `durable`) then folds the WAL into the database file in the same step.
         """
         async with self._lock:
             pending = self._pending
-            if not any(pending.values()) and not durable:
+            if not any(pending.values()) and not durable and before_commit is None:
                 return
             self._pending = {t: {} for t in TABLES}
             try:
@@ -125,14 +128,16 @@ class MetaDb:
 
     def _commit_sync(
         self,
-        pending: dict[str, dict[tuple[Any, ...], Row | None]],
+        pending: Changes,
         durable: bool,
-        before_commit: Callable[[], None] | None,
+        before_commit: Callable[[], Changes | None] | None,
         checkpoint: bool,
     ) -> None:
         with self._thread_lock:
             if before_commit is not None:
-                before_commit()
+                extra = before_commit()
+                if extra:
+                    pending = {t: {**pending[t], **extra.get(t, {})} for t in pending}
             conn = self._conn
             if durable:
                 conn.execute("PRAGMA synchronous=FULL")

@@ -4,10 +4,11 @@ from distorefs.tiers.dram import Block, DramCache, capacity_for
 from distorefs.types import BlockKey
 
 
-def test_capacity_doubles_from_4k_up_to_the_block_size() -> None:
+def test_capacity_doubles_for_small_contents_then_takes_the_whole_block() -> None:
     assert capacity_for(1, 1 << 20) == 4096
     assert capacity_for(5000, 1 << 20) == 8192
-    assert capacity_for((1 << 20) - 1, 1 << 20) == 1 << 20
+    assert capacity_for(64 * 1024, 1 << 20) == 64 * 1024
+    assert capacity_for(64 * 1024 + 1, 1 << 20) == 1 << 20
 
 
 def test_make_room_evicts_clean_blocks_in_lru_order_and_never_dirty_ones() -> None:

@@ -1,0 +1,237 @@
+"""POSIX-tree benchmarks: the same work on distorefs, tmpfs and the local disk, in one run.
+
+Run as root (it drops the kernel page cache between phases):
+
+    .venv/bin/python benchmarks/bench_posix.py [--size-mib 1024] [--files 5000] [--entries 100000]
+
+Prints a Markdown table of rates and ratios (distorefs / baseline) and writes the raw
+numbers as JSON next to it (--json PATH). No thresholds here: docs/benchmarks.md keeps
+the results and the aims they are read against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+CHUNK = 1024 * 1024
+
+
+def drop_caches() -> bool:
+    """Write back and drop the kernel page cache (needs root); False when not allowed."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w", encoding="ascii") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def timed(fn: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def write_file(path: Path, size: int, payload: bytes, fsync: bool = False) -> None:
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(payload)
+        for _ in range(size // CHUNK):
+            os.write(fd, view)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_file(path: Path) -> int:
+    buf = bytearray(CHUNK)
+    total = 0
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                return total
+            total += n
+
+
+def small_files(root: Path, count: int) -> None:
+    payload = b"s" * 4096
+    for i in range(count):
+        fd = os.open(root / f"s{i:06d}", os.O_CREAT | os.O_WRONLY, 0o644)
+        os.write(fd, payload)
+        os.close(fd)
+
+
+def stat_all(root: Path, count: int, passes: int) -> None:
+    for _ in range(passes):
+        for i in range(count):
+            os.stat(root / f"s{i:06d}")
+
+
+def make_entries(root: Path, count: int) -> None:
+    for i in range(count):
+        os.mknod(root / f"e{i:06d}", 0o644 | stat.S_IFREG)
+
+
+def remove_entries(root: Path) -> None:
+    for name in os.listdir(root):
+        os.unlink(root / name)
+
+
+class Distore:
+    """A distorefs daemon for the benchmark, started and stopped with the CLI."""
+
+    def __init__(self, base: Path, budget: str) -> None:
+        self.mnt = base / "mnt"
+        self.data = base / "data"
+        self.budget = budget
+        self.mnt.mkdir(parents=True, exist_ok=True)
+
+    def __enter__(self) -> Path:
+        self.mount()
+        return self.mnt / "checkpoints"
+
+    def mount(self) -> None:
+        subprocess.run(
+            [sys.executable, "-m", "distorefs", "mount", str(self.mnt), "--data-dir", str(self.data),
+             "--dram-budget", self.budget],
+            check=True, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def umount(self) -> None:
+        subprocess.run([sys.executable, "-m", "distorefs", "umount", str(self.mnt)], check=True, stdout=subprocess.DEVNULL)
+
+    def __exit__(self, *exc: object) -> None:
+        if os.path.ismount(self.mnt):
+            self.umount()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--files", type=int, default=5000)
+    parser.add_argument("--entries", type=int, default=100_000)
+    parser.add_argument("--dir-entries", type=int, default=20_000)
+    parser.add_argument("--disk-dir", default="/var/tmp", help="a directory on the local disk")
+    parser.add_argument("--json", default=None, help="write raw results here")
+    args = parser.parse_args()
+    size = args.size_mib * CHUNK
+    payload = os.urandom(CHUNK)
+    results: dict[str, dict[str, float]] = {}
+    can_drop = drop_caches()
+
+    base = Path(tempfile.mkdtemp(prefix="distorefs-bench-", dir=args.disk_dir))
+    tmpfs = Path(tempfile.mkdtemp(prefix="distorefs-bench-", dir="/dev/shm"))
+    disk = base / "disk"
+    disk.mkdir()
+    budget = f"{max(2 * args.size_mib, 512)}MiB"
+    try:
+        with Distore(base, budget) as fs:
+            targets = {"distorefs": fs, "tmpfs": tmpfs, "disk": disk}
+
+            # Sequential write of one big file, 1 MiB writes, then close (write-back).
+            for name, root in targets.items():
+                seconds = timed(lambda r=root: write_file(r / "big", size, payload))
+                results.setdefault("seq_write_MBps", {})[name] = size / seconds / 1e6
+
+            # Hot read: distorefs serves from its DRAM (kernel page cache dropped); the
+            # baselines read from memory (tmpfs) and from the page cache (disk).
+            for name, root in targets.items():
+                if name == "distorefs":
+                    drop_caches()
+                else:
+                    read_file(root / "big")  # make sure the disk's page cache is warm
+                seconds = timed(lambda r=root: read_file(r / "big"))
+                results.setdefault("hot_read_MBps", {})[name] = size / seconds / 1e6
+
+            # Kernel-cached read: distorefs opens with keep_cache, so a second read is served
+            # by the page cache without a round trip to the daemon.
+            seconds = timed(lambda: read_file(fs / "big"))
+            results.setdefault("page_cache_read_MBps", {})["distorefs"] = size / seconds / 1e6
+            results["page_cache_read_MBps"]["tmpfs"] = results["hot_read_MBps"]["tmpfs"]
+
+            # Small files: create + write 4 KiB + close.
+            for name, root in targets.items():
+                (root / "small").mkdir()
+                seconds = timed(lambda r=root: small_files(r / "small", args.files))
+                results.setdefault("small_file_create_per_s", {})[name] = args.files / seconds
+
+            # stat of those files, three passes (the first from the daemon, then the attr cache).
+            for name, root in targets.items():
+                seconds = timed(lambda r=root: stat_all(r / "small", args.files, 3))
+                results.setdefault("stat_per_s", {})[name] = 3 * args.files / seconds
+
+            # A 20,000-entry directory: create, list, remove (the issue's "under 20 s" aim).
+            for name, root in targets.items():
+                d = root / "dir20k"
+                d.mkdir()
+                seconds = timed(
+                    lambda d=d: (make_entries(d, args.dir_entries), os.listdir(d), remove_entries(d))
+                )
+                results.setdefault("dir_20k_create_list_remove_s", {})[name] = seconds
+
+            # readdir of a 100k-entry directory (created first, listed cold then warm).
+            for name, root in targets.items():
+                d = root / "dir100k"
+                d.mkdir()
+                make_entries(d, args.entries)
+                seconds = timed(lambda d=d: os.listdir(d))
+                results.setdefault("readdir_100k_s", {})[name] = seconds
+                results.setdefault("readdir_100k_entries_per_s", {})[name] = args.entries / seconds
+
+        # Cold read: distorefs after a remount (empty DRAM) with the page cache dropped,
+        # against the local disk with its page cache dropped.
+        fs_mount = Distore(base, budget)
+        fs_mount.mount()
+        try:
+            if can_drop:
+                drop_caches()
+                cold_fs = timed(lambda: read_file(fs_mount.mnt / "checkpoints" / "big"))
+                drop_caches()
+                cold_disk = timed(lambda: read_file(disk / "big"))
+                results["cold_read_MBps"] = {"distorefs": size / cold_fs / 1e6, "disk": size / cold_disk / 1e6}
+        finally:
+            fs_mount.umount()
+    finally:
+        shutil.rmtree(tmpfs, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+    print_table(results, can_drop)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def print_table(results: dict[str, dict[str, float]], can_drop: bool) -> None:
+    print("| measure | distorefs | tmpfs | disk | vs tmpfs | vs disk |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    lower_is_better = {"dir_20k_create_list_remove_s", "readdir_100k_s"}
+    for measure, row in results.items():
+        ours = row.get("distorefs")
+
+        def ratio(base: str, row: dict[str, float] = row, measure: str = measure) -> str:
+            if ours is None or base not in row or not row[base] or not ours:
+                return ""
+            value = row[base] / ours if measure in lower_is_better else ours / row[base]
+            return f"{value:.2f}x"
+
+        cells = [f"{row[k]:,.1f}" if k in row else "" for k in ("distorefs", "tmpfs", "disk")]
+        print(f"| {measure} | {' | '.join(cells)} | {ratio('tmpfs')} | {ratio('disk')} |")
+    if not can_drop:
+        print("\n(not root: page cache could not be dropped; hot/cold reads are not what they say)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
