@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_BYTES = 1024 * 1024
 FLUSH_BATCH_BYTES = 16 * 1024 * 1024
-PREFETCH_QUEUE = 64
-PREFETCH_CONCURRENCY = 4
+PREFETCH_QUEUE = 256
+PREFETCH_CONCURRENCY = 8
 
 
 def _record_bytes(location: LogLocation) -> int:
@@ -73,7 +73,7 @@ class BlockStore:
         dram: DramCache,
         meta: MetaDb,
         block_bytes: int = DEFAULT_BLOCK_BYTES,
-        io_threads: int = 4,
+        io_threads: int = 8,
     ) -> None:
         if dram.budget_bytes < 4 * block_bytes:
             raise ValueError(f"DRAM budget {dram.budget_bytes} must hold at least 4 blocks of {block_bytes}")
@@ -186,7 +186,7 @@ class BlockStore:
 
         async def load(key: BlockKey) -> None:
             try:
-                if self._dram.peek(key) is None:
+                if self._dram.peek(key) is None and key not in self._loading:
                     await self.get(key)
                     self._prefetched += 1
             except Exception as exc:  # best effort: the reader gets the error when it gets there

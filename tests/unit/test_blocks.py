@@ -93,3 +93,27 @@ async def test_write_past_the_block_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="past the block size"):
         await store.write(BlockKey(1, 0), BLOCK - 1, b"ab")
     await store.close()
+
+
+async def test_prefetcher_loads_queued_blocks_into_dram(tmp_path: Path) -> None:
+    import trio
+
+    store = open_store(tmp_path, budget=16 * BLOCK)
+    for i in range(6):
+        await store.write(BlockKey(3, i), 0, bytes([i]) * BLOCK)
+    await store.close()
+    store = open_store(tmp_path, budget=16 * BLOCK)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(store.run_prefetcher)
+        store.prefetch(BlockKey(3, i) for i in range(1, 6))
+        store.prefetch([BlockKey(3, 99)])  # a hole: skipped
+        with trio.fail_after(10):
+            while store.statistics().prefetched_blocks < 5:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    stats = store.statistics()
+    assert stats.dram_blocks == 5
+    misses = stats.dram_misses
+    assert await read_all(store, BlockKey(3, 4)) == bytes([4]) * BLOCK
+    assert store.statistics().dram_misses == misses  # served from DRAM
+    await store.close()
