@@ -111,7 +111,9 @@ class Distore:
         )  # fmt: skip
 
     def umount(self) -> None:
-        subprocess.run([sys.executable, "-m", "distorefs", "umount", str(self.mnt)], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "distorefs", "umount", str(self.mnt)], check=True, stdout=subprocess.DEVNULL
+        )
 
     def __exit__(self, *exc: object) -> None:
         if os.path.ismount(self.mnt):
@@ -177,9 +179,7 @@ def main() -> int:
             for name, root in targets.items():
                 d = root / "dir20k"
                 d.mkdir()
-                seconds = timed(
-                    lambda d=d: (make_entries(d, args.dir_entries), os.listdir(d), remove_entries(d))
-                )
+                seconds = timed(lambda d=d: (make_entries(d, args.dir_entries), os.listdir(d), remove_entries(d)))
                 results.setdefault("dir_20k_create_list_remove_s", {})[name] = seconds
 
             # readdir of a 100k-entry directory (created first, listed cold then warm).
@@ -221,7 +221,7 @@ def print_table(results: dict[str, dict[str, float]], can_drop: bool) -> None:
     for measure, row in results.items():
         ours = row.get("distorefs")
 
-        def ratio(base: str, row: dict[str, float] = row, measure: str = measure) -> str:
+        def ratio(base: str, row: dict[str, float] = row, measure: str = measure, ours: float | None = ours) -> str:
             if ours is None or base not in row or not row[base] or not ours:
                 return ""
             value = row[base] / ours if measure in lower_is_better else ours / row[base]

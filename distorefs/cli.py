@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     mount = sub.add_parser("mount", help="mount distorefs (single node, embedded default)")
     mount.add_argument("mountpoint")
-    mount.add_argument("--data-dir", default=None, help=f"where the log and metadata live (default {default_data_dir()})")
+    mount.add_argument(
+        "--data-dir", default=None, help=f"where the log and metadata live (default {default_data_dir()})"
+    )
     mount.add_argument("--dram-budget", default="1GiB", help="DRAM cache size, e.g. 512MiB, 4GiB (default 1GiB)")
     mount.add_argument("--foreground", action="store_true", help="stay in the foreground, log to stderr")
     mount.add_argument("--allow-other", action="store_true", help="let other users access the mount")
@@ -88,7 +90,9 @@ def check_mountpoint(mountpoint: str) -> None:
     except FileNotFoundError:
         raise CliError(f"mount point {mountpoint} does not exist") from None
     except OSError as exc:
-        raise CliError(f"mount point {mountpoint} is unusable ({exc.strerror}); a stale mount? try: fusermount3 -u {mountpoint}") from None
+        raise CliError(
+            f"mount point {mountpoint} is unusable ({exc.strerror}); a stale mount? try: fusermount3 -u {mountpoint}"
+        ) from None
     if not os.path.isdir(mountpoint):
         raise CliError(f"mount point {mountpoint} is not a directory")
     if os.path.ismount(mountpoint) or _is_mount(mountpoint):

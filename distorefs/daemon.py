@@ -49,6 +49,10 @@ class DaemonConfig:
     compact_interval_s: float = 5.0
     compact_min_dead_ratio: float = 0.5
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mountpoint", os.path.abspath(self.mountpoint))
+        object.__setattr__(self, "data_dir", os.path.abspath(self.data_dir))
+
     def validate(self) -> None:
         if self.dram_budget_bytes < MIN_DRAM_BUDGET_BYTES:
             raise ConfigError(f"--dram-budget must be >= 8MiB, got {self.dram_budget_bytes} bytes")
@@ -108,19 +112,15 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
     `ready` is called with a one-line message once the mount is up.
     """
     config.validate()
-    data_dir = os.path.abspath(config.data_dir)
+    data_dir = config.data_dir
     with data_dir_lock(data_dir):
         started = time.monotonic()
-        nvme_log = await trio.to_thread.run_sync(
-            NvmeLog.open, os.path.join(data_dir, "log"), config.segment_bytes
-        )
+        nvme_log = await trio.to_thread.run_sync(NvmeLog.open, os.path.join(data_dir, "log"), config.segment_bytes)
         meta = MetaDb.open(os.path.join(data_dir, "meta.sqlite"))
         try:
             blocks = BlockStore(nvme_log, DramCache(config.dram_budget_bytes), meta, config.block_bytes)
             files = FileStore.load(blocks, meta)
-            virtual = VirtualTree(
-                MountInfo(os.getpid(), data_dir, os.path.abspath(config.mountpoint), time.time_ns()), files, blocks
-            )
+            virtual = VirtualTree(MountInfo(os.getpid(), data_dir, config.mountpoint, time.time_ns()), files, blocks)
             ops = FsOperations(files, virtual, data_dir, config.block_bytes)
             await blocks.commit(durable=True)
             log.info(

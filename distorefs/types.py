@@ -9,10 +9,10 @@ FileHandle = NewType("FileHandle", int)
 
 
 class BlockKey(NamedTuple):
-    """Names one block in the tiers: an owner (a file's inode, later a buffer) and an index."""
+    """Names one block in the tiers: an owner (a file's inode, later a buffer) and a block number."""
 
     owner: int
-    index: int
+    number: int
 
 
 class LogLocation(NamedTuple):

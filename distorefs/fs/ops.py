@@ -17,7 +17,7 @@ import functools
 import logging
 import os
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
@@ -48,10 +48,10 @@ class Handle:
     entries: list[tuple[bytes, int]] = field(default_factory=list)
 
 
-def _translate(mutates: bool) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
+def _translate(mutates: bool) -> Callable[[Callable[P, Coroutine[Any, Any, R]]], Callable[P, Coroutine[Any, Any, R]]]:
     """Wrap an operation: DistorefsError -> its errno; anything else -> EIO + degraded."""
 
-    def wrap(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    def wrap(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
         @functools.wraps(fn)
         async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
             self = args[0]
@@ -75,7 +75,7 @@ def _translate(mutates: bool) -> Callable[[Callable[P, Awaitable[R]]], Callable[
     return wrap
 
 
-class FsOperations(pyfuse3.Operations):  # type: ignore[misc]
+class FsOperations(pyfuse3.Operations):
     """Routes kernel requests to the POSIX tree and the virtual nodes."""
 
     supports_dot_lookup = True
@@ -178,7 +178,7 @@ class FsOperations(pyfuse3.Operations):  # type: ignore[misc]
             return self._virtual_attrs(self.virtual.root_nodes[name])
         return self._entry(self.files.lookup(parent_inode, name))
 
-    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for ino, nlookup in inode_list:
             if ino not in self.virtual:
                 self.files.unref(ino, nlookup)
@@ -333,7 +333,7 @@ class FsOperations(pyfuse3.Operations):  # type: ignore[misc]
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._entry(inode)
 
     @_translate(mutates=False)
-    async def read(self, fh: int, off: int, size: int) -> bytes | bytearray | memoryview:
+    async def read(self, fh: int, off: int, size: int) -> bytes | bytearray | memoryview:  # type: ignore[override]
         handle = self._handles[fh]
         if handle.virtual:
             return handle.content[off : off + size]

@@ -431,7 +431,7 @@ class FileStore:
         if size < inode.size:
             keep = -(-size // self.block_bytes)  # blocks that keep some bytes
             for key in self._blocks.owner_keys(inode.ino):
-                if key.index >= keep:
+                if key.number >= keep:
                     self._blocks.delete(key)
             if size % self.block_bytes:
                 await self._blocks.truncate(BlockKey(inode.ino, size // self.block_bytes), size % self.block_bytes)

@@ -106,7 +106,7 @@ class BlockStore:
         self._index[key] = location
         self._seg_live[location.segment] = self._seg_live.get(location.segment, 0) + _record_bytes(location)
         self._seg_keys.setdefault(location.segment, set()).add(key)
-        self._owned.setdefault(key.owner, set()).add(key.index)
+        self._owned.setdefault(key.owner, set()).add(key.number)
 
     def _drop_location(self, key: BlockKey) -> None:
         old = self._index.pop(key, None)
@@ -114,7 +114,7 @@ class BlockStore:
             self._seg_live[old.segment] -= _record_bytes(old)
             self._seg_keys[old.segment].discard(key)
             owned = self._owned[key.owner]
-            owned.discard(key.index)
+            owned.discard(key.number)
             if not owned:
                 del self._owned[key.owner]
 
@@ -243,6 +243,7 @@ class BlockStore:
 
         All awaits happen here, before the caller mutates the block.
         """
+        block: Block | None = None
         while True:
             block = self._dram.get(key)
             if block is None and key in self._index:
@@ -254,7 +255,7 @@ class BlockStore:
             length = block.length if block is not None else 0
             want = capacity_for(max(end, length), self.block_bytes)
             frozen = block is not None and id(block) in self._frozen
-            need = (want if frozen else max(0, want - have))
+            need = want if frozen else max(0, want - have)
             if need and not self._dram.make_room(need):
                 await self._wait_for_room()
                 continue
@@ -282,14 +283,14 @@ class BlockStore:
 
     def _mark_dirty(self, key: BlockKey, block: Block) -> None:
         self._dram.mark_dirty(block)
-        self._dirty.setdefault(key.owner, set()).add(key.index)
+        self._dirty.setdefault(key.owner, set()).add(key.number)
         if self._dram.dirty_bytes > self._dram.budget_bytes // 4:
             self._flush_wanted.set()
 
     def _unmark_dirty(self, key: BlockKey) -> None:
         indices = self._dirty.get(key.owner)
         if indices is not None:
-            indices.discard(key.index)
+            indices.discard(key.number)
             if not indices:
                 del self._dirty[key.owner]
 
@@ -317,7 +318,9 @@ class BlockStore:
             finally:
                 self._wake_room_waiters()
 
-    def _freeze(self, keys: Iterable[BlockKey]) -> tuple[list[tuple[BlockKey, Block, int]], list[tuple[BlockKey, memoryview]]]:
+    def _freeze(
+        self, keys: Iterable[BlockKey]
+    ) -> tuple[list[tuple[BlockKey, Block, int]], list[tuple[BlockKey, memoryview]]]:
         """Take snapshots of the dirty blocks among `keys` for a write from a thread.
 
         The buffers are not copied: a frozen block is copied by the next writer instead

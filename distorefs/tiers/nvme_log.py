@@ -14,7 +14,7 @@ Record layout (little endian, also in docs/formats.md):
     0       4     magic    0x44535452 ("DSTR")
     4       4     length   payload length in bytes
     8       8     owner    BlockKey.owner
-    16      8     index    BlockKey.index
+    16      8     number   BlockKey.number
     24      8     seq      log-wide sequence number, increasing
     32      4     crc      crc32c of bytes 0..31 and of the payload
     36      ...   payload
@@ -29,7 +29,7 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import crc32c
@@ -54,7 +54,7 @@ def segment_name(segment: int) -> str:
 
 def encode_header(key: BlockKey, seq: int, payload: bytes | bytearray | memoryview) -> bytes:
     """Return the 36-byte header for `payload` under `key`, crc included."""
-    head = struct.pack("<IIQQQ", MAGIC, len(payload), key.owner, key.index, seq)
+    head = struct.pack("<IIQQQ", MAGIC, len(payload), key.owner, key.number, seq)
     crc = crc32c.crc32c(payload, crc32c.crc32c(head))
     return head + struct.pack("<I", crc)
 
@@ -144,9 +144,7 @@ class NvmeLog:
             valid_end = record.location.offset + HEADER.size + record.location.length
         if valid_end < seg.size_bytes:
             dropped = seg.size_bytes - valid_end
-            log.warning(
-                "log %s: dropped a torn tail of %d bytes at offset %d", seg.path, dropped, valid_end
-            )
+            log.warning("log %s: dropped a torn tail of %d bytes at offset %d", seg.path, dropped, valid_end)
             os.ftruncate(seg.fd, valid_end)
             os.fsync(seg.fd)
             seg.size_bytes = seg.synced_bytes = valid_end
@@ -186,9 +184,7 @@ class NvmeLog:
         """
         return self.append_many([(key, payload)])[0]
 
-    def append_many(
-        self, records: list[tuple[BlockKey, bytes | bytearray | memoryview]]
-    ) -> list[LogLocation]:
+    def append_many(self, records: Sequence[tuple[BlockKey, bytes | bytearray | memoryview]]) -> list[LogLocation]:
         """Append records in order with as few writes as possible; return their locations."""
         for _key, payload in records:
             if len(payload) > MAX_PAYLOAD_BYTES:

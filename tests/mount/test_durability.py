@@ -199,8 +199,9 @@ def test_dram_budget_holds_under_a_working_set_three_times_larger(mount_factory:
 def populate_directory(data_dir: Path, name: bytes, count: int) -> None:
     """Create `count` empty files in /name through the store layer (no mount)."""
 
+    data_dir.mkdir(parents=True, exist_ok=True)
+
     async def build() -> None:
-        data_dir.mkdir(parents=True, exist_ok=True)
         log = NvmeLog.open(str(data_dir / "log"))
         meta = MetaDb.open(str(data_dir / "meta.sqlite"))
         blocks = BlockStore(log, DramCache(64 * 1024 * 1024), meta)

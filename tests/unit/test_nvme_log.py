@@ -24,7 +24,7 @@ def test_append_then_read_returns_the_payload(tmp_path: Path) -> None:
 def test_read_with_the_wrong_key_is_corrupted(tmp_path: Path) -> None:
     log = NvmeLog.open(str(tmp_path))
     loc = log.append(BlockKey(7, 3), b"hello")
-    with pytest.raises(Corrupted, match=r"is not BlockKey\(owner=7, index=4\)"):
+    with pytest.raises(Corrupted, match=r"is not BlockKey\(owner=7, number=4\)"):
         log.read(loc, BlockKey(7, 4))
     log.close()
 
