@@ -91,6 +91,7 @@ class VirtualTree:
 
     def __init__(self, info: MountInfo, files: FileStore, blocks: BlockStore) -> None:
         self._next = VIRTUAL_BASE
+        self.degraded = False  # set by the fs layer after an internal error
         self.nodes: dict[int, VirtualNode] = {}
         self.root_nodes: dict[bytes, VirtualNode] = {}
         self._info = info
@@ -153,6 +154,7 @@ class VirtualTree:
             "symlinks": files.symlinks,
             "file_bytes": files.file_bytes,
             "disk_free_bytes": st.f_bavail * st.f_frsize,
+            "degraded": self.degraded,
             "blocks": asdict(blocks),
         }
 

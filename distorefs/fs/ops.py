@@ -67,7 +67,7 @@ def _translate(mutates: bool) -> Callable[[Callable[P, Coroutine[Any, Any, R]]],
                 raise pyfuse3.FUSEError(exc.errno) from None
             except Exception:
                 log.exception("unexpected error in %s%r; the mount is now degraded (read-only)", fn.__name__, args[1:])
-                self.degraded = True
+                self.degraded = self.virtual.degraded = True
                 raise pyfuse3.FUSEError(errno.EIO) from None
 
         return wrapper
@@ -429,7 +429,3 @@ class FsOperations(pyfuse3.Operations):
             raise ReadOnly("virtual nodes take no attributes")
         self.files.removexattr(inode, name)
 
-    def status(self) -> dict[str, Any]:
-        out = self.virtual.status()
-        out["degraded"] = self.degraded
-        return out

@@ -385,6 +385,9 @@ class BlockStore:
         Not durable: survives a killed daemon. Durable: the log is fsync'ed before the
         metadata commits with synchronous=FULL, so it survives a power loss.
         """
+        if not durable and owner not in self._dirty and not self._meta.pending_changes:
+            await trio.lowlevel.checkpoint()
+            return  # nothing to persist (a read-only close): no trip to a thread
         if len(self._dirty.get(owner, ())) * self.block_bytes > FLUSH_BATCH_BYTES:
             await self.flush(owner)  # big files go in batches first
         async with self._flush_lock:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import signal
@@ -226,4 +227,31 @@ def test_readdir_lists_100k_entries_completely(mount_factory: MountFactory, tmp_
     assert len(names) == count
     assert set(names) == {f"f{i:06d}" for i in range(count)}
     print(f"listed {count} entries in {listed_s:.2f} s")
+    assert mount.unmount() == 0
+
+
+def test_a_corrupted_record_reads_as_eio_and_is_never_served(mount_factory: MountFactory) -> None:
+    mount = mount_factory()
+    good, bad = os.urandom(1024 * 1024), os.urandom(1024 * 1024)
+    (mount.path / "checkpoints" / "good").write_bytes(good)
+    (mount.path / "checkpoints" / "bad").write_bytes(bad)
+    assert mount.unmount() == 0
+    log_dir = mount.data_dir / "log"
+    flipped = 0
+    for segment in sorted(log_dir.iterdir()):
+        data = bytearray(segment.read_bytes())
+        at = data.find(bad[1000:1064])
+        if at >= 0:
+            data[at] ^= 0xFF
+            segment.write_bytes(bytes(data))
+            flipped += 1
+    assert flipped == 1
+
+    mount = mount_factory()
+    with pytest.raises(OSError) as excinfo:
+        (mount.path / "checkpoints" / "bad").read_bytes()
+    assert excinfo.value.errno == errno.EIO
+    assert (mount.path / "checkpoints" / "good").read_bytes() == good
+    assert mount.status()["degraded"] is False  # a bad record is an I/O error, not a bug
+    (mount.path / "checkpoints" / "new").write_bytes(b"writes still work")
     assert mount.unmount() == 0
