@@ -428,4 +428,3 @@ class FsOperations(pyfuse3.Operations):
         if inode in self.virtual:
             raise ReadOnly("virtual nodes take no attributes")
         self.files.removexattr(inode, name)
-

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from distorefs import cli
-from tests.conftest import Mount, fuse_missing, is_mounted
+from tests.conftest import Mount, fuse_missing, is_mounted, mounted_at
 
 pytestmark = pytest.mark.mount
 
@@ -120,3 +122,49 @@ def test_missing_dev_fuse_is_reported(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert capsys.readouterr().err.strip() == (
         "distore mount: no /dev/fuse: load the fuse module (modprobe fuse) or give the container /dev/fuse"
     )
+
+
+def read_as_nobody(path: Path) -> int:
+    """Read `path` in a child running as nobody; return 0 (read), 13 (EACCES) or 1 (other)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            path.read_bytes()
+            code = 0
+        except PermissionError:
+            code = 13
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A world-traversable directory (pytest's tmp dirs are 0700, closed to other users)."""
+    path = Path(tempfile.mkdtemp(prefix="distorefs-allow-other-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_allow_other_lets_other_users_in_and_the_kernel_checks_modes(open_dir: Path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to switch to another user")
+    why = fuse_missing()
+    if why:
+        pytest.skip(why)
+    with mounted_at(open_dir / "mnt", open_dir / "data", "--allow-other") as mount:
+        public, private = mount.path / "checkpoints" / "public", mount.path / "checkpoints" / "private"
+        public.write_text("for everyone")
+        private.write_text("secret")
+        os.chmod(public, 0o644)
+        os.chmod(private, 0o600)
+        assert read_as_nobody(public) == 0
+        assert read_as_nobody(private) == 13
+    # Without --allow-other, FUSE keeps every other user out, whatever the modes say.
+    with mounted_at(open_dir / "mnt", open_dir / "data") as mount:
+        assert read_as_nobody(mount.path / "checkpoints" / "public") == 13

@@ -123,11 +123,12 @@ def test_torn_record_at_the_log_tail_is_dropped_and_the_mount_comes_up(mount_fac
     assert mount.unmount() == 0
 
 
-def test_sigterm_persists_everything_and_unmounts(mount_factory: MountFactory) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_sigint_persist_everything_and_unmount(mount_factory: MountFactory, signum: int) -> None:
     mount = mount_factory()
     payload = os.urandom(4_000_000)
     (mount.path / "checkpoints" / "f").write_bytes(payload)
-    mount.proc.send_signal(signal.SIGTERM)
+    mount.proc.send_signal(signum)
     assert mount.proc.wait(timeout=EXIT_TIMEOUT_S) == 0
     assert not os.path.ismount(mount.path)
     mount = mount_factory()
