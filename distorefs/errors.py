@@ -75,6 +75,18 @@ class FileTooLarge(DistorefsError):
     errno = _errno.EFBIG
 
 
+class TryAgain(DistorefsError):
+    """Not possible now (too few items, the rate limiter, O_NONBLOCK, a timeout)."""
+
+    errno = _errno.EAGAIN
+
+
+class Interrupted(DistorefsError):
+    """A signal arrived for the process waiting on this request."""
+
+    errno = _errno.EINTR
+
+
 class StoreFull(DistorefsError):
     errno = _errno.ENOSPC
 

@@ -129,6 +129,10 @@ class BlockStore:
         indices = self._owned.get(owner, set()) | self._dirty.get(owner, set())
         return [BlockKey(owner, i) for i in indices]
 
+    def owner_lengths(self, owner: int) -> dict[int, int]:
+        """Block number -> stored length for `owner`'s blocks in the index (start-up)."""
+        return {n: self._index[BlockKey(owner, n)].length for n in self._owned.get(owner, ())}
+
     def has_block(self, key: BlockKey) -> bool:
         return key in self._index or self._dram.peek(key) is not None
 
@@ -216,6 +220,23 @@ class BlockStore:
         if end > block.length:
             block.length = end
         self._mark_dirty(key, block)
+
+    async def put(self, key: BlockKey, data: bytes | bytearray | memoryview) -> None:
+        """Replace the block's whole content with `data` (any size up to the log's record
+        limit: buffer items, not file blocks). The block turns dirty."""
+        size = len(data)
+        while not self._dram.make_room(size):
+            await self._wait_for_room()
+        old = self._dram.remove(key)
+        if old is not None and old.dirty:
+            self._unmark_dirty(key)
+        block = Block(bytearray(data), size, dirty=False)
+        self._dram.insert(key, block)
+        self._mark_dirty(key, block)
+
+    def dram_bytes(self, owner: int) -> int:
+        """Bytes of `owner`'s blocks in DRAM (walks the cache: for statistics only)."""
+        return self._dram.owner_bytes(owner)
 
     async def truncate(self, key: BlockKey, length: int) -> None:
         """Cut the block to `length` bytes (0 deletes it). Extending is the caller's job."""

@@ -146,6 +146,9 @@ class DramCache:
                 return True
         return self.used_bytes + need_bytes <= self.budget_bytes
 
+    def owner_bytes(self, owner: int) -> int:
+        return sum(b.capacity_bytes for k, b in self._blocks.items() if k.owner == owner)
+
     def statistics(self) -> DramStatistics:
         return DramStatistics(
             budget_bytes=self.budget_bytes,

@@ -21,7 +21,7 @@ from typing import Any
 
 import trio
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the buffers table
 
 TABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # table: (primary key columns, value columns)
@@ -33,6 +33,7 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "blocks": (("owner", "idx"), ("segment", "offset", "length")),
     "xattrs": (("ino", "name"), ("value",)),
     "kv": (("key",), ("value",)),
+    "buffers": (("name",), ("owner", "config", "next_index", "inserts", "samples", "removed", "snapshot")),
 }
 
 Row = tuple[Any, ...]
@@ -69,8 +70,8 @@ class MetaDb:
                 f"CREATE TABLE IF NOT EXISTS {table} ({columns}, PRIMARY KEY ({', '.join(keys)})) WITHOUT ROWID"
             )
         found = conn.execute("SELECT value FROM kv WHERE key = 'schema_version'").fetchone()
-        if found is None:
-            conn.execute("INSERT INTO kv VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
+        if found is None or found[0] == 1:  # version 1 lacked only the buffers table, now created
+            conn.execute("INSERT OR REPLACE INTO kv VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
         elif found[0] != SCHEMA_VERSION:
             raise RuntimeError(f"{path}: metadata schema {found[0]}, this distorefs reads {SCHEMA_VERSION}")
         return cls(path, conn)

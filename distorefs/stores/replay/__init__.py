@@ -1,0 +1,1 @@
+"""Replay buffers and memory banks: plain Python + numpy, no FUSE."""

@@ -1,0 +1,477 @@
+"""ReplayBuffer: one replay buffer or memory bank over the block tier.
+
+Owns the item index of one buffer: which global index lives in which ring slot, each
+item's priority and sample count, the sum/min/max trees, the counters, the rate limiter
+and the waiting of blocked samplers and writers. Item bytes are blocks of the block tier
+keyed (owner, index), so a FIFO buffer's oldest items die in log order and whole
+segments are dropped without copying.
+
+Indices are 0, 1, 2, ... in append order and never reused. Index i lives in slot
+i % capacity, so appending past capacity evicts the oldest item (FIFO). Deleted items
+leave an empty slot. Everything here is synchronous between awaits; waits are
+`_wait_until` on one event that every change sets.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import trio
+import zstandard
+
+from distorefs.errors import InvalidArgument, NotFound, TryAgain
+from distorefs.stores.replay.config import BufferConfig
+from distorefs.stores.replay.formats import encode_blob_batch, encode_npy_batch
+from distorefs.stores.replay.rate_limiter import RateLimiter
+from distorefs.stores.replay.sumtree import SegmentTree
+from distorefs.tiers.blocks import BlockStore
+from distorefs.tiers.metadb import MetaDb
+from distorefs.types import BlockKey
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PRIORITY = 1.0
+RECENT_ERRORS = 5
+
+
+@dataclass
+class Batch:
+    """One drawn batch: the encoded bytes a `sample` handle reads, and what is in it."""
+
+    data: bytearray
+    indices: np.ndarray
+    weights: np.ndarray
+
+
+class ReplayBuffer:
+    """A replay buffer: FIFO ring of items with priorities, samplers and a rate limiter.
+
+    Examples:
+        >>> buf = ReplayBuffer("atari", owner, BufferConfig(capacity=1000), blocks, meta)
+        >>> await buf.append([b"item0", b"item1"])
+        [0, 1]
+        >>> batch = await buf.sample(2)          # waits while it cannot be served
+        >>> buf.update_priorities(np.array([0]), np.array([2.5]))
+    """
+
+    def __init__(self, name: str, owner: int, config: BufferConfig, blocks: BlockStore, meta: MetaDb) -> None:
+        self.name = name
+        self.owner = owner
+        self._blocks = blocks
+        self._meta = meta
+        self._rng = np.random.default_rng()
+        self.next_index = 0
+        self.inserts = 0
+        self.samples = 0
+        self.removed = 0
+        self.stored_bytes = 0
+        self.blocked_readers = 0
+        self.blocked_writers = 0
+        self.errors: list[str] = []
+        self._changed = trio.Event()
+        self._snapshot_dirty = False
+        self._snapshot: bytes | None = None  # the last staged snapshot; every row carries it
+        self._apply_config(config, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+    # --- layout ---------------------------------------------------------------------
+
+    def _apply_config(
+        self, config: BufferConfig, indices: np.ndarray, priorities: np.ndarray, times: np.ndarray, sizes: np.ndarray
+    ) -> None:
+        """(Re)build the ring for `config` holding the given live items."""
+        self.config = config
+        self.limiter = RateLimiter.from_config(config)
+        self._zstd_level = config.zstd_level
+        cap = config.capacity
+        self._slot_index = np.full(cap, -1, dtype=np.int64)
+        self._priority = np.zeros(cap, dtype=np.float64)
+        self._times = np.zeros(cap, dtype=np.int64)
+        self._size = np.zeros(cap, dtype=np.int64)
+        self._tree = SegmentTree(cap, with_min_max=True)
+        self._live = SegmentTree(cap)
+        slots = indices % cap
+        self._slot_index[slots] = indices
+        self._priority[slots] = priorities
+        self._times[slots] = times
+        self._size[slots] = sizes
+        self._tree.update(slots, self._scaled(priorities))
+        self._live.update(slots, np.ones(len(slots)))
+
+    def _scaled(self, priorities: np.ndarray) -> np.ndarray:
+        cfg = self.config
+        return np.power(priorities + cfg.epsilon, cfg.alpha) if cfg.alpha != 0 else np.ones_like(priorities)
+
+    @property
+    def size(self) -> int:
+        return round(self._live.total)
+
+    def _slot_of(self, index: int) -> int:
+        """The slot of a live item; NotFound otherwise."""
+        if index < 0:
+            raise NotFound(f"buffers/{self.name}: no item {index}")
+        slot = index % self.config.capacity
+        if self._slot_index[slot] != index:
+            raise NotFound(f"buffers/{self.name}: no item {index}")
+        return slot
+
+    def live_indices(self) -> np.ndarray:
+        """Live indices in append order."""
+        live = self._slot_index[self._slot_index >= 0]
+        return np.sort(live)
+
+    def key(self, index: int) -> BlockKey:
+        return BlockKey(self.owner, index)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def record_error(self, message: str) -> None:
+        """Keep the last few rejected inputs for `stats` (they also go to the daemon log)."""
+        log.warning("%s", message)
+        self.errors = [*self.errors[-(RECENT_ERRORS - 1) :], f"{time.strftime('%H:%M:%S')} {message}"]
+
+    # --- waiting ----------------------------------------------------------------------
+
+    async def _wait_until(self, ready: Callable[[], bool], nonblocking: bool, what: str, writer: bool) -> None:
+        """Return once `ready()`; EAGAIN at once under O_NONBLOCK, or after sample_timeout."""
+        if ready():
+            await trio.lowlevel.checkpoint()
+            return
+        if nonblocking:
+            raise TryAgain(f"buffers/{self.name}: {what} would block")
+        timeout = self.config.sample_timeout
+        if writer:
+            self.blocked_writers += 1
+        else:
+            self.blocked_readers += 1
+        try:
+            with trio.move_on_after(timeout):
+                while not ready():
+                    changed = self._changed
+                    await changed.wait()
+                return
+        finally:
+            if writer:
+                self.blocked_writers -= 1
+            else:
+                self.blocked_readers -= 1
+        raise TryAgain(f"buffers/{self.name}: {what} still blocked after sample_timeout={timeout} s")
+
+    # --- appending --------------------------------------------------------------------
+
+    async def append(self, items: list[bytes], nonblocking: bool = False) -> list[int]:
+        """Add items in order (each waits for the rate limiter); return their indices.
+
+        For schema buffers each item must be exactly one record. The items are in DRAM
+        when this returns; `persist` makes them survive a killed daemon.
+        """
+        itemsize = self.config.itemsize
+        for item in items:
+            if itemsize is not None and len(item) != itemsize:
+                raise InvalidArgument(f"buffers/{self.name}: record of {len(item)} bytes, schema needs {itemsize}")
+        stored = items
+        if self._zstd_level is not None and items:
+            level = self._zstd_level
+            stored = await trio.to_thread.run_sync(lambda: [zstandard.compress(i, level) for i in items])
+        added = []
+        for item, data in zip(items, stored, strict=True):
+            await self._wait_until(
+                lambda: self.limiter.can_insert(self.inserts, self.samples), nonblocking, "append", writer=True
+            )
+            index = self.next_index
+            self.next_index += 1
+            cap = self.config.capacity
+            slot = index % cap
+            old = int(self._slot_index[slot])
+            if old >= 0:
+                self._remove_slot(slot, old)  # FIFO: the oldest item leaves
+            priority = self._tree.max if self.size else DEFAULT_PRIORITY
+            if priority <= 0:
+                priority = DEFAULT_PRIORITY
+            raw = self._raw_priority_for(priority)
+            self._slot_index[slot] = index
+            self._priority[slot] = raw
+            self._times[slot] = 0
+            self._size[slot] = len(item)
+            self._tree.update(np.array([slot]), self._scaled(np.array([raw])))
+            self._live.update(np.array([slot]), np.ones(1))
+            self.inserts += 1
+            self.stored_bytes += len(item)
+            await self._blocks.put(self.key(index), data)
+            added.append(index)
+            self._notify()
+        self._snapshot_dirty = True
+        self.stage_row()
+        return added
+
+    def _raw_priority_for(self, scaled: float) -> float:
+        """The raw priority whose scaled value is `scaled` (new items get the current max)."""
+        cfg = self.config
+        if cfg.alpha == 0:
+            return float(self._priority[self._slot_index >= 0].max()) if self.size else DEFAULT_PRIORITY
+        return max(scaled ** (1.0 / cfg.alpha) - cfg.epsilon, 0.0)
+
+    async def persist(self, durable: bool = False) -> None:
+        """Make every append so far survive a killed daemon (durable: a power loss too)."""
+        self.stage_row()
+        await self._blocks.persist(self.owner, durable=durable or self.config.sync)
+
+    # --- removing ---------------------------------------------------------------------
+
+    def _remove_slot(self, slot: int, index: int) -> None:
+        self._slot_index[slot] = -1
+        self._priority[slot] = 0.0
+        self._times[slot] = 0
+        self.stored_bytes -= int(self._size[slot])
+        self._size[slot] = 0
+        self._tree.update(np.array([slot]), np.zeros(1))
+        self._live.update(np.array([slot]), np.zeros(1))
+        self._blocks.delete(self.key(index))
+        self.removed += 1
+        self._snapshot_dirty = True
+
+    def delete_item(self, index: int) -> None:
+        slot = self._slot_of(index)
+        self._remove_slot(slot, index)
+        self.stage_row()
+        self._notify()
+
+    def delete_all(self) -> None:
+        for index in self.live_indices().tolist():
+            self._remove_slot(int(index) % self.config.capacity, int(index))
+        self._notify()
+
+    # --- items ------------------------------------------------------------------------
+
+    def item_size(self, index: int) -> int:
+        return int(self._size[self._slot_of(index)])
+
+    async def read_item(self, index: int) -> bytes | memoryview:
+        """The item's bytes (decompressed). Raises NotFound for a dead index."""
+        self._slot_of(index)
+        block = await self._blocks.get(self.key(index))
+        if block is None:
+            raise NotFound(f"buffers/{self.name}: item {index} has no data")
+        view = memoryview(block.buf)[: block.length]
+        if self._zstd_level is not None:
+            return await trio.to_thread.run_sync(zstandard.decompress, bytes(view))
+        return view
+
+    async def write_item(self, index: int, data: bytes) -> None:
+        """Replace a live item's bytes (schema buffers: same size)."""
+        slot = self._slot_of(index)
+        itemsize = self.config.itemsize
+        if itemsize is not None and len(data) != itemsize:
+            raise InvalidArgument(f"buffers/{self.name}: item {index} must stay {itemsize} bytes, got {len(data)}")
+        stored = data
+        if self._zstd_level is not None:
+            stored = await trio.to_thread.run_sync(zstandard.compress, data, self._zstd_level)
+        if self._slot_index[slot] != index:
+            raise NotFound(f"buffers/{self.name}: item {index} left while it was written")
+        self._size[slot] = len(data)
+        await self._blocks.put(self.key(index), stored)
+
+    # --- priorities -------------------------------------------------------------------
+
+    def update_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> None:
+        """Set priorities; all are checked first, so a bad pair applies none of them."""
+        if len(indices) != len(priorities):
+            raise InvalidArgument(f"buffers/{self.name}: {len(indices)} indices but {len(priorities)} priorities")
+        if len(indices) == 0:
+            return
+        bad = ~np.isfinite(priorities) | (priorities < 0)
+        if bad.any():
+            at = int(np.argmax(bad))
+            raise InvalidArgument(
+                f"buffers/{self.name}: priority must be finite and >= 0, got {priorities[at]} for index {indices[at]}"
+            )
+        slots = indices % self.config.capacity
+        dead = (indices < 0) | (self._slot_index[slots] != indices)
+        if dead.any():
+            raise InvalidArgument(
+                f"buffers/{self.name}: no live item {int(indices[int(np.argmax(dead))])}; none applied"
+            )
+        self._priority[slots] = priorities
+        self._tree.update(slots, self._scaled(priorities))
+        self._snapshot_dirty = True
+        self._notify()
+
+    # --- sampling ---------------------------------------------------------------------
+
+    async def sample(self, count: int | None = None, nonblocking: bool = False) -> Batch:
+        """Draw one batch of `count` items (default batch_size) and encode it.
+
+        Waits while the buffer cannot serve it (min_size_to_sample, the rate limiter), up
+        to sample_timeout, then TryAgain; nothing is counted when it fails.
+        """
+        count = count or self.config.batch_size
+        await self._wait_until(
+            lambda: self.limiter.can_sample(self.size, self.inserts, self.samples, count),
+            nonblocking,
+            f"sample of {count}",
+            writer=False,
+        )
+        slots, weights = self._draw(count)
+        indices = self._slot_index[slots].copy()
+        payloads: list[bytes | memoryview] = []
+        for index in indices.tolist():
+            payloads.append(await self._payload(int(index)))
+        if self.config.dtype is not None:
+            data = encode_npy_batch(self.config.dtype, payloads, indices, weights)
+        else:
+            data = encode_blob_batch(payloads, indices, weights)
+        self._account_sampled(indices)
+        return Batch(data, indices, weights)
+
+    async def _payload(self, index: int) -> bytes | memoryview:
+        block = await self._blocks.get(self.key(index))
+        if block is None:
+            raise NotFound(f"buffers/{self.name}: item {index} has no data")
+        data = bytes(memoryview(block.buf)[: block.length])  # its own copy: eviction may reuse none
+        if self._zstd_level is not None:
+            return zstandard.decompress(data)
+        return data
+
+    def _draw(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        sampler = self.config.sampler
+        if sampler in ("fifo", "lifo"):
+            live = self.live_indices()
+            chosen = live[:count] if sampler == "fifo" else live[::-1][:count]
+            return chosen % self.config.capacity, np.ones(len(chosen), dtype=np.float32)
+        if sampler == "uniform":
+            size = self._live.total
+            prefixes = (np.arange(count) + self._rng.random(count)) * (size / count)
+            return self._live.find(prefixes), np.ones(count, dtype=np.float32)
+        total = self._tree.total
+        if total <= 0:  # every live priority is zero: fall back to uniform
+            size = self._live.total
+            return self._live.find(self._rng.random(count) * size), np.ones(count, dtype=np.float32)
+        # Stratified: one draw in each of `count` equal segments of the priority mass.
+        prefixes = (np.arange(count) + self._rng.random(count)) * (total / count)
+        slots = self._tree.find(prefixes)
+        probabilities = self._tree.leaves()[slots] / total
+        n = self.size
+        beta = self.config.beta
+        weights = np.power(n * probabilities, -beta)
+        max_weight = math.pow(n * self._tree.min / total, -beta)
+        return slots, (weights / max_weight).astype(np.float32)
+
+    def _account_sampled(self, indices: np.ndarray) -> None:
+        self.samples += len(indices)
+        limit = self.config.max_times_sampled
+        for index in indices.tolist():
+            slot = int(index) % self.config.capacity
+            if self._slot_index[slot] != index:
+                continue  # left while the batch was read
+            self._times[slot] += 1
+            if limit and self._times[slot] >= limit:
+                self._remove_slot(slot, int(index))
+        self._snapshot_dirty = True
+        self._notify()
+
+    # --- config -----------------------------------------------------------------------
+
+    def reconfigure(self, changes: dict[str, Any]) -> None:
+        """Apply a JSON config update whole or not at all (EINVAL / EBUSY)."""
+        new = self.config.updated(f"buffers/{self.name}", changes, has_items=self.size > 0)
+        live = self.live_indices()
+        slots = live % self.config.capacity
+        priorities, times, sizes = self._priority[slots], self._times[slots], self._size[slots]
+        self._apply_config(new, live, priorities, times, sizes)
+        self.stage_row()
+        self._notify()
+
+    # --- persistence ------------------------------------------------------------------
+
+    def stage_row(self) -> None:
+        """Stage the buffer's row: config, counters and the last snapshot."""
+        self._meta.put("buffers", (self.name,), self._row())
+
+    def _row(self) -> tuple[object, ...]:
+        return (
+            self.owner, self.config.dumps(), self.next_index, self.inserts, self.samples, self.removed, self._snapshot,
+        )  # fmt: skip
+
+    def stage_snapshot(self) -> bool:
+        """Stage priorities and sample counts (the snapshot restored after a crash)."""
+        if not self._snapshot_dirty:
+            return False
+        live = self.live_indices()
+        slots = live % self.config.capacity
+        out = io.BytesIO()
+        np.savez(out, indices=live, priorities=self._priority[slots], times=self._times[slots], sizes=self._size[slots])
+        self._snapshot = out.getvalue()
+        self._snapshot_dirty = False
+        self.stage_row()
+        return True
+
+    @classmethod
+    def restore(
+        cls,
+        name: str,
+        row: tuple[Any, ...],
+        blocks: BlockStore,
+        meta: MetaDb,
+        item_sizes: dict[int, int],
+    ) -> ReplayBuffer:
+        """Rebuild a buffer from its row and the items the block tier holds.
+
+        Items are exactly the blocks that survived; priorities and counts come from the
+        last snapshot, and items newer than it get the current maximum priority.
+        """
+        owner, config_json, next_index, inserts, samples, removed, snapshot = row
+        config = BufferConfig.from_json(f"buffers/{name}", json.loads(config_json))
+        buf = cls(name, owner, config, blocks, meta)
+        indices = np.array(sorted(item_sizes), dtype=np.int64)
+        if len(indices) > config.capacity:
+            indices = indices[-config.capacity :]
+        priorities = np.full(len(indices), np.nan)
+        times = np.zeros(len(indices), dtype=np.int64)
+        if snapshot:
+            saved = np.load(io.BytesIO(snapshot))
+            position = {int(i): k for k, i in enumerate(saved["indices"].tolist())}
+            for k, index in enumerate(indices.tolist()):
+                at = position.get(index)
+                if at is not None:
+                    priorities[k] = saved["priorities"][at]
+                    times[k] = saved["times"][at]
+                    item_sizes[index] = int(saved["sizes"][at])  # uncompressed size
+        known = priorities[~np.isnan(priorities)]
+        fallback = float(known.max()) if len(known) else DEFAULT_PRIORITY
+        priorities = np.where(np.isnan(priorities), fallback, priorities)
+        sizes = np.array([item_sizes[int(i)] for i in indices.tolist()], dtype=np.int64)
+        buf._apply_config(config, indices, priorities, times, sizes)
+        buf.next_index = max(int(next_index), int(indices[-1]) + 1 if len(indices) else 0)
+        buf.inserts, buf.samples, buf.removed = int(inserts), int(samples), int(removed)
+        buf._snapshot = snapshot
+        buf.stored_bytes = int(sizes.sum())
+        return buf
+
+    # --- numbers ----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "size": self.size,
+            "capacity": self.config.capacity,
+            "next_index": self.next_index,
+            "inserts": self.inserts,
+            "samples": self.samples,
+            "removed": self.removed,
+            "bytes_stored": self.stored_bytes,
+            "bytes_dram": self._blocks.dram_bytes(self.owner),
+            "blocked_readers": self.blocked_readers,
+            "blocked_writers": self.blocked_writers,
+            "rate_limiter": self.limiter.state(self.size, self.inserts, self.samples, self.config.batch_size),
+            "total_priority": self._tree.total,
+            "errors": self.errors,
+        }

@@ -1,0 +1,267 @@
+"""The byte formats of a buffer's files: what `append` and `priority` take, what `sample`
+returns. Pure functions and small incremental parsers; docs/formats.md has the layouts.
+
+- Schema buffers take raw records of the schema's itemsize, or one `.npy` of the schema's
+  structured dtype. `sample` returns a `.npy` of the schema's fields plus `_index`
+  (int64) and `_weight` (float32).
+- Blob buffers take one item per open, or a framed stream: the 8-byte magic `DSITEMS1`,
+  then per item a little-endian u64 length and the bytes. `sample` returns the framed
+  batch: magic `DSBATCH1`, u32 count, then per item `<q index><f weight><Q length>` and
+  the bytes.
+- `priority` takes text lines `index priority`, or a `.npy` of a structured array with
+  fields (index int64, priority float64), or an (N, 2) numeric array.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from distorefs.errors import InvalidArgument
+
+NPY_MAGIC = b"\x93NUMPY"
+ITEMS_MAGIC = b"DSITEMS1"
+BATCH_MAGIC = b"DSBATCH1"
+BATCH_HEAD = struct.Struct("<8sI")
+BATCH_ITEM = struct.Struct("<qfQ")
+FRAME = struct.Struct("<Q")
+MAX_ITEM_BYTES = 64 * 1024 * 1024
+
+
+def _npy_header(buf: bytes | bytearray) -> tuple[dict[str, Any], int] | None:
+    """Parse a .npy header if all of it is in `buf`: (header dict, data offset), else None."""
+    if len(buf) < 10:
+        return None
+    major = buf[6]
+    if major == 1:
+        size_len, fmt = 2, "<H"
+    elif major in (2, 3):
+        size_len, fmt = 4, "<I"
+    else:
+        raise InvalidArgument(f"unsupported .npy version {major}")
+    if len(buf) < 8 + size_len:
+        return None
+    (header_len,) = struct.unpack(fmt, bytes(buf[8 : 8 + size_len]))
+    start = 8 + size_len
+    if len(buf) < start + header_len:
+        return None
+    text = bytes(buf[start : start + header_len]).decode("latin1")
+    try:
+        header = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise InvalidArgument("malformed .npy header") from None
+    if not isinstance(header, dict) or not {"descr", "fortran_order", "shape"} <= set(header):
+        raise InvalidArgument("malformed .npy header")
+    return header, start + header_len
+
+
+class RecordStream:
+    """Splits an `append` stream of a schema buffer into complete records, in order."""
+
+    def __init__(self, dtype: np.dtype[Any]) -> None:
+        self.dtype = dtype
+        self.itemsize = dtype.itemsize
+        self._pending = bytearray()
+        self._mode: str | None = None  # "raw" or "npy"
+        self._npy_left: int | None = None
+        self.offset = 0
+
+    def feed(self, offset: int, data: bytes | memoryview) -> list[bytes]:
+        if offset != self.offset:
+            raise InvalidArgument(f"append is a stream: write at offset {offset}, expected {self.offset}")
+        self.offset += len(data)
+        self._pending += data
+        if self._mode is None:
+            if len(self._pending) < len(NPY_MAGIC) and NPY_MAGIC.startswith(bytes(self._pending)):
+                return []
+            self._mode = "npy" if self._pending.startswith(NPY_MAGIC) else "raw"
+        if self._mode == "npy" and self._npy_left is None:
+            parsed = _npy_header(self._pending)
+            if parsed is None:
+                return []
+            header, data_start = parsed
+            descr = np.lib.format.descr_to_dtype(header["descr"])
+            if descr != self.dtype:
+                raise InvalidArgument(f"append: .npy dtype {descr} is not the buffer's schema {self.dtype}")
+            if header["fortran_order"] or len(header["shape"]) != 1:
+                raise InvalidArgument(f"append: .npy must be a 1-d array of records, got shape {header['shape']}")
+            self._npy_left = int(header["shape"][0])
+            del self._pending[:data_start]
+        count = len(self._pending) // self.itemsize
+        if self._npy_left is not None:
+            if count > self._npy_left:
+                raise InvalidArgument(f"append: more bytes than the .npy header's {self._npy_left} records")
+            self._npy_left -= count
+        records = [bytes(self._pending[i * self.itemsize : (i + 1) * self.itemsize]) for i in range(count)]
+        del self._pending[: count * self.itemsize]
+        return records
+
+    def finish(self) -> None:
+        """At close: a trailing partial record (or a short .npy) is an error."""
+        if self._pending and self._mode is not None:
+            raise InvalidArgument(
+                f"append: {len(self._pending)} trailing bytes are not a whole record of {self.itemsize} bytes; not added"
+            )
+        if self._mode == "npy" and self._npy_left:
+            raise InvalidArgument(f"append: the .npy ended {self._npy_left} records short")
+        if self._pending:
+            raise InvalidArgument(f"append: {len(self._pending)} trailing bytes are not a whole record")
+
+
+class BlobStream:
+    """An `append` stream of a blob buffer: one item per open, or DSITEMS1 frames."""
+
+    def __init__(self) -> None:
+        self._pending = bytearray()
+        self._framed: bool | None = None
+        self.offset = 0
+
+    def feed(self, offset: int, data: bytes | memoryview) -> list[bytes]:
+        if offset != self.offset:
+            raise InvalidArgument(f"append is a stream: write at offset {offset}, expected {self.offset}")
+        self.offset += len(data)
+        self._pending += data
+        if self._framed is None:
+            if len(self._pending) < len(ITEMS_MAGIC) and ITEMS_MAGIC.startswith(bytes(self._pending)):
+                return []
+            self._framed = self._pending.startswith(ITEMS_MAGIC)
+            if self._framed:
+                del self._pending[: len(ITEMS_MAGIC)]
+        if not self._framed:
+            if len(self._pending) > MAX_ITEM_BYTES:
+                raise InvalidArgument(f"append: an item over {MAX_ITEM_BYTES} bytes")
+            return []
+        items: list[bytes] = []
+        while len(self._pending) >= FRAME.size:
+            (length,) = FRAME.unpack_from(self._pending)
+            if length > MAX_ITEM_BYTES:
+                raise InvalidArgument(f"append: frame of {length} bytes exceeds {MAX_ITEM_BYTES}")
+            if len(self._pending) < FRAME.size + length:
+                break
+            items.append(bytes(self._pending[FRAME.size : FRAME.size + length]))
+            del self._pending[: FRAME.size + length]
+        return items
+
+    def finish(self) -> list[bytes]:
+        """At close: the single item (unframed), or nothing more (framed, all complete)."""
+        if self._framed:
+            if self._pending:
+                raise InvalidArgument(f"append: a partial frame of {len(self._pending)} bytes at close; not added")
+            return []
+        if self._framed is None and not self._pending:
+            return []  # opened and closed without writing: nothing to add
+        return [bytes(self._pending)]
+
+
+def frame_items(items: Sequence[bytes]) -> bytes:
+    """The DSITEMS1 stream for `items` (what distorefs.client.append writes)."""
+    parts = [ITEMS_MAGIC]
+    for item in items:
+        parts.append(FRAME.pack(len(item)))
+        parts.append(bytes(item))
+    return b"".join(parts)
+
+
+def parse_priorities(data: bytes) -> tuple[np.ndarray, np.ndarray] | None:
+    """(indices int64, priorities float64) from a complete `priority` write, or None when
+    more bytes are needed (text without its final newline, a short .npy)."""
+    if data.startswith(NPY_MAGIC):
+        parsed = _npy_header(data)
+        if parsed is None:
+            return None
+        header, start = parsed
+        dtype = np.lib.format.descr_to_dtype(header["descr"])
+        shape = tuple(header["shape"])
+        need = int(np.prod(shape)) * dtype.itemsize
+        if len(data) < start + need:
+            return None
+        if len(data) > start + need:
+            raise InvalidArgument("priority: bytes after the end of the .npy")
+        array = np.load(io.BytesIO(data), allow_pickle=False)
+        if array.dtype.names and len(array.dtype.names) == 2:
+            first, second = array.dtype.names
+            return array[first].astype(np.int64), array[second].astype(np.float64)
+        if array.ndim == 2 and array.shape[1] == 2 and array.dtype.kind in "iuf":
+            return array[:, 0].astype(np.int64), array[:, 1].astype(np.float64)
+        raise InvalidArgument(f"priority: .npy must hold (index, priority) pairs, got {array.dtype} {array.shape}")
+    if not data.endswith(b"\n"):
+        return None
+    indices, priorities = [], []
+    for number, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
+        parts = line.split()
+        if not parts:
+            continue
+        if len(parts) != 2:
+            raise InvalidArgument(f"priority line {number}: expected 'index priority', got {line!r}")
+        try:
+            indices.append(int(parts[0]))
+            priorities.append(float(parts[1]))
+        except ValueError:
+            raise InvalidArgument(f"priority line {number}: expected 'index priority', got {line!r}") from None
+    return np.array(indices, dtype=np.int64), np.array(priorities, dtype=np.float64)
+
+
+def batch_dtype(schema: np.dtype[Any]) -> np.dtype[Any]:
+    """The schema's record followed by `_index` (int64) and `_weight` (float32), packed."""
+    assert schema.names is not None and schema.fields is not None
+    names = list(schema.names) + ["_index", "_weight"]
+    formats = [schema.fields[n][0] for n in schema.names] + [np.dtype("<i8"), np.dtype("<f4")]
+    offsets = [schema.fields[n][1] for n in schema.names] + [schema.itemsize, schema.itemsize + 8]
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": schema.itemsize + 12})
+
+
+def encode_npy_batch(
+    schema: np.dtype[Any], payloads: Sequence[bytes | memoryview], indices: np.ndarray, weights: np.ndarray
+) -> bytearray:
+    """One `.npy` holding the batch, built in a single buffer (one copy per record)."""
+    dtype = batch_dtype(schema)
+    count = len(payloads)
+    head = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        head, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (count,)}
+    )
+    header = head.getvalue()
+    out = bytearray(len(header) + count * dtype.itemsize)
+    out[: len(header)] = header
+    rows = np.frombuffer(out, dtype=np.uint8, offset=len(header)).reshape(count, dtype.itemsize)
+    for i, payload in enumerate(payloads):
+        rows[i, : schema.itemsize] = np.frombuffer(payload, dtype=np.uint8)
+    records = np.frombuffer(out, dtype=dtype, offset=len(header))
+    records["_index"] = indices
+    records["_weight"] = weights
+    return out
+
+
+def encode_blob_batch(payloads: Sequence[bytes | memoryview], indices: np.ndarray, weights: np.ndarray) -> bytearray:
+    """The DSBATCH1 framed batch, built in a single buffer."""
+    total = BATCH_HEAD.size + sum(BATCH_ITEM.size + len(p) for p in payloads)
+    out = bytearray(total)
+    BATCH_HEAD.pack_into(out, 0, BATCH_MAGIC, len(payloads))
+    at = BATCH_HEAD.size
+    for payload, index, weight in zip(payloads, indices.tolist(), weights.tolist(), strict=True):
+        BATCH_ITEM.pack_into(out, at, index, weight, len(payload))
+        at += BATCH_ITEM.size
+        out[at : at + len(payload)] = payload
+        at += len(payload)
+    return out
+
+
+def decode_blob_batch(data: bytes | bytearray | memoryview) -> list[tuple[int, float, bytes]]:
+    """(index, weight, item) for each item of a DSBATCH1 batch."""
+    view = memoryview(data)
+    magic, count = BATCH_HEAD.unpack_from(view)
+    if magic != BATCH_MAGIC:
+        raise ValueError(f"not a distorefs batch (magic {bytes(magic)!r})")
+    at = BATCH_HEAD.size
+    out = []
+    for _ in range(count):
+        index, weight, length = BATCH_ITEM.unpack_from(view, at)
+        at += BATCH_ITEM.size
+        out.append((index, weight, bytes(view[at : at + length])))
+        at += length
+    return out

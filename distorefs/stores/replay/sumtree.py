@@ -1,0 +1,88 @@
+"""SegmentTree: sums, minimums and maximums over slot priorities, in numpy.
+
+Owns the arrays. Updates and searches are vectorised over a whole batch: an update of k
+slots costs O(k log n) in numpy, not k Python loops. Leaves with value 0 are empty: they
+are never found by `find`, and the min tree ignores them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class SegmentTree:
+    """Sum (and optionally min and max) of `capacity` non-negative leaf values.
+
+    Examples:
+        >>> tree = SegmentTree(4, with_min_max=True)
+        >>> tree.update(np.array([0, 2]), np.array([1.0, 3.0]))
+        >>> tree.total, tree.min, tree.max
+        (4.0, 1.0, 3.0)
+        >>> tree.find(np.array([0.5, 1.5]))     # prefix sums -> slots
+        array([0, 2])
+    """
+
+    def __init__(self, capacity: int, with_min_max: bool = False) -> None:
+        if capacity <= 0:
+            raise ValueError(f"capacity must be > 0, got {capacity}")
+        self.capacity = capacity
+        size = 1
+        while size < capacity:
+            size *= 2
+        self._size = size
+        self._depth = size.bit_length() - 1
+        self._sum = np.zeros(2 * size, dtype=np.float64)
+        self._min = np.full(2 * size, np.inf) if with_min_max else None
+        self._max = np.zeros(2 * size, dtype=np.float64) if with_min_max else None
+
+    @property
+    def total(self) -> float:
+        return float(self._sum[1])
+
+    @property
+    def min(self) -> float:
+        """The smallest non-zero leaf (inf when all are zero)."""
+        assert self._min is not None
+        return float(self._min[1])
+
+    @property
+    def max(self) -> float:
+        assert self._max is not None
+        return float(self._max[1])
+
+    def leaves(self) -> np.ndarray:
+        return self._sum[self._size : self._size + self.capacity]
+
+    def update(self, slots: np.ndarray, values: np.ndarray) -> None:
+        """Set leaf `slots[i]` to `values[i]` (later duplicates win) and fix the sums above."""
+        if len(slots) == 0:
+            return
+        nodes = np.asarray(slots, dtype=np.int64) + self._size
+        values = np.asarray(values, dtype=np.float64)
+        self._sum[nodes] = values
+        if self._min is not None and self._max is not None:
+            self._min[nodes] = np.where(values > 0, values, np.inf)
+            self._max[nodes] = values
+        nodes = np.unique(nodes >> 1)
+        for _ in range(self._depth):
+            left, right = 2 * nodes, 2 * nodes + 1
+            self._sum[nodes] = self._sum[left] + self._sum[right]
+            if self._min is not None and self._max is not None:
+                self._min[nodes] = np.minimum(self._min[left], self._min[right])
+                self._max[nodes] = np.maximum(self._max[left], self._max[right])
+            nodes = np.unique(nodes >> 1)
+
+    def find(self, prefixes: np.ndarray) -> np.ndarray:
+        """For each prefix in [0, total), the slot whose cumulative interval holds it.
+
+        Never returns an empty slot: at each node the search goes right only if the right
+        subtree has mass, so float rounding at the edges cannot land on a zero leaf.
+        """
+        nodes = np.ones(len(prefixes), dtype=np.int64)
+        remaining = np.asarray(prefixes, dtype=np.float64).copy()
+        for _ in range(self._depth):
+            left = self._sum[2 * nodes]
+            go_right = ((remaining >= left) & (self._sum[2 * nodes + 1] > 0)) | (left <= 0)
+            remaining = np.where(go_right, remaining - left, remaining)
+            nodes = 2 * nodes + go_right
+        return nodes - self._size

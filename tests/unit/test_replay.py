@@ -1,0 +1,337 @@
+"""The replay store without a mount: segment tree, samplers, rate limiter, buffer, restore."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distorefs.errors import Busy, InvalidArgument, NotFound, TryAgain
+from distorefs.stores.replay.buffer import ReplayBuffer
+from distorefs.stores.replay.config import BufferConfig
+from distorefs.stores.replay.formats import (
+    BlobStream,
+    RecordStream,
+    decode_blob_batch,
+    frame_items,
+    parse_priorities,
+)
+from distorefs.stores.replay.rate_limiter import RateLimiter
+from distorefs.stores.replay.store import BufferStore
+from distorefs.stores.replay.sumtree import SegmentTree
+from distorefs.tiers.blocks import BlockStore
+from distorefs.tiers.dram import DramCache
+from distorefs.tiers.metadb import MetaDb
+from distorefs.tiers.nvme_log import NvmeLog
+
+# --- segment tree ----------------------------------------------------------------------
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    capacity=st.integers(1, 70),
+    updates=st.lists(
+        st.lists(st.tuples(st.integers(0, 69), st.floats(0, 1e6, allow_nan=False)), min_size=1, max_size=10),
+        min_size=1,
+        max_size=15,
+    ),
+)
+def test_tree_sums_stay_exact_and_find_lands_in_the_right_leaf(
+    capacity: int, updates: list[list[tuple[int, float]]]
+) -> None:
+    tree = SegmentTree(capacity, with_min_max=True)
+    leaves = np.zeros(capacity)
+    for batch in updates:
+        slots = np.array([s % capacity for s, _ in batch])
+        values = np.array([v for _, v in batch])
+        tree.update(slots, values)
+        for s, v in zip(slots, values, strict=True):
+            leaves[s] = v
+        assert tree.total == pytest.approx(leaves.sum(), rel=1e-9, abs=1e-9)
+        positive = leaves[leaves > 0]
+        assert tree.min == (positive.min() if len(positive) else np.inf)
+        assert tree.max == leaves.max()
+    if leaves.sum() > 0:
+        cumulative = np.cumsum(leaves)
+        prefixes = np.linspace(0, leaves.sum(), 50, endpoint=False)
+        found = tree.find(prefixes)
+        assert (leaves[found] > 0).all()
+        for prefix, slot in zip(prefixes, found, strict=True):
+            low = cumulative[slot] - leaves[slot]
+            assert low - 1e-6 * leaves.sum() <= prefix <= cumulative[slot] + 1e-6 * leaves.sum()
+
+
+# --- rate limiter ----------------------------------------------------------------------
+
+
+def test_rate_limiter_keeps_samples_and_inserts_within_the_margin() -> None:
+    limiter = RateLimiter(min_size=10, samples_per_insert=2.0, margin=8.0)
+    assert limiter.can_insert(0, 0)
+    assert not limiter.can_sample(5, 5, 0, 1)  # below min size
+    assert limiter.can_sample(10, 10, 0, 4)  # diff 20 - 4 >= 12
+    assert not limiter.can_sample(10, 10, 5, 4)  # diff 15 - 4 < 12: samples ran ahead
+    assert limiter.can_insert(13, 20)  # diff 6 + 2 <= 28
+    assert not limiter.can_insert(20, 10)  # diff 30 + 2 > 28: inserts ran ahead
+
+
+def test_rate_limiter_without_a_ratio_only_needs_min_size() -> None:
+    limiter = RateLimiter(min_size=3, samples_per_insert=None, margin=0.0)
+    assert limiter.can_insert(10**6, 0)
+    assert not limiter.can_sample(2, 2, 0, 1)
+    assert limiter.can_sample(3, 3, 10**6, 1)
+
+
+# --- config ----------------------------------------------------------------------------
+
+
+def test_config_rejects_unknown_fields_and_bad_values_whole() -> None:
+    config = BufferConfig()
+    with pytest.raises(InvalidArgument, match=r"^b: unknown config field 'capacty'"):
+        config.updated("b", {"capacty": 5}, has_items=False)
+    with pytest.raises(InvalidArgument, match=r"^b.capacity must be an integer in 1\.\.268435456, got 0$"):
+        config.updated("b", {"batch_size": 8, "capacity": 0}, has_items=False)
+    with pytest.raises(InvalidArgument, match=r"^b.sampler must be one of uniform, prioritized, fifo, lifo"):
+        config.updated("b", {"sampler": "random"}, has_items=False)
+    assert config.batch_size == 32  # untouched
+
+
+def test_config_fields_that_cannot_change_with_items_give_ebusy() -> None:
+    config = BufferConfig().updated("b", {"capacity": 10, "schema": {"x": "float32"}}, has_items=False)
+    with pytest.raises(Busy, match="schema cannot change"):
+        config.updated("b", {"schema": {"x": "float64"}}, has_items=True)
+    with pytest.raises(Busy, match="capacity cannot shrink"):
+        config.updated("b", {"capacity": 5}, has_items=True)
+    assert config.updated("b", {"capacity": 20}, has_items=True).capacity == 20
+
+
+# --- formats ---------------------------------------------------------------------------
+
+
+def test_record_stream_takes_raw_records_and_npy_and_refuses_partial_tails() -> None:
+    dtype = np.dtype([("a", "<i4"), ("b", "<f8")])
+    stream = RecordStream(dtype)
+    records = np.array([(1, 1.5), (2, 2.5)], dtype=dtype).tobytes()
+    assert stream.feed(0, records[:5]) == []
+    assert stream.feed(5, records[5:]) == [records[:12], records[12:]]
+    stream.finish()
+    npy = io.BytesIO()
+    np.save(npy, np.array([(3, 3.5)], dtype=dtype))
+    stream = RecordStream(dtype)
+    assert stream.feed(0, npy.getvalue()) == [np.array([(3, 3.5)], dtype=dtype).tobytes()]
+    stream.finish()
+    stream = RecordStream(dtype)
+    stream.feed(0, records[:20])
+    with pytest.raises(InvalidArgument, match="8 trailing bytes are not a whole record of 12 bytes"):
+        stream.finish()
+
+
+def test_blob_stream_one_item_or_frames() -> None:
+    single = BlobStream()
+    assert single.feed(0, b"hello ") == []
+    single.feed(6, b"world")
+    assert single.finish() == [b"hello world"]
+    framed = BlobStream()
+    data = frame_items([b"a", b"", b"ccc"])
+    assert framed.feed(0, data[:17]) == [b"a"]  # magic 8 + length 8 + 1 byte
+    assert framed.feed(17, data[17:]) == [b"", b"ccc"]
+    assert framed.finish() == []
+
+
+def test_priorities_parse_from_text_and_npy() -> None:
+    assert parse_priorities(b"1 0.5\n2 3") is None  # no final newline yet
+    indices, priorities = parse_priorities(b"1 0.5\n\n2 3\n")  # type: ignore[misc]
+    assert indices.tolist() == [1, 2]
+    assert priorities.tolist() == [0.5, 3.0]
+    out = io.BytesIO()
+    np.save(out, np.array([(4, 1.25)], dtype=[("index", "<i8"), ("priority", "<f8")]))
+    indices, priorities = parse_priorities(out.getvalue())  # type: ignore[misc]
+    assert (indices.tolist(), priorities.tolist()) == ([4], [1.25])
+    with pytest.raises(InvalidArgument, match="line 1: expected 'index priority'"):
+        parse_priorities(b"oops\n")
+
+
+# --- the buffer ------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def tiers(tmp_path: Path) -> AsyncIterator[tuple[BlockStore, MetaDb]]:
+    log = NvmeLog.open(str(tmp_path / "log"))
+    meta = MetaDb.open(str(tmp_path / "meta.sqlite"))
+    blocks = BlockStore(log, DramCache(64 * 1024 * 1024), meta)
+    yield blocks, meta
+    await blocks.close()
+    meta.close()
+
+
+def make(tiers: tuple[BlockStore, MetaDb], **config: object) -> ReplayBuffer:
+    blocks, meta = tiers
+    cfg = BufferConfig().updated("t", config, has_items=False)
+    return ReplayBuffer("t", 1 << 48, cfg, blocks, meta)
+
+
+async def test_indices_are_sequential_and_fifo_evicts_the_oldest(tiers: tuple[BlockStore, MetaDb]) -> None:
+    buf = make(tiers, capacity=3)
+    assert await buf.append([b"a", b"b", b"c", b"d"]) == [0, 1, 2, 3]
+    assert buf.live_indices().tolist() == [1, 2, 3]
+    assert (buf.size, buf.removed) == (3, 1)
+    assert bytes(await buf.read_item(3)) == b"d"
+    with pytest.raises(NotFound, match=r"^buffers/t: no item 0$"):
+        await buf.read_item(0)
+
+
+async def test_blob_batches_decode_to_live_items(tiers: tuple[BlockStore, MetaDb]) -> None:
+    buf = make(tiers, capacity=10, batch_size=4)
+    await buf.append([b"x%d" % i for i in range(5)])
+    batch = await buf.sample()
+    items = decode_blob_batch(batch.data)
+    assert len(items) == 4
+    for index, weight, data in items:
+        assert data == b"x%d" % index
+        assert weight == 1.0
+    assert buf.samples == 4
+
+
+async def test_schema_batches_are_npy_with_index_and_weight(tiers: tuple[BlockStore, MetaDb]) -> None:
+    buf = make(tiers, schema={"obs": {"dtype": "uint8", "shape": [4]}, "r": "float32"}, batch_size=3)
+    dtype = buf.config.dtype
+    assert dtype is not None
+    records = np.zeros(5, dtype=dtype)
+    records["obs"] = np.arange(5)[:, None]
+    records["r"] = np.arange(5) * 0.5
+    await buf.append([r.tobytes() for r in records])
+    batch = np.load(io.BytesIO(bytes((await buf.sample()).data)))
+    assert batch.dtype.names == ("obs", "r", "_index", "_weight")
+    for row in batch:
+        assert row["obs"].tolist() == [row["_index"]] * 4
+        assert row["r"] == pytest.approx(row["_index"] * 0.5)
+
+
+async def test_prioritized_frequencies_follow_priorities_to_the_alpha(tiers: tuple[BlockStore, MetaDb]) -> None:
+    buf = make(tiers, capacity=8, sampler="prioritized", alpha=0.5, epsilon=0.0, batch_size=64)
+    await buf.append([b"i%d" % i for i in range(4)])
+    priorities = np.array([1.0, 4.0, 9.0, 16.0])
+    buf.update_priorities(np.arange(4), priorities)
+    counts = np.zeros(4)
+    draws = 0
+    for _ in range(200):
+        slots, _ = buf._draw(64)
+        counts += np.bincount(buf._slot_index[slots], minlength=4)
+        draws += 64
+    expected = np.sqrt(priorities) / np.sqrt(priorities).sum()
+    # Binomial bounds: 5 standard deviations per index.
+    sd = np.sqrt(draws * expected * (1 - expected))
+    assert (np.abs(counts - draws * expected) < 5 * sd).all(), (counts / draws, expected)
+
+
+async def test_importance_weights_are_normalised_to_the_rarest_item(tiers: tuple[BlockStore, MetaDb]) -> None:
+    buf = make(tiers, sampler="prioritized", alpha=1.0, beta=1.0, epsilon=0.0, batch_size=16)
+    await buf.append([b"a", b"b"])
+    buf.update_priorities(np.array([0, 1]), np.array([1.0, 3.0]))
+    slots, weights = buf._draw(16)
+    for slot, weight in zip(slots, weights, strict=True):
+        # w = (N P)^-beta / max_w; P = p / 4; the rarest item (p = 1) has weight 1.
+        assert weight == pytest.approx(1.0 if buf._slot_index[slot] == 0 else 1 / 3, rel=1e-6)
+
+
+async def test_priority_update_with_one_bad_pair_applies_none(tiers: tuple[BlockStore, MetaDb]) -> None:
+    buf = make(tiers, sampler="prioritized")
+    await buf.append([b"a", b"b"])
+    before = buf._priority.copy()
+    with pytest.raises(InvalidArgument, match="no live item 7; none applied"):
+        buf.update_priorities(np.array([0, 7]), np.array([5.0, 1.0]))
+    with pytest.raises(InvalidArgument, match="priority must be finite and >= 0, got nan for index 1"):
+        buf.update_priorities(np.array([0, 1]), np.array([5.0, np.nan]))
+    assert (buf._priority == before).all()
+
+
+async def test_new_items_get_the_current_max_priority(tiers: tuple[BlockStore, MetaDb]) -> None:
+    buf = make(tiers, sampler="prioritized")
+    await buf.append([b"a"])
+    buf.update_priorities(np.array([0]), np.array([7.0]))
+    await buf.append([b"b"])
+    assert buf._priority[1] == pytest.approx(7.0)
+
+
+async def test_max_times_sampled_removes_items(tiers: tuple[BlockStore, MetaDb]) -> None:
+    buf = make(tiers, sampler="fifo", max_times_sampled=1, batch_size=2)
+    await buf.append([b"a", b"b", b"c"])
+    assert (await buf.sample()).indices.tolist() == [0, 1]
+    assert buf.live_indices().tolist() == [2]
+    assert (await buf.sample(1)).indices.tolist() == [2]
+    assert buf.size == 0
+
+
+async def test_sample_waits_for_min_size_then_times_out_or_fails_nonblocking(
+    tiers: tuple[BlockStore, MetaDb],
+) -> None:
+    buf = make(tiers, min_size_to_sample=2, sample_timeout=0.2)
+    await buf.append([b"a"])
+    with pytest.raises(TryAgain, match="would block"):
+        await buf.sample(1, nonblocking=True)
+    with pytest.raises(TryAgain, match="after sample_timeout=0.2 s"):
+        await buf.sample(1)
+    assert buf.samples == 0  # nothing counted when it fails
+
+    async def late_append() -> None:
+        await trio.sleep(0.05)
+        await buf.append([b"b"])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(late_append)
+        batch = await buf.sample(1)
+    assert len(batch.indices) == 1
+
+
+async def test_appends_block_when_they_run_ahead_of_samples(tiers: tuple[BlockStore, MetaDb]) -> None:
+    buf = make(tiers, samples_per_insert=1.0, error_margin=2.0, min_size_to_sample=1, batch_size=1, sample_timeout=0.2)
+    await buf.append([b"a", b"b"])
+    with pytest.raises(TryAgain, match="append"):
+        await buf.append([b"c", b"d"])  # diff would pass 1 + 2
+    assert buf.inserts == 3
+    await buf.sample(1)
+    await buf.append([b"e"])
+
+
+async def test_capacity_grows_with_items_and_keeps_them(tiers: tuple[BlockStore, MetaDb]) -> None:
+    buf = make(tiers, capacity=3)
+    await buf.append([b"a", b"b", b"c", b"d"])
+    buf.reconfigure({"capacity": 5})
+    assert buf.live_indices().tolist() == [1, 2, 3]
+    await buf.append([b"e", b"f"])
+    assert buf.live_indices().tolist() == [1, 2, 3, 4, 5]
+    assert bytes(await buf.read_item(1)) == b"b"
+
+
+async def test_store_restores_items_priorities_and_counters(tmp_path: Path) -> None:
+    def open_tiers() -> tuple[BlockStore, MetaDb]:
+        meta = MetaDb.open(str(tmp_path / "meta.sqlite"))
+        return BlockStore(NvmeLog.open(str(tmp_path / "log")), DramCache(64 << 20), meta), meta
+
+    blocks, meta = open_tiers()
+    store = BufferStore.load(blocks, meta)
+    buf = store.create("dqn", BufferConfig(capacity=4, sampler="prioritized", compression="zstd:3"))
+    await buf.append([b"item-%d" % i * 100 for i in range(6)])
+    buf.update_priorities(np.array([3, 4]), np.array([2.0, 5.0]))
+    store.snapshot()
+    await buf.append([b"late"])
+    await buf.persist()
+    await blocks.close()
+    meta.close()
+
+    blocks, meta = open_tiers()
+    store = BufferStore.load(blocks, meta)
+    buf = store.get("dqn")
+    assert buf.live_indices().tolist() == [3, 4, 5, 6]
+    assert bytes(await buf.read_item(4)) == b"item-4" * 100
+    assert buf._priority[3 % 4] == 2.0 and buf._priority[4 % 4] == 5.0
+    assert buf._priority[6 % 4] == 5.0  # newer than the snapshot: the max
+    assert (buf.next_index, buf.inserts) == (7, 7)
+    assert buf.item_size(4) == 600
+    await blocks.close()
+    meta.close()
