@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument("--flush-interval", type=_positive_float, default=1.0, metavar="S")
     mount.add_argument("--sync-interval", type=_positive_float, default=5.0, metavar="S")
     mount.add_argument("--compact-interval", type=_positive_float, default=5.0, metavar="S")
+    mount.add_argument(
+        "--snapshot-interval", type=_positive_float, default=5.0, metavar="S",
+        help="how often buffer priorities are persisted (default 5 s)",
+    )  # fmt: skip
     mount.add_argument("--segment-size", default="64MiB", help="log segment size (default 64MiB)")
     mount.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
 
@@ -118,6 +122,7 @@ def _daemon_config(args: argparse.Namespace) -> Any:
         flush_interval_s=args.flush_interval,
         sync_interval_s=args.sync_interval,
         compact_interval_s=args.compact_interval,
+        snapshot_interval_s=args.snapshot_interval,
     )
     config.validate()
     return config
@@ -170,7 +175,8 @@ def start_background(config: Any, args: argparse.Namespace) -> int:
         "--data-dir", config.data_dir, "--dram-budget", str(config.dram_budget_bytes),
         "--segment-size", str(config.segment_bytes),
         "--flush-interval", str(config.flush_interval_s), "--sync-interval", str(config.sync_interval_s),
-        "--compact-interval", str(config.compact_interval_s), "--ready-fd", str(write_fd),
+        "--compact-interval", str(config.compact_interval_s),
+        "--snapshot-interval", str(config.snapshot_interval_s), "--ready-fd", str(write_fd),
     ]  # fmt: skip
     if config.allow_other:
         argv.append("--allow-other")

@@ -22,9 +22,11 @@ import pyfuse3
 import trio
 
 from distorefs.errors import ConfigError
+from distorefs.fs.buffers import BuffersDir
 from distorefs.fs.control import MountInfo, VirtualTree
 from distorefs.fs.ops import FsOperations
 from distorefs.stores.files import FileStore
+from distorefs.stores.replay.store import BufferStore
 from distorefs.tiers.blocks import DEFAULT_BLOCK_BYTES, BlockStore
 from distorefs.tiers.dram import DramCache
 from distorefs.tiers.metadb import MetaDb
@@ -48,6 +50,7 @@ class DaemonConfig:
     sync_interval_s: float = 5.0
     compact_interval_s: float = 5.0
     compact_min_dead_ratio: float = 0.5
+    snapshot_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mountpoint", os.path.abspath(self.mountpoint))
@@ -56,7 +59,7 @@ class DaemonConfig:
     def validate(self) -> None:
         if self.dram_budget_bytes < MIN_DRAM_BUDGET_BYTES:
             raise ConfigError(f"--dram-budget must be >= 8MiB, got {self.dram_budget_bytes} bytes")
-        for name in ("flush_interval_s", "sync_interval_s", "compact_interval_s"):
+        for name in ("flush_interval_s", "sync_interval_s", "compact_interval_s", "snapshot_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0.0 < self.compact_min_dead_ratio <= 1.0:
@@ -120,7 +123,9 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
         try:
             blocks = BlockStore(nvme_log, DramCache(config.dram_budget_bytes), meta, config.block_bytes)
             files = FileStore.load(blocks, meta)
+            buffers = BufferStore.load(blocks, meta)
             virtual = VirtualTree(MountInfo(os.getpid(), data_dir, config.mountpoint, time.time_ns()), files, blocks)
+            virtual.install(BuffersDir(virtual, buffers))
             ops = FsOperations(files, virtual, data_dir, config.block_bytes)
             await blocks.commit(durable=True)
             log.info(
@@ -143,6 +148,7 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
                         name="compactor",
                     )  # fmt: skip
                     nursery.start_soon(blocks.run_prefetcher, name="prefetcher")
+                    nursery.start_soon(buffers.run_snapshots, config.snapshot_interval_s, name="snapshots")
                     nursery.start_soon(_stop_on_signal, name="signals")
                     nursery.start_soon(_tune_after_init, config.mountpoint, name="tune")
                     ready(f"distorefs: mounted {config.mountpoint} (pid {os.getpid()}, data dir {data_dir})")
@@ -152,6 +158,7 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
                 pyfuse3.close(unmount=True)
                 log.info("unmounted %s; persisting", config.mountpoint)
                 with trio.CancelScope(shield=True):
+                    buffers.snapshot()
                     await blocks.close()
         finally:
             meta.close()

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from distorefs import __version__
+import trio
+
 from distorefs.errors import NotFound, ReadOnly
 from distorefs.stores.files import FileStore
 from distorefs.tiers.blocks import BlockStore
@@ -38,22 +40,84 @@ class MountInfo:
 
 
 class VirtualNode:
+    """A node that is not a file of the POSIX tree. `size` is what stat shows."""
+
     def __init__(self, ino: int, name: bytes, mode: int) -> None:
         self.ino = ino
         self.name = name
         self.mode = mode
         self.mtime_ns = time.time_ns()
 
+    @property
+    def size(self) -> int:
+        return 0
 
-class ControlFile(VirtualNode):
+
+class VirtualHandle:
+    """One open of a virtual file. Reads and writes go here; `direct_io` means every read
+    reaches the daemon (control files have size 0 and are read to EOF)."""
+
+    direct_io = True
+
+    async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
+        await trio.lowlevel.checkpoint()
+        return b""
+
+    async def write(self, offset: int, data: bytes) -> int:
+        raise ReadOnly("this file is read-only")
+
+    def truncate(self) -> None:
+        """truncate(0) through this open (O_TRUNC without atomic_o_trunc): nothing by default."""
+
+    async def flush(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def release(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+class RenderedHandle(VirtualHandle):
+    """Serves bytes rendered once at open, so one open reads one consistent snapshot."""
+
+    def __init__(self, content: bytes) -> None:
+        self.content = content
+
+    async def read(self, offset: int, size: int) -> bytes:
+        await trio.lowlevel.checkpoint()
+        return self.content[offset : offset + size]
+
+
+class VirtualFile(VirtualNode):
+    """A file whose opens get handles from `open`."""
+
+    writable = False
+
+    async def open(self, flags: int, pid: int) -> VirtualHandle:
+        raise NotImplementedError
+
+    def truncate(self) -> None:
+        """O_TRUNC or truncate(0): allowed on writable control files (a no-op there)."""
+        if not self.writable:
+            raise ReadOnly(f"{self.name.decode()} is read-only")
+
+
+class ControlFile(VirtualFile):
     """A read-only file of size 0 whose content is rendered per open (like /proc)."""
 
     def __init__(self, ino: int, name: bytes, render: Callable[[], bytes]) -> None:
         super().__init__(ino, name, stat.S_IFREG | 0o444)
         self.render = render
 
+    async def open(self, flags: int, pid: int) -> VirtualHandle:
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            raise ReadOnly(f"{self.name.decode()} is read-only")
+        await trio.lowlevel.checkpoint()
+        return RenderedHandle(self.render())
+
 
 class VirtualDir(VirtualNode):
+    """A directory of virtual nodes. Kinds override lookup/entries and the changes."""
+
     def __init__(self, ino: int, name: bytes, mode: int = stat.S_IFDIR | 0o555) -> None:
         super().__init__(ino, name, mode)
         self.children: dict[bytes, VirtualNode] = {}
@@ -64,11 +128,21 @@ class VirtualDir(VirtualNode):
             raise NotFound(f"no entry {name.decode(errors='replace')!r} in {self.name.decode()}/")
         return node
 
-    def entries(self) -> list[tuple[bytes, VirtualNode]]:
-        return list(self.children.items())
+    def entries(self) -> list[tuple[bytes, int]]:
+        """(name, inode) of each entry, for readdir."""
+        return [(name, node.ino) for name, node in self.children.items()]
 
     def refuse(self, what: str) -> ReadOnly:
         return ReadOnly(f"{self.name.decode()}/ is read-only: cannot {what}")
+
+    async def mkdir(self, name: bytes, mode: int) -> VirtualNode:
+        raise self.refuse("create directories")
+
+    async def rmdir(self, name: bytes) -> None:
+        raise self.refuse("remove directories")
+
+    async def unlink(self, name: bytes) -> None:
+        raise self.refuse("remove files")
 
 
 class KindDirectory(VirtualDir):
@@ -91,6 +165,7 @@ class VirtualTree:
 
     def __init__(self, info: MountInfo, files: FileStore, blocks: BlockStore) -> None:
         self._next = VIRTUAL_BASE
+        self._resolvers: list[tuple[int, int, Callable[[int], VirtualNode]]] = []
         self.degraded = False  # set by the fs layer after an internal error
         self.nodes: dict[int, VirtualNode] = {}
         self.root_nodes: dict[bytes, VirtualNode] = {}
@@ -109,8 +184,30 @@ class VirtualTree:
             self._add_root(PlannedKind(self._ino(), name, arrives_with))
 
     def _ino(self) -> int:
+        return self.new_ino()
+
+    def new_ino(self) -> int:
+        """A fresh inode number for a node that a kind creates (kept until unregistered)."""
         self._next += 1
         return self._next
+
+    def register(self, node: VirtualNode) -> VirtualNode:
+        self.nodes[node.ino] = node
+        return node
+
+    def unregister(self, ino: int) -> None:
+        self.nodes.pop(ino, None)
+
+    def add_resolver(self, low: int, high: int, resolve: Callable[[int], VirtualNode]) -> None:
+        """Inodes in [low, high) are computed by `resolve` (nodes too many to keep, like items)."""
+        self._resolvers.append((low, high, resolve))
+
+    def install(self, kind: KindDirectory) -> None:
+        """Put a kind at its reserved root name, replacing the placeholder."""
+        old = self.root_nodes.get(kind.name)
+        if old is not None:
+            self.unregister(old.ino)
+        self._add_root(kind)
 
     def _add_root(self, node: VirtualNode) -> VirtualNode:
         self.nodes[node.ino] = node
@@ -126,9 +223,12 @@ class VirtualTree:
 
     def get(self, ino: int) -> VirtualNode:
         node = self.nodes.get(ino)
-        if node is None:
-            raise NotFound(f"no virtual inode {ino}")
-        return node
+        if node is not None:
+            return node
+        for low, high, resolve in self._resolvers:
+            if low <= ino < high:
+                return resolve(ino)
+        raise NotFound(f"no virtual inode {ino}")
 
     # --- renderers ----------------------------------------------------------------------
 

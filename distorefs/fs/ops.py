@@ -24,7 +24,7 @@ from typing import Any, ParamSpec, TypeVar
 import pyfuse3
 
 from distorefs.errors import Busy, DistorefsError, Exists, NotPermitted, ReadOnly
-from distorefs.fs.control import ControlFile, VirtualDir, VirtualNode, VirtualTree
+from distorefs.fs.control import VirtualDir, VirtualFile, VirtualHandle, VirtualNode, VirtualTree
 from distorefs.stores.files import ROOT_INODE, FileStore, Inode
 from distorefs.types import FileHandle
 
@@ -39,12 +39,12 @@ ATTR_TIMEOUT_S = 1.0
 
 @dataclass
 class Handle:
-    """An open file or directory. `content` holds a control file's rendered bytes;
-    `entries` a directory's snapshot for readdir."""
+    """An open file or directory. `vhandle` serves a virtual file's reads and writes;
+    `entries` is a directory's snapshot for readdir."""
 
     ino: int
     virtual: bool
-    content: bytes = b""
+    vhandle: VirtualHandle | None = None
     entries: list[tuple[bytes, int]] = field(default_factory=list)
 
 
@@ -125,12 +125,12 @@ class FsOperations(pyfuse3.Operations):
         root = self.files.get(ROOT_INODE)
         attr.st_ino = node.ino
         attr.entry_timeout = ATTR_TIMEOUT_S
-        attr.attr_timeout = 0 if isinstance(node, ControlFile) else ATTR_TIMEOUT_S
+        attr.attr_timeout = 0 if isinstance(node, VirtualFile) else ATTR_TIMEOUT_S
         attr.st_mode = node.mode
         attr.st_nlink = 2 if isinstance(node, VirtualDir) else 1
         attr.st_uid = root.uid
         attr.st_gid = root.gid
-        attr.st_size = 0
+        attr.st_size = node.size
         attr.st_blksize = 4096
         attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = node.mtime_ns
         return attr
@@ -199,7 +199,23 @@ class FsOperations(pyfuse3.Operations):
         ctx: pyfuse3.RequestContext,
     ) -> pyfuse3.EntryAttributes:
         if inode in self.virtual:
-            raise ReadOnly("virtual nodes cannot change their attributes")
+            node = self.virtual.get(inode)
+            only_truncate = (
+                fields.update_size
+                and attr.st_size == 0
+                and not (fields.update_mode or fields.update_uid or fields.update_gid)
+            )
+            if isinstance(node, VirtualFile) and only_truncate:
+                node.truncate()
+                handle = self._handles.get(fh) if fh is not None else None
+                if handle is not None and handle.vhandle is not None:
+                    handle.vhandle.truncate()
+                return self._virtual_attrs(node)
+            if isinstance(node, VirtualFile) and fields.update_size:
+                raise ReadOnly(f"{node.name.decode()} can only be truncated to 0")
+            if fields.update_atime or fields.update_mtime:
+                return self._virtual_attrs(node)  # touch: accepted, not kept
+            raise NotPermitted("virtual nodes cannot change their owner or mode")
         changed = await self.files.setattr(
             inode,
             mode=attr.st_mode if fields.update_mode else None,
@@ -247,7 +263,9 @@ class FsOperations(pyfuse3.Operations):
     async def mkdir(
         self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
-        self._guard_virtual_parent(parent_inode, "create directories")
+        vdir = self._virtual_dir(parent_inode)
+        if vdir is not None:
+            return self._virtual_attrs(await vdir.mkdir(name, mode))
         if parent_inode == ROOT_INODE and (name in self.virtual.root_nodes or name == CHECKPOINTS):
             raise Exists(f"{name.decode()}/ exists (reserved)")
         return self._entry(self.files.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
@@ -272,13 +290,19 @@ class FsOperations(pyfuse3.Operations):
 
     @_translate(mutates=True)
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        self._guard_virtual_parent(parent_inode, "remove files")
+        vdir = self._virtual_dir(parent_inode)
+        if vdir is not None:
+            await vdir.unlink(name)
+            return
         self._guard_reserved(parent_inode, name, "remove it")
         self.files.unlink(parent_inode, name)
 
     @_translate(mutates=True)
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        self._guard_virtual_parent(parent_inode, "remove directories")
+        vdir = self._virtual_dir(parent_inode)
+        if vdir is not None:
+            await vdir.rmdir(name)
+            return
         self._guard_reserved(parent_inode, name, "remove it")
         self.files.rmdir(parent_inode, name)
 
@@ -304,12 +328,11 @@ class FsOperations(pyfuse3.Operations):
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         if inode in self.virtual:
             node = self.virtual.get(inode)
-            if not isinstance(node, ControlFile):
+            if not isinstance(node, VirtualFile):
                 raise NotPermitted("not a file")
-            if flags & os.O_ACCMODE != os.O_RDONLY:
-                raise ReadOnly(f"{node.name.decode()} is read-only")
-            fh = self._new_fh(Handle(inode, virtual=True, content=node.render()))
-            return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+            vhandle = await node.open(flags, ctx.pid)
+            fh = self._new_fh(Handle(inode, virtual=True, vhandle=vhandle))
+            return pyfuse3.FileInfo(fh=fh, direct_io=vhandle.direct_io, keep_cache=False)
         if flags & os.O_TRUNC and self.degraded:
             raise ReadOnly("the mount is degraded (read-only) after an internal error")
         inode_obj = self.files.get(inode)
@@ -335,21 +358,23 @@ class FsOperations(pyfuse3.Operations):
     @_translate(mutates=False)
     async def read(self, fh: int, off: int, size: int) -> bytes | bytearray | memoryview:  # type: ignore[override]
         handle = self._handles[fh]
-        if handle.virtual:
-            return handle.content[off : off + size]
+        if handle.vhandle is not None:
+            return await handle.vhandle.read(off, size)
         return await self.files.read(handle.ino, off, size)
 
     @_translate(mutates=True)
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         handle = self._handles[fh]
-        if handle.virtual:
-            raise ReadOnly("control file is read-only")
+        if handle.vhandle is not None:
+            return await handle.vhandle.write(off, buf)
         return await self.files.write(handle.ino, off, buf)
 
     @_translate(mutates=False)
     async def flush(self, fh: int) -> None:
         handle = self._handles[fh]
-        if not handle.virtual and not self.degraded:
+        if handle.vhandle is not None:
+            await handle.vhandle.flush()
+        elif not self.degraded:
             await self.files.flush(handle.ino)
 
     @_translate(mutates=False)
@@ -361,7 +386,9 @@ class FsOperations(pyfuse3.Operations):
     @_translate(mutates=False)
     async def release(self, fh: int) -> None:
         handle = self._handles.pop(fh)
-        if not handle.virtual:
+        if handle.vhandle is not None:
+            await handle.vhandle.release()
+        else:
             self.files.unref(handle.ino)
 
     # --- directories --------------------------------------------------------------------
@@ -370,8 +397,7 @@ class FsOperations(pyfuse3.Operations):
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> FileHandle:
         vdir = self._virtual_dir(inode)
         if vdir is not None:
-            entries = [(name, node.ino) for name, node in vdir.entries()]
-            return self._new_fh(Handle(inode, virtual=True, entries=entries))
+            return self._new_fh(Handle(inode, virtual=True, entries=vdir.entries()))
         entries = self.files.entries(inode)
         if inode == ROOT_INODE:
             entries = [(name, node.ino) for name, node in self.virtual.root_nodes.items()] + [
@@ -385,7 +411,10 @@ class FsOperations(pyfuse3.Operations):
         for position in range(start_id, len(entries)):
             name, ino = entries[position]
             if ino in self.virtual:
-                attrs = self._virtual_attrs(self.virtual.get(ino))
+                try:
+                    attrs = self._virtual_attrs(self.virtual.get(ino))
+                except DistorefsError:
+                    continue  # left since opendir (an item sampled away)
                 if not pyfuse3.readdir_reply(token, name, attrs, position + 1):
                     return
                 continue

@@ -54,9 +54,10 @@ def test_reserved_directories_cannot_be_removed_or_renamed(mounted: Mount) -> No
     assert excinfo.value.errno == errno.EEXIST
 
 
-def test_planned_kinds_refuse_writes_with_erofs(mounted: Mount) -> None:
+@pytest.mark.parametrize("kind", ["weights", "datasets"])
+def test_planned_kinds_refuse_writes_with_erofs(mounted: Mount, kind: str) -> None:
     with pytest.raises(OSError) as excinfo:
-        os.mkdir(mounted.path / "buffers" / "atari")
+        os.mkdir(mounted.path / kind / "x")
     assert excinfo.value.errno == errno.EROFS
 
 

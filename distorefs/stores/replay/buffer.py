@@ -76,6 +76,7 @@ class ReplayBuffer:
         self.blocked_readers = 0
         self.blocked_writers = 0
         self.errors: list[str] = []
+        self.deleted = False
         self._changed = trio.Event()
         self._snapshot_dirty = False
         self._snapshot: bytes | None = None  # the last staged snapshot; every row carries it
@@ -166,6 +167,15 @@ class ReplayBuffer:
                 self.blocked_readers -= 1
         raise TryAgain(f"buffers/{self.name}: {what} still blocked after sample_timeout={timeout} s")
 
+    def can_append(self, count: int) -> bool:
+        """Whether `count` appends would go through now without waiting."""
+        r = self.limiter
+        return all(r.can_insert(self.inserts + k, self.samples) for k in range(min(count, 64)))
+
+    def can_sample(self, count: int | None) -> bool:
+        count = count or self.config.batch_size
+        return self.limiter.can_sample(self.size, self.inserts, self.samples, count)
+
     # --- appending --------------------------------------------------------------------
 
     async def append(self, items: list[bytes], nonblocking: bool = False) -> list[int]:
@@ -217,8 +227,8 @@ class ReplayBuffer:
         """The raw priority whose scaled value is `scaled` (new items get the current max)."""
         cfg = self.config
         if cfg.alpha == 0:
-            return float(self._priority[self._slot_index >= 0].max()) if self.size else DEFAULT_PRIORITY
-        return max(scaled ** (1.0 / cfg.alpha) - cfg.epsilon, 0.0)
+            return float(np.max(self._priority[self._slot_index >= 0])) if self.size else DEFAULT_PRIORITY
+        return max(float(scaled ** (1.0 / cfg.alpha)) - cfg.epsilon, 0.0)
 
     async def persist(self, durable: bool = False) -> None:
         """Make every append so far survive a killed daemon (durable: a power loss too)."""

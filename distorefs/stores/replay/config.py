@@ -32,6 +32,7 @@ def parse_schema(name: str, raw: Any) -> np.dtype[Any] | None:
     for key, value in raw.items():
         if key in RESERVED_FIELDS:
             raise InvalidArgument(f"{name}.schema: field name {key!r} is reserved")
+        shape: tuple[Any, ...]
         if isinstance(value, str):
             dtype, shape = value, ()
         elif isinstance(value, dict) and "dtype" in value:
@@ -48,7 +49,7 @@ def parse_schema(name: str, raw: Any) -> np.dtype[Any] | None:
             raise InvalidArgument(f"{name}.schema.{key}: unknown dtype {dtype!r}") from None
         if np_dtype.hasobject or np_dtype.itemsize == 0:
             raise InvalidArgument(f"{name}.schema.{key}: dtype {dtype!r} has no fixed size")
-        if not all(isinstance(d, int) and d > 0 for d in shape):
+        if not all(isinstance(dim, int) and dim > 0 for dim in shape):
             raise InvalidArgument(f"{name}.schema.{key}: shape must be positive integers, got {list(shape)}")
         spec.append((key, np_dtype, shape))
     return np.dtype(spec)

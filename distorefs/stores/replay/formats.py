@@ -101,16 +101,20 @@ class RecordStream:
         del self._pending[: count * self.itemsize]
         return records
 
-    def finish(self) -> None:
-        """At close: a trailing partial record (or a short .npy) is an error."""
-        if self._pending and self._mode is not None:
+    def finish(self) -> list[bytes]:
+        """At a close: a trailing partial record (or a short .npy) is an error and is
+        dropped; otherwise nothing more to add (records were added as they arrived).
+        Writes after this start a new stream (a dup'ed descriptor may still write)."""
+        pending, npy_left = len(self._pending), self._npy_left
+        self._pending.clear()
+        self._mode, self._npy_left = None, None
+        if npy_left:
+            raise InvalidArgument(f"append: the .npy ended {npy_left} records short; the rest were added")
+        if pending:
             raise InvalidArgument(
-                f"append: {len(self._pending)} trailing bytes are not a whole record of {self.itemsize} bytes; not added"
+                f"append: {pending} trailing bytes are not a whole record of {self.itemsize} bytes; not added"
             )
-        if self._mode == "npy" and self._npy_left:
-            raise InvalidArgument(f"append: the .npy ended {self._npy_left} records short")
-        if self._pending:
-            raise InvalidArgument(f"append: {len(self._pending)} trailing bytes are not a whole record")
+        return []
 
 
 class BlobStream:
@@ -148,14 +152,18 @@ class BlobStream:
         return items
 
     def finish(self) -> list[bytes]:
-        """At close: the single item (unframed), or nothing more (framed, all complete)."""
-        if self._framed:
-            if self._pending:
-                raise InvalidArgument(f"append: a partial frame of {len(self._pending)} bytes at close; not added")
+        """At a close: the single item written since the last close (unframed), or nothing
+        more (framed, all complete). Writes after this start a new item or stream."""
+        framed, pending = self._framed, bytes(self._pending)
+        self._pending.clear()
+        self._framed = None
+        if framed:
+            if pending:
+                raise InvalidArgument(f"append: a partial frame of {len(pending)} bytes at close; not added")
             return []
-        if self._framed is None and not self._pending:
-            return []  # opened and closed without writing: nothing to add
-        return [bytes(self._pending)]
+        if not pending:
+            return []  # nothing written since the last close
+        return [pending]
 
 
 def frame_items(items: Sequence[bytes]) -> bytes:
@@ -167,7 +175,7 @@ def frame_items(items: Sequence[bytes]) -> bytes:
     return b"".join(parts)
 
 
-def parse_priorities(data: bytes) -> tuple[np.ndarray, np.ndarray] | None:
+def parse_priorities(data: bytes | bytearray) -> tuple[np.ndarray, np.ndarray] | None:
     """(indices int64, priorities float64) from a complete `priority` write, or None when
     more bytes are needed (text without its final newline, a short .npy)."""
     if data.startswith(NPY_MAGIC):

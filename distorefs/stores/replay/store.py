@@ -58,6 +58,12 @@ class BufferStore:
             raise NotFound(f"no buffer {name!r}")
         return buf
 
+    def by_owner(self, owner: int) -> ReplayBuffer:
+        for buf in self._buffers.values():
+            if buf.owner == owner:
+                return buf
+        raise NotFound(f"no buffer with owner {owner}")
+
     def __contains__(self, name: str) -> bool:
         return name in self._buffers
 
@@ -77,6 +83,7 @@ class BufferStore:
         """Remove the buffer and all its items (their log space is reclaimed by compaction)."""
         buf = self.get(name)
         buf.delete_all()
+        buf.deleted = True
         del self._buffers[name]
         self._meta.delete("buffers", (name,))
 

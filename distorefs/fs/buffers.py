@@ -1,0 +1,472 @@
+"""The `buffers/` kind: replay buffers as directories of control files.
+
+Owns the FUSE side of buffers: the nodes (`config`, `append`, `sample`, `sample.N`,
+`priority`, `stats`, `items/<index>`), what each open's handle does with reads and
+writes, and turning a signal to a blocked reader into EINTR. The buffers themselves are
+stores/replay; nothing here keeps buffer state.
+
+Item inodes are computed, not stored: ITEM_BASE | buffer number << 36 | index, so a
+million items cost no memory here.
+
+Blocking reads and writes (`sample` below min_size_to_sample, `append` held by the rate
+limiter) poll the caller's pending signals in /proc every 50 ms while they wait. pyfuse3
+has no FUSE_INTERRUPT hook, so this is how a signal interrupts them with EINTR.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import trio
+
+from distorefs.errors import (
+    DistorefsError,
+    Interrupted,
+    InvalidArgument,
+    IsADirectory,
+    NotFound,
+    ReadOnly,
+)
+from distorefs.fs.control import (
+    VIRTUAL_BASE,
+    ControlFile,
+    KindDirectory,
+    RenderedHandle,
+    VirtualDir,
+    VirtualFile,
+    VirtualHandle,
+    VirtualNode,
+    VirtualTree,
+)
+from distorefs.stores.replay.buffer import ReplayBuffer
+from distorefs.stores.replay.formats import BlobStream, RecordStream, parse_priorities
+from distorefs.stores.replay.store import BUFFER_OWNER_BASE, BufferStore
+
+T = TypeVar("T")
+
+ITEM_BASE = VIRTUAL_BASE | (1 << 61)
+INDEX_BITS = 36
+SIGNAL_POLL_S = 0.05
+CONTROL_NAMES = (b"config", b"append", b"sample", b"priority", b"stats")
+MAX_SAMPLE_COUNT = 1 << 20
+
+
+def signal_pending(pid: int) -> bool:
+    """True when thread `pid` has a pending signal it neither blocks nor ignores (or is gone)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return True  # the caller is gone: stop waiting for it
+    try:
+        pending = int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+        return bool(pending & ~int(fields["SigBlk"], 16) & ~int(fields["SigIgn"], 16))
+    except (KeyError, ValueError):
+        return False
+
+
+async def interruptible(pid: int, wait: Callable[[], Awaitable[T]]) -> T:
+    """Run `wait`; if the process `pid` gets a signal meanwhile, cancel it: Interrupted.
+
+    Errors of `wait` (TryAgain ...) come out as themselves, not in an ExceptionGroup.
+    """
+    result: list[T] = []
+    failure: list[DistorefsError] = []
+    interrupted = False
+    async with trio.open_nursery() as nursery:
+
+        async def watch() -> None:
+            nonlocal interrupted
+            while True:
+                await trio.sleep(SIGNAL_POLL_S)
+                if signal_pending(pid):
+                    interrupted = True
+                    nursery.cancel_scope.cancel()
+                    return
+
+        nursery.start_soon(watch)
+        try:
+            result.append(await wait())
+        except DistorefsError as exc:
+            failure.append(exc)
+        nursery.cancel_scope.cancel()
+    if failure:
+        raise failure[0]
+    if not result:
+        assert interrupted
+        raise Interrupted("interrupted by a signal while waiting")
+    return result[0]
+
+
+def item_ino(buffer: ReplayBuffer, index: int) -> int:
+    return ITEM_BASE | ((buffer.owner - BUFFER_OWNER_BASE) << INDEX_BITS) | index
+
+
+def _recorded(buffer: ReplayBuffer, exc: DistorefsError) -> DistorefsError:
+    buffer.record_error(exc.message)
+    return exc
+
+
+# --- handles ----------------------------------------------------------------------------
+
+
+class ConfigHandle(RenderedHandle):
+    """Reads the config as JSON; a write of a complete JSON object applies it (or none)."""
+
+    def __init__(self, buffer: ReplayBuffer) -> None:
+        super().__init__((json.dumps(buffer.config.to_json(), indent=2, sort_keys=True) + "\n").encode())
+        self._buffer = buffer
+        self._pending = bytearray()
+
+    async def write(self, offset: int, data: bytes) -> int:
+        await trio.lowlevel.checkpoint()
+        self._pending += data
+        try:
+            changes = json.loads(self._pending)
+        except ValueError:
+            return len(data)  # not complete yet (or not JSON: flush will say)
+        self._pending.clear()
+        try:
+            self._buffer.reconfigure(changes)
+        except DistorefsError as exc:
+            raise _recorded(self._buffer, exc) from None
+        return len(data)
+
+    async def flush(self) -> None:
+        await trio.lowlevel.checkpoint()
+        if bytes(self._pending).strip():
+            text = bytes(self._pending[:60]).decode(errors="replace")
+            self._pending.clear()
+            raise _recorded(
+                self._buffer, InvalidArgument(f"buffers/{self._buffer.name}: config is not valid JSON: {text!r}")
+            )
+        await self._buffer.persist()
+
+
+class AppendHandle(VirtualHandle):
+    """Applies each complete record (or frame) as it arrives; close acknowledges."""
+
+    def __init__(self, buffer: ReplayBuffer, nonblocking: bool, pid: int) -> None:
+        self._buffer = buffer
+        self._nonblocking = nonblocking
+        self._pid = pid
+        dtype = buffer.config.dtype
+        self._stream: RecordStream | BlobStream = RecordStream(dtype) if dtype is not None else BlobStream()
+
+    async def _add(self, items: list[bytes]) -> None:
+        buffer = self._buffer
+        if buffer.deleted:
+            raise NotFound(f"buffers/{buffer.name} was removed")
+        if self._nonblocking or buffer.can_append(len(items)):
+            await buffer.append(items, nonblocking=self._nonblocking)
+        else:
+            await interruptible(self._pid, lambda: buffer.append(items))
+
+    async def write(self, offset: int, data: bytes) -> int:
+        try:
+            items = self._stream.feed(offset, data)
+        except InvalidArgument as exc:
+            raise _recorded(self._buffer, exc) from None
+        if items:
+            await self._add(items)
+        else:
+            await trio.lowlevel.checkpoint()
+        return len(data)
+
+    async def flush(self) -> None:
+        """Every close of a descriptor of this open (dup'ed ones too: bash dup2s the
+        file onto stdout and closes the original before it writes) finishes what has
+        arrived so far, and acknowledges it."""
+        try:
+            tail = self._stream.finish()
+        except InvalidArgument as exc:
+            raise _recorded(self._buffer, exc) from None
+        if tail:
+            await self._add(tail)
+        await self._buffer.persist()
+
+
+class SampleHandle(VirtualHandle):
+    """Draws its batch at the first read; the batch stays fixed for this open."""
+
+    def __init__(self, buffer: ReplayBuffer, count: int | None, nonblocking: bool, pid: int) -> None:
+        self._buffer = buffer
+        self._count = count
+        self._nonblocking = nonblocking
+        self._pid = pid
+        self._data: bytearray | None = None
+
+    async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
+        if self._data is None:
+            buffer, count = self._buffer, self._count
+            if self._nonblocking or buffer.can_sample(count):
+                batch = await buffer.sample(count, nonblocking=self._nonblocking)
+            else:
+                batch = await interruptible(self._pid, lambda: buffer.sample(count))
+            self._data = batch.data
+        else:
+            await trio.lowlevel.checkpoint()
+        return memoryview(self._data)[offset : offset + size]
+
+
+class PriorityHandle(VirtualHandle):
+    """Applies each complete chunk of (index, priority) pairs whole, or none of it."""
+
+    def __init__(self, buffer: ReplayBuffer) -> None:
+        self._buffer = buffer
+        self._pending = bytearray()
+
+    async def write(self, offset: int, data: bytes) -> int:
+        await trio.lowlevel.checkpoint()
+        self._pending += data
+        try:
+            parsed = parse_priorities(self._pending)
+            if parsed is not None:
+                self._pending.clear()
+                self._buffer.update_priorities(*parsed)
+        except DistorefsError as exc:
+            self._pending.clear()
+            raise _recorded(self._buffer, exc) from None
+        return len(data)
+
+    async def flush(self) -> None:
+        await trio.lowlevel.checkpoint()
+        if bytes(self._pending).strip():
+            self._pending.clear()
+            raise _recorded(
+                self._buffer,
+                InvalidArgument(f"buffers/{self._buffer.name}: priority input ended mid-record; not applied"),
+            )
+
+
+class ItemHandle(VirtualHandle):
+    """Reads an item; writes build its replacement, applied whole at close."""
+
+    def __init__(self, buffer: ReplayBuffer, index: int, truncate: bool) -> None:
+        self._buffer = buffer
+        self._index = index
+        self._content: bytearray | bytes | memoryview | None = bytearray() if truncate else None
+        self._dirty = truncate
+
+    async def _load(self) -> bytearray | bytes | memoryview:
+        if self._content is None:
+            self._content = await self._buffer.read_item(self._index)
+        return self._content
+
+    async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
+        content = await self._load()
+        return memoryview(content)[offset : offset + size]
+
+    async def write(self, offset: int, data: bytes) -> int:
+        content = await self._load()
+        if not isinstance(content, bytearray):
+            content = self._content = bytearray(content)
+        if offset > len(content):
+            content.extend(bytes(offset - len(content)))
+        content[offset : offset + len(data)] = data
+        self._dirty = True
+        return len(data)
+
+    def truncate(self) -> None:
+        self._content = bytearray()
+        self._dirty = True
+
+    async def flush(self) -> None:
+        if not self._dirty:
+            await trio.lowlevel.checkpoint()
+            return
+        self._dirty = False
+        assert self._content is not None
+        try:
+            await self._buffer.write_item(self._index, bytes(self._content))
+        except InvalidArgument as exc:
+            raise _recorded(self._buffer, exc) from None
+        await self._buffer.persist()
+
+
+# --- nodes ------------------------------------------------------------------------------
+
+
+class BufferFile(VirtualFile):
+    """A control file of one buffer; `make` builds the handle for an open."""
+
+    def __init__(
+        self,
+        ino: int,
+        name: bytes,
+        mode: int,
+        buffer: ReplayBuffer,
+        make: Callable[[int, int], VirtualHandle],
+        writable: bool,
+    ) -> None:
+        super().__init__(ino, name, stat.S_IFREG | mode)
+        self.buffer = buffer
+        self._make = make
+        self.writable = writable
+
+    async def open(self, flags: int, pid: int) -> VirtualHandle:
+        await trio.lowlevel.checkpoint()
+        if not self.writable and flags & os.O_ACCMODE != os.O_RDONLY:
+            raise ReadOnly(f"buffers/{self.buffer.name}/{self.name.decode()} is read-only")
+        return self._make(flags, pid)
+
+
+class ItemNode(VirtualFile):
+    writable = True
+
+    def __init__(self, buffer: ReplayBuffer, index: int) -> None:
+        super().__init__(item_ino(buffer, index), str(index).encode(), stat.S_IFREG | 0o644)
+        self.buffer = buffer
+        self.index = index
+
+    @property
+    def size(self) -> int:
+        return self.buffer.item_size(self.index)
+
+    async def open(self, flags: int, pid: int) -> VirtualHandle:
+        await trio.lowlevel.checkpoint()
+        self.buffer.item_size(self.index)  # NotFound if it left
+        return ItemHandle(self.buffer, self.index, truncate=bool(flags & os.O_TRUNC))
+
+
+class ItemsDir(VirtualDir):
+    """`items/`: one file per live index."""
+
+    def __init__(self, ino: int, buffer: ReplayBuffer) -> None:
+        super().__init__(ino, b"items", stat.S_IFDIR | 0o755)
+        self.buffer = buffer
+
+    def lookup(self, name: bytes) -> VirtualNode:
+        if not name.isdigit():
+            raise NotFound(f"buffers/{self.buffer.name}/items: {name.decode(errors='replace')!r} is not an index")
+        index = int(name)
+        self.buffer.item_size(index)  # NotFound if not live
+        return ItemNode(self.buffer, index)
+
+    def entries(self) -> list[tuple[bytes, int]]:
+        base = item_ino(self.buffer, 0)
+        return [(b"%d" % i, base | i) for i in self.buffer.live_indices().tolist()]
+
+    async def unlink(self, name: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+        node = self.lookup(name)
+        assert isinstance(node, ItemNode)
+        self.buffer.delete_item(node.index)
+
+
+class BufferDir(VirtualDir):
+    """`buffers/<name>/`: the control files and `items/`."""
+
+    def __init__(self, tree: VirtualTree, buffer: ReplayBuffer) -> None:
+        super().__init__(tree.new_ino(), buffer.name.encode(), stat.S_IFDIR | 0o755)
+        self._tree = tree
+        self.buffer = buffer
+        b = buffer
+        files = [
+            (b"config", 0o664, lambda flags, pid: ConfigHandle(b), True),
+            (b"append", 0o664, lambda flags, pid: AppendHandle(b, bool(flags & os.O_NONBLOCK), pid), True),
+            (b"sample", 0o444, lambda flags, pid: SampleHandle(b, None, bool(flags & os.O_NONBLOCK), pid), False),
+            (b"priority", 0o664, lambda flags, pid: PriorityHandle(b), True),
+        ]
+        for name, mode, make, writable in files:
+            self._add(BufferFile(tree.new_ino(), name, mode, buffer, make, writable))
+        self._add(ControlFile(tree.new_ino(), b"stats", lambda: (json.dumps(b.stats(), indent=2) + "\n").encode()))
+        self._add(ItemsDir(tree.new_ino(), buffer))
+        self._sized: dict[int, BufferFile] = {}
+
+    def _add(self, node: VirtualNode) -> None:
+        self.children[node.name] = node
+        self._tree.register(node)
+
+    def lookup(self, name: bytes) -> VirtualNode:
+        if name.startswith(b"sample.") and name[7:].isdigit():
+            return self._sized_sample(int(name[7:]))
+        return super().lookup(name)
+
+    def _sized_sample(self, count: int) -> BufferFile:
+        """`sample.N`: like `sample` with a batch of N (not listed by readdir)."""
+        if not 0 < count <= MAX_SAMPLE_COUNT:
+            raise NotFound(f"buffers/{self.buffer.name}/sample.{count}: batch size must be 1..{MAX_SAMPLE_COUNT}")
+        node = self._sized.get(count)
+        if node is None:
+            b = self.buffer
+            node = BufferFile(
+                self._tree.new_ino(),
+                b"sample.%d" % count,
+                0o444,
+                b,
+                lambda flags, pid: SampleHandle(b, count, bool(flags & os.O_NONBLOCK), pid),
+                False,
+            )
+            if len(self._sized) < 64:  # a few sizes are kept; others are made per lookup
+                self._sized[count] = node
+            self._tree.register(node)
+        return node
+
+    async def unlink(self, name: bytes) -> None:
+        """Control files come back: unlinking one is a no-op, so `rm -r` works."""
+        await trio.lowlevel.checkpoint()
+        if name not in CONTROL_NAMES:
+            raise NotFound(f"buffers/{self.buffer.name}: no file {name.decode(errors='replace')!r}")
+
+    async def rmdir(self, name: bytes) -> None:
+        """`items/` stays (a no-op, for `rm -r`); its items were unlinked one by one."""
+        await trio.lowlevel.checkpoint()
+        if name != b"items":
+            raise NotFound(f"buffers/{self.buffer.name}: no directory {name.decode(errors='replace')!r}")
+
+    def forget_nodes(self) -> None:
+        for node in [*self.children.values(), *self._sized.values(), self]:
+            self._tree.unregister(node.ino)
+
+
+class BuffersDir(KindDirectory):
+    """`buffers/`: mkdir creates a buffer, rmdir (or `rm -r`) deletes it with its data."""
+
+    def __init__(self, tree: VirtualTree, store: BufferStore) -> None:
+        super().__init__(tree.new_ino(), b"buffers", stat.S_IFDIR | 0o755)
+        self._tree = tree
+        self._store = store
+        self._dirs: dict[str, BufferDir] = {}
+        tree.add_resolver(ITEM_BASE, ITEM_BASE + (1 << 60), self._resolve_item)
+
+    def _dir(self, name: str) -> BufferDir:
+        node = self._dirs.get(name)
+        if node is None:
+            node = self._dirs[name] = BufferDir(self._tree, self._store.get(name))
+            self._tree.register(node)
+        return node
+
+    def lookup(self, name: bytes) -> VirtualNode:
+        return self._dir(name.decode(errors="surrogateescape"))
+
+    def entries(self) -> list[tuple[bytes, int]]:
+        return [(name.encode(), self._dir(name).ino) for name in self._store.names()]
+
+    async def mkdir(self, name: bytes, mode: int) -> VirtualNode:
+        await trio.lowlevel.checkpoint()
+        self._store.create(name.decode(errors="surrogateescape"))
+        return self._dir(name.decode(errors="surrogateescape"))
+
+    async def rmdir(self, name: bytes) -> None:
+        key = name.decode(errors="surrogateescape")
+        self._store.delete(key)
+        node = self._dirs.pop(key, None)
+        if node is not None:
+            node.forget_nodes()
+        await trio.lowlevel.checkpoint()
+
+    async def unlink(self, name: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+        raise IsADirectory(f"buffers/{name.decode(errors='replace')} is a directory: use rmdir or rm -r")
+
+    def _resolve_item(self, ino: int) -> VirtualNode:
+        number = (ino - ITEM_BASE) >> INDEX_BITS
+        index = ino & ((1 << INDEX_BITS) - 1)
+        buffer = self._store.by_owner(BUFFER_OWNER_BASE + number)
+        buffer.item_size(index)  # NotFound if it left
+        return ItemNode(buffer, index)
