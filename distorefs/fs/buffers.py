@@ -118,7 +118,7 @@ class ConfigHandle(RenderedHandle):
     """Reads the config as JSON; a write of a complete JSON object applies it (or none)."""
 
     def __init__(self, buffer: ReplayBuffer) -> None:
-        super().__init__((json.dumps(buffer.config.to_json(), indent=2, sort_keys=True) + "\n").encode())
+        super().__init__((json.dumps(buffer.config.to_json(), indent=2) + "\n").encode())
         self._buffer = buffer
         self._pending = bytearray()
 
@@ -170,6 +170,7 @@ class AppendHandle(VirtualHandle):
         try:
             items = self._stream.feed(offset, data)
         except InvalidArgument as exc:
+            self._stream.reset()  # the bad input is dropped; later writes start afresh
             raise _recorded(self._buffer, exc) from None
         if items:
             await self._add(items)

@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from distorefs import __version__
 import trio
 
+from distorefs import __version__
 from distorefs.errors import NotFound, ReadOnly
 from distorefs.stores.files import FileStore
 from distorefs.tiers.blocks import BlockStore

@@ -329,9 +329,23 @@ async def test_store_restores_items_priorities_and_counters(tmp_path: Path) -> N
     buf = store.get("dqn")
     assert buf.live_indices().tolist() == [3, 4, 5, 6]
     assert bytes(await buf.read_item(4)) == b"item-4" * 100
-    assert buf._priority[3 % 4] == 2.0 and buf._priority[4 % 4] == 5.0
+    assert buf._priority[3 % 4] == 2.0
+    assert buf._priority[4 % 4] == 5.0
     assert buf._priority[6 % 4] == 5.0  # newer than the snapshot: the max
     assert (buf.next_index, buf.inserts) == (7, 7)
     assert buf.item_size(4) == 600
     await blocks.close()
     meta.close()
+
+
+def test_a_stream_reset_after_bad_input_accepts_later_writes_at_their_offsets() -> None:
+    dtype = np.dtype([("a", "<i4")])
+    stream = RecordStream(dtype)
+    bad = io.BytesIO()
+    np.save(bad, np.zeros(2, dtype=[("x", "<f8")]))
+    with pytest.raises(InvalidArgument, match="is not the buffer's schema"):
+        stream.feed(0, bad.getvalue())
+    stream.reset()
+    good = np.array([(7,)], dtype=dtype).tobytes()
+    assert stream.feed(len(bad.getvalue()), good) == [good]
+    assert stream.finish() == []

@@ -111,7 +111,8 @@ class BufferConfig:
         return out
 
     def dumps(self) -> str:
-        return json.dumps(self.to_json(), sort_keys=True)
+        # Never sort keys: the schema's field order is its dtype's layout.
+        return json.dumps(self.to_json())
 
     @classmethod
     def from_json(cls, name: str, raw: dict[str, Any]) -> BufferConfig:

@@ -101,13 +101,17 @@ class RecordStream:
         del self._pending[: count * self.itemsize]
         return records
 
+    def reset(self) -> None:
+        """Drop what is pending; the next write starts a new stream at the same offset."""
+        self._pending.clear()
+        self._mode, self._npy_left = None, None
+
     def finish(self) -> list[bytes]:
         """At a close: a trailing partial record (or a short .npy) is an error and is
         dropped; otherwise nothing more to add (records were added as they arrived).
         Writes after this start a new stream (a dup'ed descriptor may still write)."""
         pending, npy_left = len(self._pending), self._npy_left
-        self._pending.clear()
-        self._mode, self._npy_left = None, None
+        self.reset()
         if npy_left:
             raise InvalidArgument(f"append: the .npy ended {npy_left} records short; the rest were added")
         if pending:
@@ -151,12 +155,16 @@ class BlobStream:
             del self._pending[: FRAME.size + length]
         return items
 
+    def reset(self) -> None:
+        """Drop what is pending; the next write starts a new item or stream."""
+        self._pending.clear()
+        self._framed = None
+
     def finish(self) -> list[bytes]:
         """At a close: the single item written since the last close (unframed), or nothing
         more (framed, all complete). Writes after this start a new item or stream."""
         framed, pending = self._framed, bytes(self._pending)
-        self._pending.clear()
-        self._framed = None
+        self.reset()
         if framed:
             if pending:
                 raise InvalidArgument(f"append: a partial frame of {len(pending)} bytes at close; not added")
@@ -216,7 +224,8 @@ def parse_priorities(data: bytes | bytearray) -> tuple[np.ndarray, np.ndarray] |
 
 def batch_dtype(schema: np.dtype[Any]) -> np.dtype[Any]:
     """The schema's record followed by `_index` (int64) and `_weight` (float32), packed."""
-    assert schema.names is not None and schema.fields is not None
+    assert schema.names is not None
+    assert schema.fields is not None
     names = list(schema.names) + ["_index", "_weight"]
     formats = [schema.fields[n][0] for n in schema.names] + [np.dtype("<i8"), np.dtype("<f4")]
     offsets = [schema.fields[n][1] for n in schema.names] + [schema.itemsize, schema.itemsize + 8]

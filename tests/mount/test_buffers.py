@@ -1,0 +1,407 @@
+"""Replay buffers through a real mount: every file, the errors, shells, numpy, processes."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distorefs import client
+from tests.conftest import Mount
+
+pytestmark = pytest.mark.mount
+
+MountFactory = Callable[..., Mount]
+SCHEMA = {"obs": {"dtype": "uint8", "shape": [8]}, "reward": "float32", "done": "bool"}
+
+
+@pytest.fixture
+def buffer(mounted: Mount, request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A fresh buffer for one test, removed afterwards."""
+    path = mounted.path / "buffers" / request.node.name.replace("[", "_").replace("]", "_")[:60]
+    path.mkdir()
+    yield path
+    if path.exists():
+        os.rmdir(path)
+
+
+def configure(path: Path, **changes: object) -> None:
+    (path / "config").write_text(json.dumps(changes))
+
+
+def stats(path: Path) -> dict[str, object]:
+    result: dict[str, object] = json.loads(client.read_all(path / "stats"))
+    return result
+
+
+def records(n: int, start: int = 0) -> np.ndarray:
+    dtype = np.dtype([("obs", "u1", (8,)), ("reward", "<f4"), ("done", "?")])
+    out = np.zeros(n, dtype=dtype)
+    out["obs"] = (np.arange(start, start + n) % 256)[:, None]
+    out["reward"] = np.arange(start, start + n) * 0.5
+    out["done"] = np.arange(start, start + n) % 2 == 0
+    return out
+
+
+def errno_of(fn: Callable[[], object]) -> int:
+    with pytest.raises(OSError) as excinfo:
+        fn()
+    return int(excinfo.value.errno or 0)
+
+
+# --- creating and configuring ----------------------------------------------------------
+
+
+def test_mkdir_creates_a_buffer_with_its_files_and_ls_lists_it(mounted: Mount, buffer: Path) -> None:
+    assert buffer.name in os.listdir(mounted.path / "buffers")
+    assert sorted(os.listdir(buffer)) == ["append", "config", "items", "priority", "sample", "stats"]
+    config = json.loads((buffer / "config").read_text())
+    assert config["capacity"] == 100_000
+    assert config["sampler"] == "uniform"
+
+
+def test_config_takes_json_and_bad_updates_leave_it_as_it_was(buffer: Path) -> None:
+    configure(buffer, capacity=50, sampler="prioritized", batch_size=4)
+    before = (buffer / "config").read_text()
+    assert json.loads(before)["capacity"] == 50
+    assert errno_of(lambda: configure(buffer, capacity=10, colour="red")) == errno.EINVAL
+    assert errno_of(lambda: configure(buffer, batch_size=-1)) == errno.EINVAL
+    assert errno_of(lambda: (buffer / "config").write_text("{not json")) == errno.EINVAL
+    assert (buffer / "config").read_text() == before
+    errors = stats(buffer)["errors"]
+    assert isinstance(errors, list)
+    assert any("unknown config field 'colour'" in e for e in errors)
+
+
+def test_schema_and_capacity_shrink_are_ebusy_once_items_exist(buffer: Path) -> None:
+    configure(buffer, schema=SCHEMA, capacity=10)
+    client.append(buffer, records(2))
+    assert errno_of(lambda: configure(buffer, schema={"x": "float64"})) == errno.EBUSY
+    assert errno_of(lambda: configure(buffer, capacity=5)) == errno.EBUSY
+    configure(buffer, capacity=20)
+    assert json.loads((buffer / "config").read_text())["capacity"] == 20
+
+
+def test_rm_r_deletes_the_buffer_and_its_data(mounted: Mount) -> None:
+    path = mounted.path / "buffers" / "doomed"
+    path.mkdir()
+    client.append(path, [b"x" * 1000] * 5)
+    subprocess.run(["rm", "-r", str(path)], check=True)
+    assert not path.exists()
+    assert "doomed" not in os.listdir(mounted.path / "buffers")
+    path.mkdir()  # the name can be used again, empty
+    assert os.listdir(path / "items") == []
+    os.rmdir(path)
+
+
+# --- writing ---------------------------------------------------------------------------
+
+
+def test_shell_session_echo_cat_ls_rm(buffer: Path) -> None:
+    script = f"""
+    set -e
+    cd {buffer}
+    echo '{{"capacity": 3, "batch_size": 2, "sampler": "fifo"}}' > config
+    for i in 1 2 3 4; do echo "item $i" > append; done
+    ls items
+    cat items/3
+    rm items/2
+    ls items
+    """
+    out = subprocess.run(["bash", "-c", script], check=True, capture_output=True, text=True).stdout
+    assert out.split() == ["1", "2", "3", "item", "4", "1", "3"]
+    assert stats(buffer)["size"] == 2
+
+
+def test_schema_records_raw_and_npy_round_trip_through_sample(buffer: Path) -> None:
+    configure(buffer, schema=SCHEMA, batch_size=16, sampler="uniform")
+    with open(buffer / "append", "wb") as f:
+        f.write(records(5).tobytes())  # raw records
+    client.append(buffer, records(5, start=5))  # one .npy
+    assert sorted(int(n) for n in os.listdir(buffer / "items")) == list(range(10))
+    with open(buffer / "sample", "rb") as f:
+        batch = np.load(f)
+    assert batch.dtype.names == ("obs", "reward", "done", "_index", "_weight")
+    assert len(batch) == 16
+    for row in batch:
+        expected = records(1, start=int(row["_index"]))[0]
+        assert row["obs"].tolist() == expected["obs"].tolist()
+        assert row["reward"] == expected["reward"]
+        assert row["done"] == expected["done"]
+        assert row["_weight"] == 1.0
+    assert (buffer / "items" / "7").read_bytes() == records(1, start=7).tobytes()
+
+
+def test_trailing_partial_record_fails_the_close_and_is_not_added(buffer: Path) -> None:
+    configure(buffer, schema=SCHEMA)
+    data = records(3).tobytes()
+    f = open(buffer / "append", "wb", buffering=0)  # noqa: SIM115 - close is what we test
+    f.write(data[:-5])
+    with pytest.raises(OSError) as excinfo:
+        f.close()
+    assert excinfo.value.errno == errno.EINVAL
+    assert stats(buffer)["size"] == 2  # the two whole records were applied in order
+
+
+def test_a_npy_of_another_dtype_is_refused(buffer: Path) -> None:
+    configure(buffer, schema=SCHEMA)
+    out = io.BytesIO()
+    np.save(out, np.zeros(3, dtype=[("x", "<f8")]))
+    assert errno_of(lambda: (buffer / "append").write_bytes(out.getvalue())) == errno.EINVAL
+    assert stats(buffer)["size"] == 0
+
+
+def test_blob_items_one_per_open_and_framed_streams(buffer: Path) -> None:
+    (buffer / "append").write_bytes(b"first")
+    client.append(buffer, [b"second", b"", b"x" * 300_000])
+    assert sorted(os.listdir(buffer / "items"), key=int) == ["0", "1", "2", "3"]
+    assert (buffer / "items" / "3").read_bytes() == b"x" * 300_000
+    assert os.stat(buffer / "items" / "3").st_size == 300_000
+    batch = client.sample(buffer, batch_size=50)
+    assert len(batch) == 50
+    by_index = {0: b"first", 1: b"second", 2: b"", 3: b"x" * 300_000}
+    for index, weight, item in batch:
+        assert item == by_index[index]
+        assert weight == 1.0
+
+
+def test_items_can_be_overwritten_and_unlinked(buffer: Path) -> None:
+    configure(buffer, schema=SCHEMA)
+    client.append(buffer, records(3))
+    new = records(1, start=200).tobytes()
+    (buffer / "items" / "1").write_bytes(new)
+    assert (buffer / "items" / "1").read_bytes() == new
+    assert errno_of(lambda: (buffer / "items" / "1").write_bytes(b"short")) == errno.EINVAL
+    assert (buffer / "items" / "1").read_bytes() == new
+    os.unlink(buffer / "items" / "0")
+    assert os.listdir(buffer / "items") == ["1", "2"]
+    assert errno_of(lambda: (buffer / "items" / "0").read_bytes()) == errno.ENOENT
+
+
+def test_fifo_eviction_keeps_the_newest_capacity_items(buffer: Path) -> None:
+    configure(buffer, capacity=5)
+    client.append(buffer, [b"%d" % i for i in range(12)])
+    assert sorted(int(n) for n in os.listdir(buffer / "items")) == list(range(7, 12))
+    assert (stats(buffer)["removed"], stats(buffer)["inserts"]) == (7, 12)
+
+
+# --- sampling and priorities -----------------------------------------------------------
+
+
+def test_priorities_from_text_and_npy_steer_prioritized_sampling(buffer: Path) -> None:
+    configure(buffer, sampler="prioritized", alpha=1.0, epsilon=0.0, batch_size=64)
+    client.append(buffer, [b"%d" % i for i in range(4)])
+    (buffer / "priority").write_text("0 0\n1 0\n2 0\n3 1\n")
+    assert {i for i, _, _ in client.sample(buffer)} == {3}
+    client.update_priorities(buffer, [2, 3], [1.0, 0.0])
+    assert {i for i, _, _ in client.sample(buffer)} == {2}
+
+
+def test_a_priority_write_with_an_unknown_index_or_nan_applies_none(buffer: Path) -> None:
+    configure(buffer, sampler="prioritized", alpha=1.0, epsilon=0.0, batch_size=32)
+    client.append(buffer, [b"a", b"b"])
+    (buffer / "priority").write_text("0 0\n1 1\n")
+    assert errno_of(lambda: (buffer / "priority").write_text("0 5\n7 1\n")) == errno.EINVAL
+    assert errno_of(lambda: (buffer / "priority").write_text("0 5\n1 nan\n")) == errno.EINVAL
+    assert errno_of(lambda: (buffer / "priority").write_text("0 -1\n")) == errno.EINVAL
+    assert {i for i, _, _ in client.sample(buffer)} == {1}  # index 0 kept priority 0
+
+
+def test_each_open_of_sample_draws_a_fixed_batch(buffer: Path) -> None:
+    configure(buffer, batch_size=8)
+    client.append(buffer, [b"%d" % i for i in range(100)])
+    with open(buffer / "sample", "rb", buffering=0) as f:
+        head = f.read(50)
+        rest = f.read()
+        f.seek(0)
+        again = f.read()
+    assert again == head + rest  # the handle keeps its batch
+    assert stats(buffer)["samples"] == 8
+
+
+def test_max_times_sampled_removes_items(buffer: Path) -> None:
+    configure(buffer, max_times_sampled=1, sampler="fifo", batch_size=3)
+    client.append(buffer, [b"a", b"b", b"c", b"d"])
+    assert [i for i, _, _ in client.sample(buffer)] == [0, 1, 2]
+    assert os.listdir(buffer / "items") == ["3"]
+
+
+def test_sample_blocks_until_min_size_then_fails_with_eagain(buffer: Path) -> None:
+    configure(buffer, min_size_to_sample=3, sample_timeout=0.3)
+    client.append(buffer, [b"a"])
+    started = time.monotonic()
+    assert errno_of(lambda: client.read_all(buffer / "sample")) == errno.EAGAIN
+    assert time.monotonic() - started >= 0.25
+    fd = os.open(buffer / "sample", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        started = time.monotonic()
+        assert errno_of(lambda: os.read(fd, 100)) == errno.EAGAIN
+        assert time.monotonic() - started < 0.25
+    finally:
+        os.close(fd)
+    assert stats(buffer)["samples"] == 0  # nothing counted
+
+
+def _blocked_reader(path: str, queue: multiprocessing.Queue[str]) -> None:
+    class Stop(Exception):
+        pass
+
+    def on_signal(signum: int, frame: object) -> None:
+        raise Stop
+
+    signal.signal(signal.SIGUSR1, on_signal)
+    queue.put("reading")
+    try:
+        with open(path, "rb", buffering=0) as f:
+            f.read()
+        queue.put("read returned")
+    except Stop:
+        queue.put("interrupted")
+    except OSError as exc:
+        queue.put(f"error {exc.errno}")
+
+
+def test_a_signal_interrupts_a_blocked_sample(buffer: Path) -> None:
+    configure(buffer, min_size_to_sample=5, sample_timeout=30)
+    queue: multiprocessing.Queue[str] = multiprocessing.Queue()
+    reader = multiprocessing.get_context("fork").Process(target=_blocked_reader, args=(str(buffer / "sample"), queue))
+    reader.start()
+    try:
+        assert queue.get(timeout=10) == "reading"
+        deadline = time.monotonic() + 10
+        while stats(buffer)["blocked_readers"] != 1:
+            assert time.monotonic() < deadline, "the reader never blocked"
+            time.sleep(0.05)
+        started = time.monotonic()
+        os.kill(reader.pid or 0, signal.SIGUSR1)
+        assert queue.get(timeout=10) == "interrupted"
+        assert time.monotonic() - started < 5  # well before the 30 s timeout
+    finally:
+        reader.join(timeout=10)
+        if reader.is_alive():
+            reader.kill()
+    assert stats(buffer)["samples"] == 0
+
+
+def test_rate_limiter_holds_appends_that_run_ahead_of_samples(buffer: Path) -> None:
+    # One sample per insert, margin 2: inserts may lead samples by at most 3.
+    configure(buffer, samples_per_insert=1.0, error_margin=2.0, batch_size=1, sample_timeout=0.3)
+    client.append(buffer, [b"a", b"b", b"c"])
+    fd = os.open(buffer / "append", os.O_WRONLY | os.O_NONBLOCK)
+    os.write(fd, b"d")  # a blob item is applied when its descriptor closes
+    assert errno_of(lambda: os.close(fd)) == errno.EAGAIN
+    assert errno_of(lambda: (buffer / "append").write_bytes(b"d")) == errno.EAGAIN  # waits 0.3 s, then EAGAIN
+    state = stats(buffer)["rate_limiter"]
+    assert isinstance(state, dict)
+    assert state["can_insert"] is False
+    assert stats(buffer)["inserts"] == 3
+    client.sample(buffer)  # one sample makes room for one insert
+    client.append(buffer, [b"e"])
+    assert stats(buffer)["inserts"] == 4
+
+
+# --- capacity beyond DRAM, durability --------------------------------------------------
+
+
+def test_items_survive_remount_and_kill_9_with_priorities(mount_factory: MountFactory) -> None:
+    mount = mount_factory("--snapshot-interval", "0.2")
+    path = mount.path / "buffers" / "dqn"
+    path.mkdir()
+    configure(path, schema=SCHEMA, sampler="prioritized", capacity=100)
+    client.append(path, records(10))
+    client.update_priorities(path, [3], [42.0])
+    time.sleep(0.6)  # a snapshot has persisted the priority
+    client.append(path, records(5, start=10))  # acknowledged at close
+    mount.kill9()
+
+    mount = mount_factory()
+    path = mount.path / "buffers" / "dqn"
+    assert sorted(int(n) for n in os.listdir(path / "items")) == list(range(15))
+    for i in (0, 3, 14):
+        assert (path / "items" / str(i)).read_bytes() == records(1, start=i).tobytes()
+    config = json.loads((path / "config").read_text())
+    assert (config["sampler"], config["capacity"]) == ("prioritized", 100)
+    (path / "priority").write_text("".join(f"{i} 0\n" for i in range(15) if i != 3))
+    configure(path, alpha=1.0, epsilon=0.0)
+    batch = client.sample(path, batch_size=20)
+    assert set(batch["_index"].tolist()) == {3}
+    assert stats(path)["inserts"] == 15
+    client.append(path, records(1, start=15))
+    assert "15" in os.listdir(path / "items")  # indices go on, never reused
+    assert mount.unmount() == 0
+
+
+def test_a_buffer_larger_than_dram_samples_cold_items_from_the_log(mount_factory: MountFactory) -> None:
+    mount = mount_factory("--dram-budget", "16MiB")
+    path = mount.path / "buffers" / "big"
+    path.mkdir()
+    configure(path, batch_size=8)
+    items = [bytes([i]) * 200_000 for i in range(240)]  # 48 MiB, 3x the budget
+    for start in range(0, 240, 40):
+        client.append(path, items[start : start + 40])
+    status = mount.status()
+    assert int(status["dram_used_bytes"]) <= 16 * 1024 * 1024
+    for _ in range(10):
+        for index, _weight, item in client.sample(path):
+            assert item == items[index]
+    blocks = mount.status()["blocks"]
+    assert isinstance(blocks, dict)
+    assert blocks["dram_misses"] > 0
+    assert mount.unmount() == 0
+
+
+# --- many processes --------------------------------------------------------------------
+
+
+def _appender(path: str, writer: int, count: int) -> None:
+    for start in range(0, count, 25):
+        client.append(path, [b"w%d-%d" % (writer, i) for i in range(start, min(start + 25, count))])
+
+
+def _sampler(path: str, rounds: int, out: multiprocessing.Queue[list[tuple[int, bytes]]]) -> None:
+    seen: list[tuple[int, bytes]] = []
+    for _ in range(rounds):
+        try:
+            batch = client.sample(path, batch_size=16)
+        except BlockingIOError:
+            continue  # EAGAIN: the buffer could not serve it in time
+        seen.extend((index, item) for index, _w, item in batch)
+        client.update_priorities(path, [index for index, _, _ in batch[:4]], [2.0] * min(4, len(batch)))
+    out.put(seen)
+
+
+def test_eight_appenders_and_two_samplers_lose_nothing(buffer: Path) -> None:
+    configure(buffer, sampler="prioritized", capacity=10_000, min_size_to_sample=16, sample_timeout=5)
+    ctx = multiprocessing.get_context("fork")
+    queue: multiprocessing.Queue[list[tuple[int, bytes]]] = ctx.Queue()
+    writers = [ctx.Process(target=_appender, args=(str(buffer), w, 200)) for w in range(8)]
+    samplers = [ctx.Process(target=_sampler, args=(str(buffer), 40, queue)) for _ in range(2)]
+    for p in writers + samplers:
+        p.start()
+    seen = [queue.get(timeout=120) for _ in samplers]
+    for p in writers + samplers:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    final = {int(n): (buffer / "items" / n).read_bytes() for n in os.listdir(buffer / "items")}
+    expected = {b"w%d-%d" % (w, i) for w in range(8) for i in range(200)}
+    assert sorted(final) == list(range(1600))  # no index lost, none twice
+    assert sorted(final.values()) == sorted(expected)  # no item lost or duplicated
+    for index, item in (pair for batch in seen for pair in batch):
+        assert final[index] == item  # every sampled index was live, with its own bytes
+    numbers = stats(buffer)
+    assert (numbers["inserts"], numbers["size"], numbers["removed"]) == (1600, 1600, 0)
+    assert numbers["samples"] == sum(len(batch) for batch in seen)
+    # Priority updates applied: only the items set to 2.0 keep the mass above 1-ish values.
+    (buffer / "priority").write_text("".join(f"{i} 0\n" for i in range(1600) if i != 77))
+    configure(buffer, alpha=1.0, epsilon=0.0)
+    assert {i for i, _, _ in client.sample(buffer, batch_size=10)} == {77}
