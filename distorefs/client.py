@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from distorefs.stores.replay.formats import NPY_MAGIC, decode_blob_batch, frame_items
+from distorefs.stores.replay.formats import NPY_MAGIC, npy_header, batch_length, decode_blob_batch, frame_items
 
 
 def append(buffer_dir: str | os.PathLike[str], items: Sequence[bytes] | np.ndarray) -> None:
@@ -41,32 +41,95 @@ def append(buffer_dir: str | os.PathLike[str], items: Sequence[bytes] | np.ndarr
             view = view[written:]
 
 
-def read_all(path: str | os.PathLike[str]) -> bytes:
+def read_all(path: str | os.PathLike[str]) -> bytearray:
     """Read a control file to EOF (they have size 0, so read until an empty read).
 
     Raises OSError with EAGAIN when the daemon could not serve it in time (os.read, not
     a file object: FileIO.read returns None on EAGAIN, which looks like EOF).
     """
-    chunks: list[bytes] = []
     fd = os.open(path, os.O_RDONLY)
     try:
-        while True:
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                return b"".join(chunks)
-            chunks.append(chunk)
+        return _read_fd(fd, bytearray(64 * 1024), 0)
     finally:
         os.close(fd)
 
 
-def sample(buffer_dir: str | os.PathLike[str], batch_size: int | None = None) -> Any:
+def _read_fd(fd: int, buf: bytearray, size: int) -> bytearray:
+    while True:
+        if len(buf) - size < 64 * 1024:
+            buf.extend(bytes(len(buf)))
+        got = os.readv(fd, [memoryview(buf)[size:]])
+        if not got:
+            del buf[size:]
+            return buf
+        size += got
+
+
+def read_batch(path: str | os.PathLike[str], into: bytearray | None = None) -> memoryview:
+    """Read one batch, allocating once: the first bytes say how long it is. With `into`,
+    that buffer is reused when it is large enough (see Sampler)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        head = bytearray(64 * 1024)
+        got = os.readv(fd, [head])
+        total = batch_length(memoryview(head)[:got]) if got else 0
+        if total is None:  # a huge .npy header: fall back to reading until EOF
+            return memoryview(_read_fd(fd, head, got))
+        buf = into if into is not None and len(into) >= total else bytearray(total)
+        buf[:got] = memoryview(head)[:got]
+        view = memoryview(buf)
+        size = got
+        while size < total:
+            n = os.readv(fd, [view[size:total]])
+            if not n:
+                raise OSError(f"{path}: batch ended at {size} of {total} bytes")
+            size += n
+        return view[:total]
+    finally:
+        os.close(fd)
+
+
+def _decode(data: memoryview, copy: bool) -> Any:
+    if bytes(data[: len(NPY_MAGIC)]) == NPY_MAGIC:
+        if copy:
+            return np.load(io.BytesIO(data), allow_pickle=False)
+        parsed = npy_header(data)
+        assert parsed is not None  # read_batch read it whole
+        header, start = parsed
+        dtype = np.lib.format.descr_to_dtype(header["descr"])
+        return np.frombuffer(data, dtype=dtype, offset=start, count=int(np.prod(header["shape"])))
+    return decode_blob_batch(data, copy=copy)
+
+
+def sample(buffer_dir: str | os.PathLike[str], batch_size: int | None = None, copy: bool = True) -> Any:
     """Draw one batch: a numpy structured array (schema buffers, with `_index` and
-    `_weight`), or a list of (index, weight, item bytes) (blob buffers)."""
+    `_weight`), or a list of (index, weight, item) (blob buffers). With copy=False the
+    items are memoryviews into one batch buffer instead of bytes (faster for big items)."""
     name = "sample" if batch_size is None else f"sample.{batch_size}"
-    data = read_all(os.path.join(buffer_dir, name))
-    if data.startswith(NPY_MAGIC):
-        return np.load(io.BytesIO(data), allow_pickle=False)
-    return decode_blob_batch(data)
+    return _decode(read_batch(os.path.join(buffer_dir, name)), copy)
+
+
+class Sampler:
+    """Draws batches into one reused buffer: no allocation per batch, so big batches
+    (R2D2's 40 MB) move at the mount's speed. What `sample` returns is a view into that
+    buffer: valid until the next call.
+
+    Examples:
+        >>> sampler = client.Sampler("/mnt/distore/buffers/r2d2")
+        >>> for step in range(steps):
+        ...     batch = sampler.sample()      # [(index, weight, memoryview)] or a numpy view
+    """
+
+    def __init__(self, buffer_dir: str | os.PathLike[str], batch_size: int | None = None) -> None:
+        name = "sample" if batch_size is None else f"sample.{batch_size}"
+        self.path = os.path.join(buffer_dir, name)
+        self._buf = bytearray()
+
+    def sample(self) -> Any:
+        data = read_batch(self.path, self._buf)
+        if data.obj is not self._buf:
+            self._buf = data.obj  # type: ignore[assignment]  # grew: keep the larger buffer
+        return _decode(data, copy=False)
 
 
 def update_priorities(buffer_dir: str | os.PathLike[str], indices: Iterable[int], priorities: Iterable[float]) -> None:

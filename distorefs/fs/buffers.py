@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import trio
@@ -43,7 +43,7 @@ from distorefs.fs.control import (
     VirtualTree,
 )
 from distorefs.stores.replay.buffer import ReplayBuffer
-from distorefs.stores.replay.formats import BlobStream, RecordStream, parse_priorities
+from distorefs.stores.replay.formats import BlobStream, RecordStream, ScatteredBytes, parse_priorities
 from distorefs.stores.replay.store import BUFFER_OWNER_BASE, BufferStore
 
 T = TypeVar("T")
@@ -157,7 +157,7 @@ class AppendHandle(VirtualHandle):
         dtype = buffer.config.dtype
         self._stream: RecordStream | BlobStream = RecordStream(dtype) if dtype is not None else BlobStream()
 
-    async def _add(self, items: list[bytes]) -> None:
+    async def _add(self, items: Sequence[bytes | bytearray]) -> None:
         buffer = self._buffer
         if buffer.deleted:
             raise NotFound(f"buffers/{buffer.name} was removed")
@@ -199,7 +199,7 @@ class SampleHandle(VirtualHandle):
         self._count = count
         self._nonblocking = nonblocking
         self._pid = pid
-        self._data: bytearray | None = None
+        self._data: bytearray | ScatteredBytes | None = None
 
     async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
         if self._data is None:
@@ -211,6 +211,8 @@ class SampleHandle(VirtualHandle):
             self._data = batch.data
         else:
             await trio.lowlevel.checkpoint()
+        if isinstance(self._data, ScatteredBytes):
+            return self._data.read(offset, size)
         return memoryview(self._data)[offset : offset + size]
 
 

@@ -223,14 +223,16 @@ class BlockStore:
 
     async def put(self, key: BlockKey, data: bytes | bytearray | memoryview) -> None:
         """Replace the block's whole content with `data` (any size up to the log's record
-        limit: buffer items, not file blocks). The block turns dirty."""
+        limit: buffer items, not file blocks). The block turns dirty. A bytearray is taken
+        over as the block's buffer (the caller must not change it afterwards); anything
+        else is copied."""
         size = len(data)
         while not self._dram.make_room(size):
             await self._wait_for_room()
         old = self._dram.remove(key)
         if old is not None and old.dirty:
             self._unmark_dirty(key)
-        block = Block(bytearray(data), size, dirty=False)
+        block = Block(data if isinstance(data, bytearray) else bytearray(data), size, dirty=False)
         self._dram.insert(key, block)
         self._mark_dirty(key, block)
 

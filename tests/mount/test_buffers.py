@@ -405,3 +405,27 @@ def test_eight_appenders_and_two_samplers_lose_nothing(buffer: Path) -> None:
     (buffer / "priority").write_text("".join(f"{i} 0\n" for i in range(1600) if i != 77))
     configure(buffer, alpha=1.0, epsilon=0.0)
     assert {i for i, _, _ in client.sample(buffer, batch_size=10)} == {77}
+
+
+def test_sampler_reuses_its_buffer_and_reads_whole_batches(buffer: Path) -> None:
+    configure(buffer, batch_size=3)
+    items = [bytes([i]) * 2_500_000 for i in range(4)]
+    client.append(buffer, items)
+    sampler = client.Sampler(buffer)
+    first = sampler.sample()
+    assert [bytes(item) == items[index] for index, _w, item in first] == [True] * 3
+    buffer_id = id(sampler._buf)
+    second = sampler.sample()
+    assert id(sampler._buf) == buffer_id  # no new allocation for a batch of the same size
+    assert [bytes(item) == items[index] for index, _w, item in second] == [True] * 3
+    schema_path = buffer.parent / (buffer.name + "-npy")
+    schema_path.mkdir()
+    try:
+        configure(schema_path, schema=SCHEMA, batch_size=5)
+        client.append(schema_path, records(10))
+        batch = client.Sampler(schema_path).sample()
+        assert batch.dtype.names == ("obs", "reward", "done", "_index", "_weight")
+        for row in batch:
+            assert row["reward"] == row["_index"] * 0.5
+    finally:
+        os.rmdir(schema_path)

@@ -17,6 +17,7 @@ from distorefs.stores.replay.buffer import ReplayBuffer
 from distorefs.stores.replay.config import BufferConfig
 from distorefs.stores.replay.formats import (
     BlobStream,
+    ScatteredBytes,
     RecordStream,
     decode_blob_batch,
     frame_items,
@@ -189,7 +190,8 @@ async def test_blob_batches_decode_to_live_items(tiers: tuple[BlockStore, MetaDb
     buf = make(tiers, capacity=10, batch_size=4)
     await buf.append([b"x%d" % i for i in range(5)])
     batch = await buf.sample()
-    items = decode_blob_batch(batch.data)
+    assert isinstance(batch.data, ScatteredBytes)  # blob batches are served without gathering
+    items = decode_blob_batch(batch.data.tobytes())
     assert len(items) == 4
     for index, weight, data in items:
         assert data == b"x%d" % index
@@ -349,3 +351,13 @@ def test_a_stream_reset_after_bad_input_accepts_later_writes_at_their_offsets() 
     good = np.array([(7,)], dtype=dtype).tobytes()
     assert stream.feed(len(bad.getvalue()), good) == [good]
     assert stream.finish() == []
+
+
+def test_scattered_bytes_reads_any_range_as_the_joined_bytes() -> None:
+    pieces = [b"head", b"", b"x" * 10, b"yz", b"tail-end"]
+    joined = b"".join(pieces)
+    data = ScatteredBytes(pieces)
+    assert len(data) == len(joined)
+    for offset in range(len(joined) + 2):
+        for size in (1, 3, 7, 30):
+            assert bytes(data.read(offset, size)) == joined[offset : offset + size]

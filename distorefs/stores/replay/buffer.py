@@ -19,7 +19,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ import zstandard
 
 from distorefs.errors import InvalidArgument, NotFound, TryAgain
 from distorefs.stores.replay.config import BufferConfig
-from distorefs.stores.replay.formats import encode_blob_batch, encode_npy_batch
+from distorefs.stores.replay.formats import ScatteredBytes, encode_blob_batch, encode_npy_batch
 from distorefs.stores.replay.rate_limiter import RateLimiter
 from distorefs.stores.replay.sumtree import SegmentTree
 from distorefs.tiers.blocks import BlockStore
@@ -46,7 +46,7 @@ RECENT_ERRORS = 5
 class Batch:
     """One drawn batch: the encoded bytes a `sample` handle reads, and what is in it."""
 
-    data: bytearray
+    data: bytearray | ScatteredBytes
     indices: np.ndarray
     weights: np.ndarray
 
@@ -178,7 +178,7 @@ class ReplayBuffer:
 
     # --- appending --------------------------------------------------------------------
 
-    async def append(self, items: list[bytes], nonblocking: bool = False) -> list[int]:
+    async def append(self, items: Sequence[bytes | bytearray], nonblocking: bool = False) -> list[int]:
         """Add items in order (each waits for the rate limiter); return their indices.
 
         For schema buffers each item must be exactly one record. The items are in DRAM
@@ -188,7 +188,7 @@ class ReplayBuffer:
         for item in items:
             if itemsize is not None and len(item) != itemsize:
                 raise InvalidArgument(f"buffers/{self.name}: record of {len(item)} bytes, schema needs {itemsize}")
-        stored = items
+        stored: Sequence[bytes | bytearray] = items
         if self._zstd_level is not None and items:
             level = self._zstd_level
             stored = await trio.to_thread.run_sync(lambda: [zstandard.compress(i, level) for i in items])
@@ -335,6 +335,7 @@ class ReplayBuffer:
         payloads: list[bytes | memoryview] = []
         for index in indices.tolist():
             payloads.append(await self._payload(int(index)))
+        data: bytearray | ScatteredBytes
         if self.config.dtype is not None:
             data = encode_npy_batch(self.config.dtype, payloads, indices, weights)
         else:
@@ -346,7 +347,9 @@ class ReplayBuffer:
         block = await self._blocks.get(self.key(index))
         if block is None:
             raise NotFound(f"buffers/{self.name}: item {index} has no data")
-        data = bytes(memoryview(block.buf)[: block.length])  # its own copy: eviction may reuse none
+        # A view, not a copy: the block tier never changes a buffer item's bytes in place
+        # (put replaces the whole block), so the view stays valid while the batch lives.
+        data = memoryview(block.buf)[: block.length]
         if self._zstd_level is not None:
             return zstandard.decompress(data)
         return data

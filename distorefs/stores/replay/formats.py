@@ -6,8 +6,8 @@ returns. Pure functions and small incremental parsers; docs/formats.md has the l
   (int64) and `_weight` (float32).
 - Blob buffers take one item per open, or a framed stream: the 8-byte magic `DSITEMS1`,
   then per item a little-endian u64 length and the bytes. `sample` returns the framed
-  batch: magic `DSBATCH1`, u32 count, then per item `<q index><f weight><Q length>` and
-  the bytes.
+  batch: magic `DSBATCH1`, u32 count, u64 total bytes of the batch, then per item
+  `<q index><f weight><Q length>` and the bytes.
 - `priority` takes text lines `index priority`, or a `.npy` of a structured array with
   fields (index int64, priority float64), or an (N, 2) numeric array.
 """
@@ -27,13 +27,13 @@ from distorefs.errors import InvalidArgument
 NPY_MAGIC = b"\x93NUMPY"
 ITEMS_MAGIC = b"DSITEMS1"
 BATCH_MAGIC = b"DSBATCH1"
-BATCH_HEAD = struct.Struct("<8sI")
+BATCH_HEAD = struct.Struct("<8sIQ")  # magic, item count, total batch bytes (header included)
 BATCH_ITEM = struct.Struct("<qfQ")
 FRAME = struct.Struct("<Q")
 MAX_ITEM_BYTES = 64 * 1024 * 1024
 
 
-def _npy_header(buf: bytes | bytearray) -> tuple[dict[str, Any], int] | None:
+def npy_header(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], int] | None:
     """Parse a .npy header if all of it is in `buf`: (header dict, data offset), else None."""
     if len(buf) < 10:
         return None
@@ -81,7 +81,7 @@ class RecordStream:
                 return []
             self._mode = "npy" if self._pending.startswith(NPY_MAGIC) else "raw"
         if self._mode == "npy" and self._npy_left is None:
-            parsed = _npy_header(self._pending)
+            parsed = npy_header(self._pending)
             if parsed is None:
                 return []
             header, data_start = parsed
@@ -129,7 +129,7 @@ class BlobStream:
         self._framed: bool | None = None
         self.offset = 0
 
-    def feed(self, offset: int, data: bytes | memoryview) -> list[bytes]:
+    def feed(self, offset: int, data: bytes | memoryview) -> list[bytearray]:
         if offset != self.offset:
             raise InvalidArgument(f"append is a stream: write at offset {offset}, expected {self.offset}")
         self.offset += len(data)
@@ -144,14 +144,14 @@ class BlobStream:
             if len(self._pending) > MAX_ITEM_BYTES:
                 raise InvalidArgument(f"append: an item over {MAX_ITEM_BYTES} bytes")
             return []
-        items: list[bytes] = []
+        items: list[bytearray] = []
         while len(self._pending) >= FRAME.size:
             (length,) = FRAME.unpack_from(self._pending)
             if length > MAX_ITEM_BYTES:
                 raise InvalidArgument(f"append: frame of {length} bytes exceeds {MAX_ITEM_BYTES}")
             if len(self._pending) < FRAME.size + length:
                 break
-            items.append(bytes(self._pending[FRAME.size : FRAME.size + length]))
+            items.append(self._pending[FRAME.size : FRAME.size + length])  # a new bytearray
             del self._pending[: FRAME.size + length]
         return items
 
@@ -160,11 +160,12 @@ class BlobStream:
         self._pending.clear()
         self._framed = None
 
-    def finish(self) -> list[bytes]:
+    def finish(self) -> list[bytearray]:
         """At a close: the single item written since the last close (unframed), or nothing
         more (framed, all complete). Writes after this start a new item or stream."""
-        framed, pending = self._framed, bytes(self._pending)
-        self.reset()
+        framed, pending = self._framed, self._pending
+        self._pending = bytearray()
+        self._framed = None
         if framed:
             if pending:
                 raise InvalidArgument(f"append: a partial frame of {len(pending)} bytes at close; not added")
@@ -187,7 +188,7 @@ def parse_priorities(data: bytes | bytearray) -> tuple[np.ndarray, np.ndarray] |
     """(indices int64, priorities float64) from a complete `priority` write, or None when
     more bytes are needed (text without its final newline, a short .npy)."""
     if data.startswith(NPY_MAGIC):
-        parsed = _npy_header(data)
+        parsed = npy_header(data)
         if parsed is None:
             return None
         header, start = parsed
@@ -222,6 +223,24 @@ def parse_priorities(data: bytes | bytearray) -> tuple[np.ndarray, np.ndarray] |
     return np.array(indices, dtype=np.int64), np.array(priorities, dtype=np.float64)
 
 
+def batch_length(head: bytes | bytearray | memoryview) -> int | None:
+    """The total size of a batch from its first bytes (a DSBATCH1 or .npy header), or
+    None when `head` is too short to tell."""
+    head = bytes(head)
+    if head.startswith(BATCH_MAGIC):
+        if len(head) < BATCH_HEAD.size:
+            return None
+        return int(BATCH_HEAD.unpack_from(head)[2])
+    if head.startswith(NPY_MAGIC):
+        parsed = npy_header(head)
+        if parsed is None:
+            return None
+        header, start = parsed
+        itemsize = np.lib.format.descr_to_dtype(header["descr"]).itemsize
+        return start + int(np.prod(header["shape"])) * itemsize
+    raise ValueError(f"not a distorefs batch (starts {head[:8]!r})")
+
+
 def batch_dtype(schema: np.dtype[Any]) -> np.dtype[Any]:
     """The schema's record followed by `_index` (int64) and `_weight` (float32), packed."""
     assert schema.names is not None
@@ -254,24 +273,58 @@ def encode_npy_batch(
     return out
 
 
-def encode_blob_batch(payloads: Sequence[bytes | memoryview], indices: np.ndarray, weights: np.ndarray) -> bytearray:
-    """The DSBATCH1 framed batch, built in a single buffer."""
+class ScatteredBytes:
+    """Bytes kept as a list of pieces (headers and item views), read by range without
+    gathering them first: a read inside one piece is a zero-copy memoryview."""
+
+    def __init__(self, pieces: Sequence[bytes | bytearray | memoryview]) -> None:
+        self._pieces = [memoryview(p).cast("B") for p in pieces]
+        self._starts: list[int] = np.cumsum([0] + [len(p) for p in self._pieces]).tolist()
+        self.length: int = self._starts[-1]
+
+    def __len__(self) -> int:
+        return self.length
+
+    def read(self, offset: int, size: int) -> memoryview | bytes:
+        end = min(offset + size, self.length)
+        if offset >= end:
+            return b""
+        first = int(np.searchsorted(self._starts, offset, side="right")) - 1
+        inner = offset - self._starts[first]
+        piece = self._pieces[first]
+        if inner + (end - offset) <= len(piece):
+            return piece[inner : inner + end - offset]
+        out = bytearray()
+        at = first
+        while len(out) < end - offset:
+            start = inner if at == first else 0
+            out += self._pieces[at][start : start + (end - offset - len(out))]
+            at += 1
+        return memoryview(out)
+
+    def tobytes(self) -> bytes:
+        return b"".join(self._pieces)
+
+
+def encode_blob_batch(
+    payloads: Sequence[bytes | memoryview], indices: np.ndarray, weights: np.ndarray
+) -> ScatteredBytes:
+    """The DSBATCH1 framed batch: small headers between views of the items (no copy)."""
     total = BATCH_HEAD.size + sum(BATCH_ITEM.size + len(p) for p in payloads)
-    out = bytearray(total)
-    BATCH_HEAD.pack_into(out, 0, BATCH_MAGIC, len(payloads))
-    at = BATCH_HEAD.size
+    pieces: list[bytes | memoryview] = [BATCH_HEAD.pack(BATCH_MAGIC, len(payloads), total)]
     for payload, index, weight in zip(payloads, indices.tolist(), weights.tolist(), strict=True):
-        BATCH_ITEM.pack_into(out, at, index, weight, len(payload))
-        at += BATCH_ITEM.size
-        out[at : at + len(payload)] = payload
-        at += len(payload)
-    return out
+        pieces.append(BATCH_ITEM.pack(index, weight, len(payload)))
+        pieces.append(payload)
+    return ScatteredBytes(pieces)
 
 
-def decode_blob_batch(data: bytes | bytearray | memoryview) -> list[tuple[int, float, bytes]]:
-    """(index, weight, item) for each item of a DSBATCH1 batch."""
+def decode_blob_batch(
+    data: bytes | bytearray | memoryview, copy: bool = True
+) -> list[tuple[int, float, bytes | memoryview]]:
+    """(index, weight, item) for each item of a DSBATCH1 batch; with copy=False the items
+    are memoryviews into `data` (no copy)."""
     view = memoryview(data)
-    magic, count = BATCH_HEAD.unpack_from(view)
+    magic, count, _total = BATCH_HEAD.unpack_from(view)
     if magic != BATCH_MAGIC:
         raise ValueError(f"not a distorefs batch (magic {bytes(magic)!r})")
     at = BATCH_HEAD.size
@@ -279,6 +332,7 @@ def decode_blob_batch(data: bytes | bytearray | memoryview) -> list[tuple[int, f
     for _ in range(count):
         index, weight, length = BATCH_ITEM.unpack_from(view, at)
         at += BATCH_ITEM.size
-        out.append((index, weight, bytes(view[at : at + length])))
+        item = view[at : at + length]
+        out.append((index, weight, bytes(item) if copy else item))
         at += length
     return out

@@ -1,0 +1,250 @@
+"""Replay-buffer benchmarks: DESIGN.md's workloads through the mount, against an in-process
+numpy buffer doing the same work in the same run.
+
+    .venv/bin/python benchmarks/bench_replay.py [--seconds 3] [--json PATH]
+
+For DQN (110 KB items, batch 32, prioritized), SAC (3 KB, batch 256, uniform) and R2D2
+(10 MB, batch 4, prioritized) it measures adds/s, samples/s (items and MB/s) and
+priority updates/s through the files (one process, as an actor or learner would), the
+same through the in-process buffer, the time of a 256-index priority update inside the
+store, and DQN sampling with the buffer 3x larger than the DRAM budget. Prints a
+Markdown table; docs/benchmarks.md keeps the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from distorefs import client  # noqa: E402
+from distorefs.stores.replay.buffer import ReplayBuffer  # noqa: E402
+from distorefs.stores.replay.config import BufferConfig  # noqa: E402
+from distorefs.stores.replay.sumtree import SegmentTree  # noqa: E402
+from distorefs.tiers.blocks import BlockStore  # noqa: E402
+from distorefs.tiers.dram import DramCache  # noqa: E402
+from distorefs.tiers.metadb import MetaDb  # noqa: E402
+from distorefs.tiers.nvme_log import NvmeLog  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    item_bytes: int
+    batch: int
+    sampler: str
+    capacity: int
+    fill: int  # items appended before sampling
+    append_chunk: int  # items per open of append
+    need_adds: float  # DESIGN.md's rates
+    need_samples: float
+    aim_samples: float  # the issue's aim through the mount
+
+
+WORKLOADS = [
+    Workload("DQN", 110_000, 32, "prioritized", 20_000, 3_000, 16, 400, 1_650, 8_250),
+    Workload("SAC", 3_000, 256, "uniform", 200_000, 50_000, 256, 71, 138, 20_000),
+    Workload("R2D2", 10_000_000, 4, "prioritized", 200, 60, 1, 3, 45, 225),
+]
+
+
+class NumpyBuffer:
+    """The in-process baseline: a ring of fixed-size rows and a sum tree."""
+
+    def __init__(self, capacity: int, item_bytes: int, prioritized: bool) -> None:
+        self.rows = np.zeros((capacity, item_bytes), dtype=np.uint8)
+        self.tree = SegmentTree(capacity, with_min_max=True)
+        self.prioritized = prioritized
+        self.size = 0
+        self.next = 0
+        self.rng = np.random.default_rng()
+
+    def add(self, items: list[bytes]) -> None:
+        for item in items:
+            slot = self.next % len(self.rows)
+            self.rows[slot] = np.frombuffer(item, dtype=np.uint8)
+            self.tree.update(np.array([slot]), np.ones(1))
+            self.next += 1
+            self.size = min(self.size + 1, len(self.rows))
+
+    def sample(self, batch: int) -> np.ndarray:
+        if self.prioritized:
+            total = self.tree.total
+            slots = self.tree.find((np.arange(batch) + self.rng.random(batch)) * (total / batch))
+        else:
+            slots = self.rng.integers(0, self.size, batch)
+        return self.rows[slots]  # a copy, as a batch handed to a learner is
+
+    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        self.tree.update(slots, priorities)
+
+
+def rate(count: int, seconds: float) -> float:
+    return count / seconds if seconds > 0 else float("inf")
+
+
+def timed_loop(seconds: float, step: object) -> tuple[int, float]:
+    """Run `step()` (returns units done) until `seconds` pass; (units, elapsed)."""
+    assert callable(step)
+    done = 0
+    started = time.perf_counter()
+    while True:
+        done += step()
+        elapsed = time.perf_counter() - started
+        if elapsed >= seconds:
+            return done, elapsed
+
+
+def bench_mount(mnt: Path, w: Workload, seconds: float, payloads: list[bytes]) -> dict[str, float]:
+    path = mnt / "buffers" / w.name.lower()
+    path.mkdir()
+    (path / "config").write_text(
+        json.dumps({"capacity": w.capacity, "sampler": w.sampler, "batch_size": w.batch, "sample_timeout": 30})
+    )
+    started = time.perf_counter()
+    for start in range(0, w.fill, w.append_chunk):
+        client.append(path, payloads[start : start + w.append_chunk])
+    adds = rate(w.fill, time.perf_counter() - started)
+
+    sampler = client.Sampler(path)  # a learner reuses its receive buffer
+
+    def sample() -> int:
+        return len(sampler.sample())
+
+    items, elapsed = timed_loop(seconds, sample)
+    indices = np.arange(min(256, w.fill))
+
+    def update() -> int:
+        client.update_priorities(path, indices, np.random.random(len(indices)) + 0.1)
+        return len(indices)
+
+    updates, up_elapsed = timed_loop(seconds / 2, update)
+    return {
+        "adds_per_s": adds,
+        "samples_per_s": rate(items, elapsed),
+        "sample_MBps": rate(items, elapsed) * w.item_bytes / 1e6,
+        "priority_updates_per_s": rate(updates, up_elapsed),
+    }
+
+
+def bench_numpy(w: Workload, seconds: float, payloads: list[bytes]) -> dict[str, float]:
+    buf = NumpyBuffer(min(w.capacity, w.fill), w.item_bytes, w.sampler == "prioritized")
+    started = time.perf_counter()
+    for start in range(0, w.fill, w.append_chunk):
+        buf.add(payloads[start : start + w.append_chunk])
+    adds = rate(w.fill, time.perf_counter() - started)
+    items, elapsed = timed_loop(seconds, lambda: len(buf.sample(w.batch)))
+    slots = np.arange(min(256, w.fill))
+    updates, up_elapsed = timed_loop(seconds / 2, lambda: (buf.update(slots, np.random.random(len(slots))), len(slots))[1])
+    return {
+        "adds_per_s": adds,
+        "samples_per_s": rate(items, elapsed),
+        "sample_MBps": rate(items, elapsed) * w.item_bytes / 1e6,
+        "priority_updates_per_s": rate(updates, up_elapsed),
+    }
+
+
+def store_priority_update_ms(tmp: Path) -> float:
+    """Median time of one 256-index priority update inside the store (no FUSE)."""
+
+    async def run() -> float:
+        meta = MetaDb.open(str(tmp / "meta.sqlite"))
+        blocks = BlockStore(NvmeLog.open(str(tmp / "log")), DramCache(256 << 20), meta)
+        buf = ReplayBuffer("p", 1 << 48, BufferConfig(capacity=1_000_000, sampler="prioritized"), blocks, meta)
+        await buf.append([b"x" * 16] * 20_000)
+        times = []
+        rng = np.random.default_rng(1)
+        for _ in range(200):
+            indices = rng.choice(20_000, 256, replace=False)
+            started = time.perf_counter()
+            buf.update_priorities(indices, rng.random(256))
+            times.append(time.perf_counter() - started)
+        await blocks.close()
+        meta.close()
+        return float(np.median(times) * 1e3)
+
+    return trio.run(run)
+
+
+def distore(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "distorefs", *args], check=True, stdout=subprocess.DEVNULL)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    base = Path(tempfile.mkdtemp(prefix="distorefs-bench-replay-", dir="/var/tmp"))
+    mnt = base / "mnt"
+    mnt.mkdir()
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    try:
+        distore("mount", str(mnt), "--data-dir", str(base / "data"), "--dram-budget", "6GiB")
+        try:
+            for w in WORKLOADS:
+                rng = np.random.default_rng(0)
+                distinct = [rng.integers(0, 256, w.item_bytes, dtype=np.uint8).tobytes() for _ in range(8)]
+                payloads = [distinct[i % 8] for i in range(w.fill)]
+                results[w.name] = {
+                    "mount": bench_mount(mnt, w, args.seconds, payloads),
+                    "numpy": bench_numpy(w, args.seconds, payloads),
+                }
+                shutil.rmtree(mnt / "buffers" / w.name.lower(), ignore_errors=True)
+        finally:
+            distore("umount", str(mnt))
+        # DQN with the buffer 3x larger than the DRAM budget.
+        w = WORKLOADS[0]
+        small = Workload(w.name, w.item_bytes, w.batch, w.sampler, w.capacity, 1_200, w.append_chunk, 0, 0, 0)
+        budget_mib = small.fill * small.item_bytes // 3 // (1 << 20)
+        shutil.rmtree(base / "data", ignore_errors=True)
+        distore("mount", str(mnt), "--data-dir", str(base / "data"), "--dram-budget", f"{budget_mib}MiB")
+        try:
+            payloads = [os.urandom(w.item_bytes) for _ in range(small.fill)]
+            results["DQN-3x-DRAM"] = {"mount": bench_mount(mnt, small, args.seconds, payloads)}
+        finally:
+            distore("umount", str(mnt))
+        update_ms = store_priority_update_ms(base)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+    print("| workload | path | adds/s | samples/s | sample MB/s | priority updates/s |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for name, paths in results.items():
+        for path, r in paths.items():
+            print(
+                f"| {name} | {path} | {r['adds_per_s']:,.0f} | {r['samples_per_s']:,.0f} |"
+                f" {r['sample_MBps']:,.0f} | {r['priority_updates_per_s']:,.0f} |"
+            )
+    print()
+    print("| workload | samples/s vs numpy | samples/s vs need | vs aim | adds/s vs need |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for w in WORKLOADS:
+        m, n = results[w.name]["mount"], results[w.name]["numpy"]
+        print(
+            f"| {w.name} | {m['samples_per_s'] / n['samples_per_s']:.2f}x | {m['samples_per_s'] / w.need_samples:.1f}x"
+            f" | {m['samples_per_s'] / w.aim_samples:.2f}x | {m['adds_per_s'] / w.need_adds:.1f}x |"
+        )
+    hot, cold = results["DQN"]["mount"]["samples_per_s"], results["DQN-3x-DRAM"]["mount"]["samples_per_s"]
+    print(f"\nDQN sampling with the buffer 3x the DRAM budget: {cold:,.0f}/s ({cold / hot:.2f}x of in-DRAM)")
+    print(f"priority update of 256 indices inside the store: {update_ms:.3f} ms (median of 200)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": results, "store_update_ms": update_ms}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
