@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from distorefs.stores.replay.formats import NPY_MAGIC, npy_header, batch_length, decode_blob_batch, frame_items
+from distorefs.stores.replay.formats import NPY_MAGIC, batch_length, decode_blob_batch, frame_items, npy_header
 
 
 def append(buffer_dir: str | os.PathLike[str], items: Sequence[bytes] | np.ndarray) -> None:

@@ -154,6 +154,43 @@ class BlockStore:
             if loaded is not None:
                 return loaded
 
+    async def get_many(self, keys: list[BlockKey]) -> list[Block | None]:
+        """`get` for many keys; the cold ones are read from the log in one thread call.
+
+        Duplicated keys are fine (batches drawn with replacement).
+        """
+        out: list[Block | None] = [self._dram.get(k) for k in keys]
+        cold: dict[BlockKey, LogLocation] = {}
+        for key, block in zip(keys, out, strict=True):
+            if block is None and key in self._index and key not in self._loading:
+                cold[key] = self._index[key]
+        if cold:
+            done = trio.Event()
+            for key in cold:
+                self._loading[key] = done
+            try:
+                payloads = await trio.to_thread.run_sync(
+                    lambda: [self._log.read(loc, key) for key, loc in cold.items()], limiter=self._io_limiter
+                )
+            finally:
+                for key in cold:
+                    del self._loading[key]
+                done.set()
+            positions: dict[BlockKey, list[int]] = {}
+            for i, key in enumerate(keys):
+                positions.setdefault(key, []).append(i)
+            for (key, location), payload in zip(cold.items(), payloads, strict=True):
+                if self._dram.peek(key) is None and self._index.get(key) == location:
+                    block = Block(payload, len(payload), dirty=False)
+                    if self._dram.make_room(block.capacity_bytes):
+                        self._dram.insert(key, block)
+                    for i in positions[key]:
+                        out[i] = block
+        for i, key in enumerate(keys):
+            if out[i] is None and key in self._index:
+                out[i] = await self.get(key)  # was loading elsewhere, or changed meanwhile
+        return out
+
     async def _load(self, key: BlockKey, location: LogLocation) -> Block | None:
         """Read a block from the log into DRAM; None when the caller must look again."""
         pending = self._loading.get(key)

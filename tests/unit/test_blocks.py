@@ -117,3 +117,22 @@ async def test_prefetcher_loads_queued_blocks_into_dram(tmp_path: Path) -> None:
     assert await read_all(store, BlockKey(3, 4)) == bytes([4]) * BLOCK
     assert store.statistics().dram_misses == misses  # served from DRAM
     await store.close()
+
+
+async def test_get_many_reads_cold_blocks_in_one_go_and_handles_duplicates(tmp_path: Path) -> None:
+    store = open_store(tmp_path, budget=16 * BLOCK)
+    for i in range(4):
+        await store.write(BlockKey(9, i), 0, bytes([i]) * 100)
+    await store.close()
+    store = open_store(tmp_path, budget=16 * BLOCK)
+    keys = [BlockKey(9, 2), BlockKey(9, 0), BlockKey(9, 2), BlockKey(9, 7)]
+    blocks = await store.get_many(keys)
+    assert blocks[3] is None  # a hole
+    assert [bytes(b.buf[: b.length]) for b in blocks[:3] if b is not None] == [
+        b"\x02" * 100,
+        b"\x00" * 100,
+        b"\x02" * 100,
+    ]
+    assert blocks[0] is blocks[2]
+    assert store.statistics().dram_blocks == 2
+    await store.close()

@@ -361,3 +361,25 @@ def test_scattered_bytes_reads_any_range_as_the_joined_bytes() -> None:
     for offset in range(len(joined) + 2):
         for size in (1, 3, 7, 30):
             assert bytes(data.read(offset, size)) == joined[offset : offset + size]
+
+
+async def test_concurrent_appenders_keep_fifo_order_in_a_small_ring(tiers: tuple[BlockStore, MetaDb]) -> None:
+    """Two appenders race through a ring of 4 with DRAM waits in between; whatever the
+    interleaving, the live items are the newest 4 indices, each with its own bytes."""
+    buf = make(tiers, capacity=4)
+    payload = {}
+
+    async def writer(tag: bytes) -> None:
+        for i in range(10):
+            item = tag + b"%d" % i
+            (index,) = await buf.append([item])
+            payload[index] = item
+            await trio.sleep(0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(writer, b"a")
+        nursery.start_soon(writer, b"b")
+    assert buf.live_indices().tolist() == [16, 17, 18, 19]
+    for index in range(16, 20):
+        assert bytes(await buf.read_item(index)) == payload[index]
+    assert (buf.inserts, buf.removed, buf.size) == (20, 16, 4)

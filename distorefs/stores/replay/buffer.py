@@ -192,36 +192,62 @@ class ReplayBuffer:
         if self._zstd_level is not None and items:
             level = self._zstd_level
             stored = await trio.to_thread.run_sync(lambda: [zstandard.compress(i, level) for i in items])
-        added = []
-        for item, data in zip(items, stored, strict=True):
+        added: list[int] = []
+        at = 0
+        while at < len(stored):
             await self._wait_until(
                 lambda: self.limiter.can_insert(self.inserts, self.samples), nonblocking, "append", writer=True
             )
-            index = self.next_index
-            self.next_index += 1
-            cap = self.config.capacity
-            slot = index % cap
-            old = int(self._slot_index[slot])
-            if old >= 0:
-                self._remove_slot(slot, old)  # FIFO: the oldest item leaves
-            priority = self._tree.max if self.size else DEFAULT_PRIORITY
-            if priority <= 0:
-                priority = DEFAULT_PRIORITY
-            raw = self._raw_priority_for(priority)
-            self._slot_index[slot] = index
-            self._priority[slot] = raw
-            self._times[slot] = 0
-            self._size[slot] = len(item)
-            self._tree.update(np.array([slot]), self._scaled(np.array([raw])))
-            self._live.update(np.array([slot]), np.ones(1))
-            self.inserts += 1
-            self.stored_bytes += len(item)
-            await self._blocks.put(self.key(index), data)
-            added.append(index)
-            self._notify()
+            # Reserve as many indices as the limiter lets through now (at most a ring's worth),
+            # so the counts stay honest while the bytes go into DRAM.
+            count = 1
+            limit = min(len(stored) - at, self.config.capacity)
+            while count < limit and self.limiter.can_insert(self.inserts + count, self.samples):
+                count += 1
+            first = self.next_index
+            self.next_index += count
+            self.inserts += count
+            chunk = stored[at : at + count]
+            for k, data in enumerate(chunk):
+                await self._blocks.put(self.key(first + k), data)  # bytes first ...
+            sizes = [len(item) for item in items[at : at + count]]
+            self._publish(first, sizes)  # ... then samplers may see the indices
+            added.extend(range(first, first + count))
+            at += count
         self._snapshot_dirty = True
         self.stage_row()
         return added
+
+    def _publish(self, first: int, sizes: list[int]) -> None:
+        """Make indices first.. live (their bytes are in the block tier), evicting the
+        items whose slots they take (FIFO). One batched tree update for the lot."""
+        indices = np.arange(first, first + len(sizes), dtype=np.int64)
+        size_array = np.asarray(sizes, dtype=np.int64)
+        slots = indices % self.config.capacity
+        old = self._slot_index[slots]
+        # A concurrent appender may already have put newer items in these slots: then the
+        # older new items are evicted at once, as FIFO order says.
+        stale = old > indices
+        for index in indices[stale].tolist():
+            self._blocks.delete(self.key(index))
+            self.removed += 1
+        indices, slots, old, size_array = indices[~stale], slots[~stale], old[~stale], size_array[~stale]
+        count = len(indices)
+        for slot, index in zip(slots[old >= 0].tolist(), old[old >= 0].tolist(), strict=True):
+            self._blocks.delete(self.key(index))
+            self.stored_bytes -= int(self._size[slot])
+            self.removed += 1
+        priority = self._tree.max if self.size else DEFAULT_PRIORITY
+        raw = self._raw_priority_for(priority if priority > 0 else DEFAULT_PRIORITY)
+        raws = np.full(count, raw)
+        self._slot_index[slots] = indices
+        self._priority[slots] = raws
+        self._times[slots] = 0
+        self._size[slots] = size_array
+        self._tree.update(slots, self._scaled(raws))
+        self._live.update(slots, np.ones(count))
+        self.stored_bytes += int(size_array.sum())
+        self._notify()
 
     def _raw_priority_for(self, scaled: float) -> float:
         """The raw priority whose scaled value is `scaled` (new items get the current max)."""
@@ -332,9 +358,7 @@ class ReplayBuffer:
         )
         slots, weights = self._draw(count)
         indices = self._slot_index[slots].copy()
-        payloads: list[bytes | memoryview] = []
-        for index in indices.tolist():
-            payloads.append(await self._payload(int(index)))
+        payloads = await self._payloads(indices)
         data: bytearray | ScatteredBytes
         if self.config.dtype is not None:
             data = encode_npy_batch(self.config.dtype, payloads, indices, weights)
@@ -343,16 +367,20 @@ class ReplayBuffer:
         self._account_sampled(indices)
         return Batch(data, indices, weights)
 
-    async def _payload(self, index: int) -> bytes | memoryview:
-        block = await self._blocks.get(self.key(index))
-        if block is None:
-            raise NotFound(f"buffers/{self.name}: item {index} has no data")
-        # A view, not a copy: the block tier never changes a buffer item's bytes in place
-        # (put replaces the whole block), so the view stays valid while the batch lives.
-        data = memoryview(block.buf)[: block.length]
-        if self._zstd_level is not None:
-            return zstandard.decompress(data)
-        return data
+    async def _payloads(self, indices: np.ndarray) -> list[bytes | memoryview]:
+        """The items' bytes, cold ones read from the log in one trip to a thread.
+
+        Views, not copies: the block tier never changes a buffer item's bytes in place
+        (put replaces the whole block), so a view stays valid while the batch lives.
+        """
+        blocks = await self._blocks.get_many([self.key(int(i)) for i in indices.tolist()])
+        out: list[bytes | memoryview] = []
+        for index, block in zip(indices.tolist(), blocks, strict=True):
+            if block is None:
+                raise NotFound(f"buffers/{self.name}: item {index} has no data")
+            data = memoryview(block.buf)[: block.length]
+            out.append(zstandard.decompress(data) if self._zstd_level is not None else data)
+        return out
 
     def _draw(self, count: int) -> tuple[np.ndarray, np.ndarray]:
         sampler = self.config.sampler
