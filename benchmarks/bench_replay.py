@@ -147,7 +147,12 @@ def bench_numpy(w: Workload, seconds: float, payloads: list[bytes]) -> dict[str,
     adds = rate(w.fill, time.perf_counter() - started)
     items, elapsed = timed_loop(seconds, lambda: len(buf.sample(w.batch)))
     slots = np.arange(min(256, w.fill))
-    updates, up_elapsed = timed_loop(seconds / 2, lambda: (buf.update(slots, np.random.random(len(slots))), len(slots))[1])
+
+    def update() -> int:
+        buf.update(slots, np.random.random(len(slots)))
+        return len(slots)
+
+    updates, up_elapsed = timed_loop(seconds / 2, update)
     return {
         "adds_per_s": adds,
         "samples_per_s": rate(items, elapsed),

@@ -318,8 +318,15 @@ class BufferFile(VirtualFile):
         return self._make(flags, pid)
 
 
+ITEM_CACHE_S = 5.0
+
+
 class ItemNode(VirtualFile):
+    # Items rarely change, and `ls -l` of a million of them needs cached attributes. An
+    # item evicted behind the kernel's back may still stat for this long; open and read
+    # are always checked (ENOENT).
     writable = True
+    cache_s = ITEM_CACHE_S
 
     def __init__(self, buffer: ReplayBuffer, index: int) -> None:
         super().__init__(item_ino(buffer, index), str(index).encode(), stat.S_IFREG | 0o644)
@@ -339,6 +346,8 @@ class ItemNode(VirtualFile):
 class ItemsDir(VirtualDir):
     """`items/`: one file per live index."""
 
+    child_cache_s = ITEM_CACHE_S
+
     def __init__(self, ino: int, buffer: ReplayBuffer) -> None:
         super().__init__(ino, b"items", stat.S_IFDIR | 0o755)
         self.buffer = buffer
@@ -353,6 +362,12 @@ class ItemsDir(VirtualDir):
     def entries(self) -> list[tuple[bytes, int]]:
         base = item_ino(self.buffer, 0)
         return [(b"%d" % i, base | i) for i in self.buffer.live_indices().tolist()]
+
+    def listing(self) -> list[tuple[bytes, int, int, int]]:
+        live, sizes = self.buffer.live_items()
+        base = item_ino(self.buffer, 0)
+        mode = stat.S_IFREG | 0o644
+        return [(b"%d" % i, base | i, mode, s) for i, s in zip(live.tolist(), sizes.tolist(), strict=True)]
 
     async def unlink(self, name: bytes) -> None:
         await trio.lowlevel.checkpoint()
@@ -430,6 +445,8 @@ class BufferDir(VirtualDir):
 class BuffersDir(KindDirectory):
     """`buffers/`: mkdir creates a buffer, rmdir (or `rm -r`) deletes it with its data."""
 
+    child_cache_s = 1.0  # buffer directories
+
     def __init__(self, tree: VirtualTree, store: BufferStore) -> None:
         super().__init__(tree.new_ino(), b"buffers", stat.S_IFDIR | 0o755)
         self._tree = tree
@@ -449,6 +466,9 @@ class BuffersDir(KindDirectory):
 
     def entries(self) -> list[tuple[bytes, int]]:
         return [(name.encode(), self._dir(name).ino) for name in self._store.names()]
+
+    def listing(self) -> list[tuple[bytes, int, int, int]]:
+        return [(name, ino, stat.S_IFDIR | 0o755, 0) for name, ino in self.entries()]
 
     async def mkdir(self, name: bytes, mode: int) -> VirtualNode:
         await trio.lowlevel.checkpoint()

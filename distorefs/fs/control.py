@@ -42,6 +42,10 @@ class MountInfo:
 class VirtualNode:
     """A node that is not a file of the POSIX tree. `size` is what stat shows."""
 
+    # How long the kernel may cache this node's entry and attributes. Control files: 0
+    # (their content changes behind the kernel's back). Kinds with stable nodes raise it.
+    cache_s: float | None = None
+
     def __init__(self, ino: int, name: bytes, mode: int) -> None:
         self.ino = ino
         self.name = name
@@ -118,6 +122,9 @@ class ControlFile(VirtualFile):
 class VirtualDir(VirtualNode):
     """A directory of virtual nodes. Kinds override lookup/entries and the changes."""
 
+    # Cache time readdir gives the entries it lists (0: control files).
+    child_cache_s: float = 0.0
+
     def __init__(self, ino: int, name: bytes, mode: int = stat.S_IFDIR | 0o555) -> None:
         super().__init__(ino, name, mode)
         self.children: dict[bytes, VirtualNode] = {}
@@ -129,8 +136,18 @@ class VirtualDir(VirtualNode):
         return node
 
     def entries(self) -> list[tuple[bytes, int]]:
-        """(name, inode) of each entry, for readdir."""
+        """(name, inode) of each entry."""
         return [(name, node.ino) for name, node in self.children.items()]
+
+    def listing(self) -> list[tuple[bytes, int, int, int]]:
+        """(name, inode, mode, size) of each entry, for readdir: kinds with many entries
+        compute these in bulk instead of one node at a time."""
+        out = []
+        for name, ino in self.entries():
+            node = self.children.get(name)
+            if node is not None:
+                out.append((name, ino, node.mode, node.size))
+        return out
 
     def refuse(self, what: str) -> ReadOnly:
         return ReadOnly(f"{self.name.decode()}/ is read-only: cannot {what}")

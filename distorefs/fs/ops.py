@@ -46,6 +46,7 @@ class Handle:
     virtual: bool
     vhandle: VirtualHandle | None = None
     entries: list[tuple[bytes, int]] = field(default_factory=list)
+    listing: list[tuple[bytes, int, int, int]] | None = None  # virtual dirs: name, ino, mode, size
 
 
 def _translate(mutates: bool) -> Callable[[Callable[P, Coroutine[Any, Any, R]]], Callable[P, Coroutine[Any, Any, R]]]:
@@ -124,8 +125,9 @@ class FsOperations(pyfuse3.Operations):
         attr = pyfuse3.EntryAttributes()
         root = self.files.get(ROOT_INODE)
         attr.st_ino = node.ino
-        attr.entry_timeout = ATTR_TIMEOUT_S
-        attr.attr_timeout = 0 if isinstance(node, VirtualFile) else ATTR_TIMEOUT_S
+        default = 0 if isinstance(node, VirtualFile) else ATTR_TIMEOUT_S
+        attr.entry_timeout = ATTR_TIMEOUT_S if node.cache_s is None else node.cache_s
+        attr.attr_timeout = default if node.cache_s is None else node.cache_s
         attr.st_mode = node.mode
         attr.st_nlink = 2 if isinstance(node, VirtualDir) else 1
         attr.st_uid = root.uid
@@ -397,7 +399,7 @@ class FsOperations(pyfuse3.Operations):
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> FileHandle:
         vdir = self._virtual_dir(inode)
         if vdir is not None:
-            return self._new_fh(Handle(inode, virtual=True, entries=vdir.entries()))
+            return self._new_fh(Handle(inode, virtual=True, listing=vdir.listing()))
         entries = self.files.entries(inode)
         if inode == ROOT_INODE:
             entries = [(name, node.ino) for name, node in self.virtual.root_nodes.items()] + [
@@ -407,7 +409,11 @@ class FsOperations(pyfuse3.Operations):
 
     @_translate(mutates=False)
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        entries = self._handles[fh].entries
+        handle = self._handles[fh]
+        if handle.listing is not None:
+            self._readdir_virtual(handle.ino, handle.listing, start_id, token)
+            return
+        entries = handle.entries
         for position in range(start_id, len(entries)):
             name, ino = entries[position]
             if ino in self.virtual:
@@ -423,6 +429,25 @@ class FsOperations(pyfuse3.Operations):
             if not pyfuse3.readdir_reply(token, name, self._attrs(self.files.get(ino)), position + 1):
                 return
             self.files.ref(ino)  # readdirplus hands the kernel a lookup reference
+
+    def _readdir_virtual(
+        self, dir_ino: int, listing: list[tuple[bytes, int, int, int]], start_id: int, token: pyfuse3.ReaddirToken
+    ) -> None:
+        # One attributes object (owner, times, cache times from the directory's kind),
+        # refilled per entry: readdir_reply copies it at once, so a million items list
+        # without a million node lookups.
+        vdir = self.virtual.get(dir_ino)
+        attr = self._virtual_attrs(vdir)
+        if isinstance(vdir, VirtualDir):
+            attr.entry_timeout = attr.attr_timeout = vdir.child_cache_s
+        for position in range(start_id, len(listing)):
+            name, ino, mode, size = listing[position]
+            attr.st_ino = ino
+            attr.st_mode = mode
+            attr.st_size = size
+            attr.st_nlink = 2 if stat.S_ISDIR(mode) else 1
+            if not pyfuse3.readdir_reply(token, name, attr, position + 1):
+                return
 
     @_translate(mutates=False)
     async def releasedir(self, fh: int) -> None:

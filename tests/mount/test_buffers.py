@@ -429,3 +429,15 @@ def test_sampler_reuses_its_buffer_and_reads_whole_batches(buffer: Path) -> None
             assert row["reward"] == row["_index"] * 0.5
     finally:
         os.rmdir(schema_path)
+
+
+def test_items_listing_is_complete_for_many_items(buffer: Path) -> None:
+    configure(buffer, schema={"x": "int64"}, capacity=50_000)
+    values = np.zeros(20_000, dtype=[("x", "<i8")])
+    values["x"] = np.arange(20_000)
+    client.append(buffer, values)  # one .npy, one open
+    names = os.listdir(buffer / "items")
+    assert len(names) == 20_000
+    assert sorted(map(int, names)) == list(range(20_000))
+    assert os.stat(buffer / "items" / "19999").st_size == 8
+    assert (buffer / "items" / "12345").read_bytes() == np.int64(12345).tobytes()

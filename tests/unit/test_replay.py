@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
+import trio.lowlevel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,8 +18,8 @@ from distorefs.stores.replay.buffer import ReplayBuffer
 from distorefs.stores.replay.config import BufferConfig
 from distorefs.stores.replay.formats import (
     BlobStream,
-    ScatteredBytes,
     RecordStream,
+    ScatteredBytes,
     decode_blob_batch,
     frame_items,
     parse_priorities,
@@ -374,7 +375,7 @@ async def test_concurrent_appenders_keep_fifo_order_in_a_small_ring(tiers: tuple
             item = tag + b"%d" % i
             (index,) = await buf.append([item])
             payload[index] = item
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(writer, b"a")

@@ -128,6 +128,11 @@ class ReplayBuffer:
         live = self._slot_index[self._slot_index >= 0]
         return np.sort(live)
 
+    def live_items(self) -> tuple[np.ndarray, np.ndarray]:
+        """Live indices in append order and their item sizes."""
+        live = self.live_indices()
+        return live, self._size[live % self.config.capacity]
+
     def key(self, index: int) -> BlockKey:
         return BlockKey(self.owner, index)
 
@@ -472,24 +477,31 @@ class ReplayBuffer:
         owner, config_json, next_index, inserts, samples, removed, snapshot = row
         config = BufferConfig.from_json(f"buffers/{name}", json.loads(config_json))
         buf = cls(name, owner, config, blocks, meta)
-        indices = np.array(sorted(item_sizes), dtype=np.int64)
+        indices = np.fromiter(item_sizes, dtype=np.int64, count=len(item_sizes))
+        sizes = np.fromiter(item_sizes.values(), dtype=np.int64, count=len(item_sizes))
+        order = np.argsort(indices)
+        indices, sizes = indices[order], sizes[order]
         if len(indices) > config.capacity:
-            indices = indices[-config.capacity :]
+            indices, sizes = indices[-config.capacity :], sizes[-config.capacity :]
         priorities = np.full(len(indices), np.nan)
         times = np.zeros(len(indices), dtype=np.int64)
         if snapshot:
-            saved = np.load(io.BytesIO(snapshot))
-            position = {int(i): k for k, i in enumerate(saved["indices"].tolist())}
-            for k, index in enumerate(indices.tolist()):
-                at = position.get(index)
-                if at is not None:
-                    priorities[k] = saved["priorities"][at]
-                    times[k] = saved["times"][at]
-                    item_sizes[index] = int(saved["sizes"][at])  # uncompressed size
+            with np.load(io.BytesIO(snapshot)) as npz:  # read each array once
+                saved = {name: npz[name] for name in ("indices", "priorities", "times", "sizes")}
+            # Both index lists are sorted: match them with one searchsorted.
+            at = np.searchsorted(saved["indices"], indices)
+            at_clipped = np.minimum(at, max(len(saved["indices"]) - 1, 0))
+            found = (
+                (at < len(saved["indices"])) & (saved["indices"][at_clipped] == indices)
+                if len(saved["indices"])
+                else np.zeros(len(indices), bool)
+            )
+            priorities[found] = saved["priorities"][at[found]]
+            times[found] = saved["times"][at[found]]
+            sizes[found] = saved["sizes"][at[found]]  # uncompressed sizes
         known = priorities[~np.isnan(priorities)]
         fallback = float(known.max()) if len(known) else DEFAULT_PRIORITY
         priorities = np.where(np.isnan(priorities), fallback, priorities)
-        sizes = np.array([item_sizes[int(i)] for i in indices.tolist()], dtype=np.int64)
         buf._apply_config(config, indices, priorities, times, sizes)
         buf.next_index = max(int(next_index), int(indices[-1]) + 1 if len(indices) else 0)
         buf.inserts, buf.samples, buf.removed = int(inserts), int(samples), int(removed)
