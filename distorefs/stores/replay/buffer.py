@@ -287,8 +287,14 @@ class ReplayBuffer:
         self._notify()
 
     def delete_all(self) -> None:
-        for index in self.live_indices().tolist():
-            self._remove_slot(int(index) % self.config.capacity, int(index))
+        """Remove every item at once (buffer deletion): one pass, no per-item tree updates."""
+        live = self.live_indices()
+        for index in live.tolist():
+            self._blocks.delete(self.key(index))
+        self.removed += len(live)
+        self.stored_bytes = 0
+        self._apply_config(self.config, *(np.zeros(0, dtype) for dtype in (np.int64, np.float64, np.int64, np.int64)))
+        self._snapshot_dirty = True
         self._notify()
 
     # --- items ------------------------------------------------------------------------
