@@ -54,6 +54,7 @@ class BlockStatistics:
     prefetched_blocks: int
     compacted_segments: int
     reclaimed_bytes: int
+    moved_bytes: int
     blocks: int
 
 
@@ -97,6 +98,8 @@ class BlockStore:
         self._prefetched = 0
         self._compacted_segments = 0
         self._reclaimed_bytes = 0
+        self._moved_bytes = 0  # live bytes compaction had to copy
+        self._seg_live_seen: dict[int, int] = {}  # live bytes per segment at the last pass
         for owner, index, segment, offset, length in meta.rows("blocks"):
             self._add_location(BlockKey(owner, index), LogLocation(segment, offset, length))
 
@@ -505,13 +508,21 @@ class BlockStore:
     # --- compaction ---------------------------------------------------------------------
 
     def _compaction_victims(self, min_dead_ratio: float) -> list[int]:
+        """Sealed segments to compact: fully dead ones at once; sparse ones only once their
+        live bytes stopped shrinking since the last pass. A segment still dying (a FIFO
+        buffer evicting in log order) is left to die whole, so it is dropped, not copied."""
         active = self._log.active_segment
         victims = []
+        seen = self._seg_live_seen
+        self._seg_live_seen = {}
         for segment, size in self._log.segment_sizes().items():
             if segment == active:
                 continue
             live = self._seg_live.get(segment, 0)
-            if size == 0 or live <= size * (1.0 - min_dead_ratio):
+            self._seg_live_seen[segment] = live
+            if size == 0 or live == 0:
+                victims.append(segment)
+            elif live <= size * (1.0 - min_dead_ratio) and seen.get(segment) == live:
                 victims.append(segment)
         return sorted(victims)
 
@@ -537,6 +548,7 @@ class BlockStore:
                 moved = await trio.to_thread.run_sync(self._log.append, key, payload, limiter=self._io_limiter)
                 if self._index.get(key) == location:
                     self._set_location(key, moved)
+                    self._moved_bytes += moved.length
         await self.flush()
         await self.commit(durable=True)
         reclaimed = 0
@@ -581,6 +593,7 @@ class BlockStore:
             prefetched_blocks=self._prefetched,
             compacted_segments=self._compacted_segments,
             reclaimed_bytes=self._reclaimed_bytes,
+            moved_bytes=self._moved_bytes,
             blocks=len(self._index),
         )
 

@@ -215,21 +215,39 @@ async def test_schema_batches_are_npy_with_index_and_weight(tiers: tuple[BlockSt
         assert row["r"] == pytest.approx(row["_index"] * 0.5)
 
 
-async def test_prioritized_frequencies_follow_priorities_to_the_alpha(tiers: tuple[BlockStore, MetaDb]) -> None:
-    buf = make(tiers, capacity=8, sampler="prioritized", alpha=0.5, epsilon=0.0, batch_size=64)
-    await buf.append([b"i%d" % i for i in range(4)])
-    priorities = np.array([1.0, 4.0, 9.0, 16.0])
-    buf.update_priorities(np.arange(4), priorities)
-    counts = np.zeros(4)
-    draws = 0
-    for _ in range(200):
-        slots, _ = buf._draw(64)
-        counts += np.bincount(buf._slot_index[slots], minlength=4)
-        draws += 64
-    expected = np.sqrt(priorities) / np.sqrt(priorities).sum()
-    # Binomial bounds: 5 standard deviations per index.
-    sd = np.sqrt(draws * expected * (1 - expected))
-    assert (np.abs(counts - draws * expected) < 5 * sd).all(), (counts / draws, expected)
+@settings(max_examples=25, deadline=None)
+@given(
+    priorities=st.lists(st.floats(0.05, 20.0), min_size=2, max_size=6),
+    alpha=st.floats(0.0, 1.5),
+)
+def test_prioritized_frequencies_follow_priorities_to_the_alpha(priorities: list[float], alpha: float) -> None:
+    """Sampled frequencies match p^alpha / sum(p^alpha) within 5 binomial standard
+    deviations per item, for any priorities and alpha."""
+
+    async def run(tmp: str) -> None:
+        meta = MetaDb.open(tmp + "/meta.sqlite")
+        blocks = BlockStore(NvmeLog.open(tmp + "/log"), DramCache(16 << 20), meta)
+        cfg = BufferConfig().updated("t", {"sampler": "prioritized", "alpha": alpha, "epsilon": 0.0}, has_items=False)
+        buf = ReplayBuffer("t", 1 << 48, cfg, blocks, meta)
+        n = len(priorities)
+        await buf.append([b"i%d" % i for i in range(n)])
+        buf.update_priorities(np.arange(n), np.array(priorities))
+        counts = np.zeros(n)
+        draws = 0
+        for _ in range(60):
+            slots, _ = buf._draw(64)
+            counts += np.bincount(buf._slot_index[slots], minlength=n)
+            draws += 64
+        expected = np.power(priorities, alpha) / np.power(priorities, alpha).sum()
+        sd = np.sqrt(draws * expected * (1 - expected)) + 1.0
+        assert (np.abs(counts - draws * expected) < 5 * sd).all(), (counts / draws, expected)
+        await blocks.close()
+        meta.close()
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trio.run(run, tmp)
 
 
 async def test_importance_weights_are_normalised_to_the_rarest_item(tiers: tuple[BlockStore, MetaDb]) -> None:
@@ -384,3 +402,23 @@ async def test_concurrent_appenders_keep_fifo_order_in_a_small_ring(tiers: tuple
     for index in range(16, 20):
         assert bytes(await buf.read_item(index)) == payload[index]
     assert (buf.inserts, buf.removed, buf.size) == (20, 16, 4)
+
+
+async def test_fifo_churn_drops_whole_segments_and_copies_nothing(tmp_path: Path) -> None:
+    meta = MetaDb.open(str(tmp_path / "meta.sqlite"))
+    blocks = BlockStore(NvmeLog.open(str(tmp_path / "log"), segment_bytes=4 << 20), DramCache(256 << 20), meta)
+    buf = ReplayBuffer("ring", 1 << 48, BufferConfig(capacity=20), blocks, meta)
+    for start in range(0, 120, 10):
+        await buf.append([bytes([i]) * 1_000_000 for i in range(start, start + 10)])
+        await buf.persist()
+        await blocks.compact()  # a pass between every two appends
+    stats = blocks.statistics()
+    assert stats.moved_bytes == 0  # edge segments were still shrinking: never copied
+    assert stats.reclaimed_bytes > 70_000_000
+    await blocks.compact()
+    await blocks.compact()  # appends stopped: the edge segment is stable, compacted once
+    assert blocks.statistics().moved_bytes <= 4 << 20
+    assert buf.live_indices().tolist() == list(range(100, 120))
+    assert bytes(await buf.read_item(119)) == bytes([119]) * 1_000_000
+    await blocks.close()
+    meta.close()
