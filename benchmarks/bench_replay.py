@@ -95,6 +95,15 @@ def rate(count: int, seconds: float) -> float:
     return count / seconds if seconds > 0 else float("inf")
 
 
+def summary(w: Workload, adds: float, items: int, elapsed: float, updates: int, up_elapsed: float) -> dict[str, float]:
+    return {
+        "adds_per_s": adds,
+        "samples_per_s": rate(items, elapsed),
+        "sample_MBps": rate(items, elapsed) * w.item_bytes / 1e6,
+        "priority_updates_per_s": rate(updates, up_elapsed),
+    }
+
+
 def timed_loop(seconds: float, step: object) -> tuple[int, float]:
     """Run `step()` (returns units done) until `seconds` pass; (units, elapsed)."""
     assert callable(step)
@@ -131,12 +140,7 @@ def bench_mount(mnt: Path, w: Workload, seconds: float, payloads: list[bytes]) -
         return len(indices)
 
     updates, up_elapsed = timed_loop(seconds / 2, update)
-    return {
-        "adds_per_s": adds,
-        "samples_per_s": rate(items, elapsed),
-        "sample_MBps": rate(items, elapsed) * w.item_bytes / 1e6,
-        "priority_updates_per_s": rate(updates, up_elapsed),
-    }
+    return summary(w, adds, items, elapsed, updates, up_elapsed)
 
 
 def bench_numpy(w: Workload, seconds: float, payloads: list[bytes]) -> dict[str, float]:
@@ -153,12 +157,7 @@ def bench_numpy(w: Workload, seconds: float, payloads: list[bytes]) -> dict[str,
         return len(slots)
 
     updates, up_elapsed = timed_loop(seconds / 2, update)
-    return {
-        "adds_per_s": adds,
-        "samples_per_s": rate(items, elapsed),
-        "sample_MBps": rate(items, elapsed) * w.item_bytes / 1e6,
-        "priority_updates_per_s": rate(updates, up_elapsed),
-    }
+    return summary(w, adds, items, elapsed, updates, up_elapsed)
 
 
 def store_priority_update_ms(tmp: Path) -> float:

@@ -114,36 +114,58 @@ def _recorded(buffer: ReplayBuffer, exc: DistorefsError) -> DistorefsError:
 # --- handles ----------------------------------------------------------------------------
 
 
-class ConfigHandle(RenderedHandle):
-    """Reads the config as JSON; a write of a complete JSON object applies it (or none)."""
+class WholeInputHandle(RenderedHandle):
+    """A control file whose writes accumulate until they form a complete input, which
+    then applies whole or not at all; what is left incomplete at a close is EINVAL."""
 
-    def __init__(self, buffer: ReplayBuffer) -> None:
-        super().__init__((json.dumps(buffer.config.to_json(), indent=2) + "\n").encode())
+    incomplete = "input ended incomplete; not applied"
+
+    def __init__(self, buffer: ReplayBuffer, content: bytes = b"") -> None:
+        super().__init__(content)
         self._buffer = buffer
         self._pending = bytearray()
+
+    def _apply_if_complete(self, pending: bytearray) -> bool:
+        """Apply `pending` if it is a complete input (raise to refuse it); False: wait."""
+        raise NotImplementedError
 
     async def write(self, offset: int, data: bytes) -> int:
         await trio.lowlevel.checkpoint()
         self._pending += data
         try:
-            changes = json.loads(self._pending)
-        except ValueError:
-            return len(data)  # not complete yet (or not JSON: flush will say)
-        self._pending.clear()
-        try:
-            self._buffer.reconfigure(changes)
+            if self._apply_if_complete(self._pending):
+                self._pending.clear()
         except DistorefsError as exc:
+            self._pending.clear()
             raise _recorded(self._buffer, exc) from None
         return len(data)
 
     async def flush(self) -> None:
         await trio.lowlevel.checkpoint()
         if bytes(self._pending).strip():
-            text = bytes(self._pending[:60]).decode(errors="replace")
+            start = bytes(self._pending[:60]).decode(errors="replace")
             self._pending.clear()
-            raise _recorded(
-                self._buffer, InvalidArgument(f"buffers/{self._buffer.name}: config is not valid JSON: {text!r}")
-            )
+            raise _recorded(self._buffer, InvalidArgument(f"buffers/{self._buffer.name}: {self.incomplete}: {start!r}"))
+
+
+class ConfigHandle(WholeInputHandle):
+    """Reads the config as JSON; a write of a complete JSON object applies it (or none)."""
+
+    incomplete = "config is not valid JSON"
+
+    def __init__(self, buffer: ReplayBuffer) -> None:
+        super().__init__(buffer, (json.dumps(buffer.config.to_json(), indent=2) + "\n").encode())
+
+    def _apply_if_complete(self, pending: bytearray) -> bool:
+        try:
+            changes = json.loads(pending)
+        except ValueError:
+            return False  # not complete yet (or not JSON: flush will say)
+        self._buffer.reconfigure(changes)
+        return True
+
+    async def flush(self) -> None:
+        await super().flush()
         await self._buffer.persist()
 
 
@@ -216,34 +238,17 @@ class SampleHandle(VirtualHandle):
         return memoryview(self._data)[offset : offset + size]
 
 
-class PriorityHandle(VirtualHandle):
+class PriorityHandle(WholeInputHandle):
     """Applies each complete chunk of (index, priority) pairs whole, or none of it."""
 
-    def __init__(self, buffer: ReplayBuffer) -> None:
-        self._buffer = buffer
-        self._pending = bytearray()
+    incomplete = "priority input ended mid-record; not applied"
 
-    async def write(self, offset: int, data: bytes) -> int:
-        await trio.lowlevel.checkpoint()
-        self._pending += data
-        try:
-            parsed = parse_priorities(self._pending)
-            if parsed is not None:
-                self._pending.clear()
-                self._buffer.update_priorities(*parsed)
-        except DistorefsError as exc:
-            self._pending.clear()
-            raise _recorded(self._buffer, exc) from None
-        return len(data)
-
-    async def flush(self) -> None:
-        await trio.lowlevel.checkpoint()
-        if bytes(self._pending).strip():
-            self._pending.clear()
-            raise _recorded(
-                self._buffer,
-                InvalidArgument(f"buffers/{self._buffer.name}: priority input ended mid-record; not applied"),
-            )
+    def _apply_if_complete(self, pending: bytearray) -> bool:
+        parsed = parse_priorities(pending)
+        if parsed is None:
+            return False
+        self._buffer.update_priorities(*parsed)
+        return True
 
 
 class ItemHandle(VirtualHandle):

@@ -60,26 +60,43 @@ def npy_header(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], int
     return header, start + header_len
 
 
-class RecordStream:
-    """Splits an `append` stream of a schema buffer into complete records, in order."""
+class _Stream:
+    """What both `append` streams share: writes in order, bytes pending, a leading magic."""
 
-    def __init__(self, dtype: np.dtype[Any]) -> None:
-        self.dtype = dtype
-        self.itemsize = dtype.itemsize
+    def __init__(self) -> None:
         self._pending = bytearray()
-        self._mode: str | None = None  # "raw" or "npy"
-        self._npy_left: int | None = None
         self.offset = 0
 
-    def feed(self, offset: int, data: bytes | memoryview) -> list[bytes]:
+    def _accept(self, offset: int, data: bytes | memoryview) -> None:
         if offset != self.offset:
             raise InvalidArgument(f"append is a stream: write at offset {offset}, expected {self.offset}")
         self.offset += len(data)
         self._pending += data
+
+    def _starts_with(self, magic: bytes) -> bool | None:
+        """Whether the pending bytes start with `magic`; None while too few to tell."""
+        if len(self._pending) < len(magic) and magic.startswith(bytes(self._pending)):
+            return None
+        return self._pending.startswith(magic)
+
+
+class RecordStream(_Stream):
+    """Splits an `append` stream of a schema buffer into complete records, in order."""
+
+    def __init__(self, dtype: np.dtype[Any]) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.itemsize = dtype.itemsize
+        self._mode: str | None = None  # "raw" or "npy"
+        self._npy_left: int | None = None
+
+    def feed(self, offset: int, data: bytes | memoryview) -> list[bytes]:
+        self._accept(offset, data)
         if self._mode is None:
-            if len(self._pending) < len(NPY_MAGIC) and NPY_MAGIC.startswith(bytes(self._pending)):
+            is_npy = self._starts_with(NPY_MAGIC)
+            if is_npy is None:
                 return []
-            self._mode = "npy" if self._pending.startswith(NPY_MAGIC) else "raw"
+            self._mode = "npy" if is_npy else "raw"
         if self._mode == "npy" and self._npy_left is None:
             parsed = npy_header(self._pending)
             if parsed is None:
@@ -121,23 +138,19 @@ class RecordStream:
         return []
 
 
-class BlobStream:
+class BlobStream(_Stream):
     """An `append` stream of a blob buffer: one item per open, or DSITEMS1 frames."""
 
     def __init__(self) -> None:
-        self._pending = bytearray()
+        super().__init__()
         self._framed: bool | None = None
-        self.offset = 0
 
     def feed(self, offset: int, data: bytes | memoryview) -> list[bytearray]:
-        if offset != self.offset:
-            raise InvalidArgument(f"append is a stream: write at offset {offset}, expected {self.offset}")
-        self.offset += len(data)
-        self._pending += data
+        self._accept(offset, data)
         if self._framed is None:
-            if len(self._pending) < len(ITEMS_MAGIC) and ITEMS_MAGIC.startswith(bytes(self._pending)):
+            self._framed = self._starts_with(ITEMS_MAGIC)
+            if self._framed is None:
                 return []
-            self._framed = self._pending.startswith(ITEMS_MAGIC)
             if self._framed:
                 del self._pending[: len(ITEMS_MAGIC)]
         if not self._framed:
