@@ -422,3 +422,13 @@ async def test_fifo_churn_drops_whole_segments_and_copies_nothing(tmp_path: Path
     assert bytes(await buf.read_item(119)) == bytes([119]) * 1_000_000
     await blocks.close()
     meta.close()
+
+
+async def test_an_item_drawn_twice_in_a_batch_counts_twice(tiers: tuple[BlockStore, MetaDb]) -> None:
+    buf = make(tiers, sampler="uniform", batch_size=3, max_times_sampled=5)
+    await buf.append([b"only"])
+    assert (await buf.sample()).indices.tolist() == [0, 0, 0]
+    assert buf._times[0] == 3
+    await buf.sample()  # 6 >= 5: removed after this batch
+    assert buf.size == 0
+    assert buf.removed == 1

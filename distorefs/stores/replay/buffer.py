@@ -269,15 +269,20 @@ class ReplayBuffer:
     # --- removing ---------------------------------------------------------------------
 
     def _remove_slot(self, slot: int, index: int) -> None:
-        self._slot_index[slot] = -1
-        self._priority[slot] = 0.0
-        self._times[slot] = 0
-        self.stored_bytes -= int(self._size[slot])
-        self._size[slot] = 0
-        self._tree.update(np.array([slot]), np.zeros(1))
-        self._live.update(np.array([slot]), np.zeros(1))
-        self._blocks.delete(self.key(index))
-        self.removed += 1
+        self._remove_slots(np.array([slot]), [index])
+
+    def _remove_slots(self, slots: np.ndarray, indices: list[int]) -> None:
+        """Remove these live items: one batched tree update for all of them."""
+        self._slot_index[slots] = -1
+        self._priority[slots] = 0.0
+        self._times[slots] = 0
+        self.stored_bytes -= int(self._size[slots].sum())
+        self._size[slots] = 0
+        self._tree.update(slots, np.zeros(len(slots)))
+        self._live.update(slots, np.zeros(len(slots)))
+        for index in indices:
+            self._blocks.delete(self.key(index))
+        self.removed += len(indices)
         self._snapshot_dirty = True
 
     def delete_item(self, index: int) -> None:
@@ -419,14 +424,14 @@ class ReplayBuffer:
 
     def _account_sampled(self, indices: np.ndarray) -> None:
         self.samples += len(indices)
+        slots = indices % self.config.capacity
+        still = self._slot_index[slots] == indices  # not left while the batch was read
+        np.add.at(self._times, slots[still], 1)  # an item drawn twice counts twice
         limit = self.config.max_times_sampled
-        for index in indices.tolist():
-            slot = int(index) % self.config.capacity
-            if self._slot_index[slot] != index:
-                continue  # left while the batch was read
-            self._times[slot] += 1
-            if limit and self._times[slot] >= limit:
-                self._remove_slot(slot, int(index))
+        if limit:
+            done = np.unique(slots[still][self._times[slots[still]] >= limit])
+            if len(done):
+                self._remove_slots(done, self._slot_index[done].tolist())
         self._snapshot_dirty = True
         self._notify()
 
