@@ -432,3 +432,27 @@ async def test_an_item_drawn_twice_in_a_batch_counts_twice(tiers: tuple[BlockSto
     await buf.sample()  # 6 >= 5: removed after this batch
     assert buf.size == 0
     assert buf.removed == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    items=st.lists(st.binary(max_size=300), max_size=8),
+    cuts=st.lists(st.integers(0, 3000), max_size=6),
+)
+def test_framed_items_come_out_whole_however_the_writes_are_cut(items: list[bytes], cuts: list[int]) -> None:
+    data = frame_items(items)
+    bounds = sorted({0, len(data), *[c % (len(data) + 1) for c in cuts]})
+    stream = BlobStream()
+    out: list[bytes] = []
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        out.extend(bytes(i) for i in stream.feed(start, data[start:end]))
+    out.extend(bytes(i) for i in stream.finish())
+    assert out == items
+
+
+def test_a_partial_frame_at_close_is_refused() -> None:
+    stream = BlobStream()
+    data = frame_items([b"abcdef"])
+    stream.feed(0, data[:-2])
+    with pytest.raises(InvalidArgument, match=r"a partial frame at close \(4 of 6 bytes\); not added"):
+        stream.finish()

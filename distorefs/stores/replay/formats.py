@@ -67,10 +67,13 @@ class _Stream:
         self._pending = bytearray()
         self.offset = 0
 
-    def _accept(self, offset: int, data: bytes | memoryview) -> None:
+    def _advance(self, offset: int, data: bytes | memoryview) -> None:
         if offset != self.offset:
             raise InvalidArgument(f"append is a stream: write at offset {offset}, expected {self.offset}")
         self.offset += len(data)
+
+    def _accept(self, offset: int, data: bytes | memoryview) -> None:
+        self._advance(offset, data)
         self._pending += data
 
     def _starts_with(self, magic: bytes) -> bool | None:
@@ -139,49 +142,78 @@ class RecordStream(_Stream):
 
 
 class BlobStream(_Stream):
-    """An `append` stream of a blob buffer: one item per open, or DSITEMS1 frames."""
+    """An `append` stream of a blob buffer: one item per open, or DSITEMS1 frames.
+
+    Frames are parsed as they stream in: each byte is copied once, straight into its
+    item's own buffer (which the block tier then takes over), whatever the write sizes.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self._framed: bool | None = None
+        self._head = bytearray()  # a frame's length prefix, while incomplete
+        self._item: bytearray | None = None  # the frame being filled
+        self._filled = 0
 
     def feed(self, offset: int, data: bytes | memoryview) -> list[bytearray]:
-        self._accept(offset, data)
-        if self._framed is None:
-            self._framed = self._starts_with(ITEMS_MAGIC)
-            if self._framed is None:
-                return []
-            if self._framed:
-                del self._pending[: len(ITEMS_MAGIC)]
-        if not self._framed:
+        self._advance(offset, data)
+        if self._framed is False:
+            self._pending += data
             if len(self._pending) > MAX_ITEM_BYTES:
                 raise InvalidArgument(f"append: an item over {MAX_ITEM_BYTES} bytes")
             return []
+        if self._framed is None:
+            self._pending += data
+            framed = self._starts_with(ITEMS_MAGIC)
+            if framed is None:
+                return []
+            self._framed = framed
+            if not framed:
+                return self.feed(self.offset, b"")  # size check; the bytes stay pending
+            rest, self._pending = self._pending, bytearray()
+            return self._frames(memoryview(rest)[len(ITEMS_MAGIC) :])
+        return self._frames(memoryview(data).cast("B"))
+
+    def _frames(self, view: memoryview) -> list[bytearray]:
         items: list[bytearray] = []
-        while len(self._pending) >= FRAME.size:
-            (length,) = FRAME.unpack_from(self._pending)
-            if length > MAX_ITEM_BYTES:
-                raise InvalidArgument(f"append: frame of {length} bytes exceeds {MAX_ITEM_BYTES}")
-            if len(self._pending) < FRAME.size + length:
-                break
-            items.append(self._pending[FRAME.size : FRAME.size + length])  # a new bytearray
-            del self._pending[: FRAME.size + length]
+        while len(view):
+            if self._item is None:
+                need = FRAME.size - len(self._head)
+                self._head += view[:need]
+                view = view[need:]
+                if len(self._head) < FRAME.size:
+                    break
+                (length,) = FRAME.unpack(self._head)
+                self._head.clear()
+                if length > MAX_ITEM_BYTES:
+                    raise InvalidArgument(f"append: frame of {length} bytes exceeds {MAX_ITEM_BYTES}")
+                self._item, self._filled = bytearray(length), 0
+            take = min(len(self._item) - self._filled, len(view))
+            self._item[self._filled : self._filled + take] = view[:take]
+            self._filled += take
+            view = view[take:]
+            if self._filled == len(self._item):
+                items.append(self._item)
+                self._item = None
         return items
 
     def reset(self) -> None:
         """Drop what is pending; the next write starts a new item or stream."""
-        self._pending.clear()
+        self._pending = bytearray()
         self._framed = None
+        self._head.clear()
+        self._item = None
 
     def finish(self) -> list[bytearray]:
         """At a close: the single item written since the last close (unframed), or nothing
         more (framed, all complete). Writes after this start a new item or stream."""
-        framed, pending = self._framed, self._pending
-        self._pending = bytearray()
-        self._framed = None
+        framed, pending, head, item, filled = self._framed, self._pending, len(self._head), self._item, self._filled
+        self.reset()
         if framed:
-            if pending:
-                raise InvalidArgument(f"append: a partial frame of {len(pending)} bytes at close; not added")
+            if item is not None:
+                raise InvalidArgument(f"append: a partial frame at close ({filled} of {len(item)} bytes); not added")
+            if head:
+                raise InvalidArgument(f"append: a partial frame length at close ({head} of {FRAME.size} bytes)")
             return []
         if not pending:
             return []  # nothing written since the last close
