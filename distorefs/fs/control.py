@@ -189,19 +189,16 @@ class VirtualTree:
         self._info = info
         self._files = files
         self._blocks = blocks
-        control = self._add_root(VirtualDir(self._ino(), b".distore"))
+        control = self._add_root(VirtualDir(self.new_ino(), b".distore"))
         assert isinstance(control, VirtualDir)
-        self._add_child(control, ControlFile(self._ino(), b"status", self.render_status))
-        self._add_child(control, ControlFile(self._ino(), b"version", self.render_version))
+        self._add_child(control, ControlFile(self.new_ino(), b"status", self.render_status))
+        self._add_child(control, ControlFile(self.new_ino(), b"version", self.render_version))
         for name, arrives_with in (
             (b"buffers", "replay buffers"),
             (b"weights", "versioned weights"),
             (b"datasets", "datasets"),
         ):
-            self._add_root(PlannedKind(self._ino(), name, arrives_with))
-
-    def _ino(self) -> int:
-        return self.new_ino()
+            self._add_root(PlannedKind(self.new_ino(), name, arrives_with))
 
     def new_ino(self) -> int:
         """A fresh inode number for a node that a kind creates (kept until unregistered)."""

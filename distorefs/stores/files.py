@@ -17,7 +17,6 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from distorefs.errors import (
@@ -192,9 +191,6 @@ class FileStore:
     def entries(self, ino: int) -> list[tuple[bytes, int]]:
         """A snapshot of a directory's entries, in creation order."""
         return list(self._dir(ino).items())
-
-    def parent_of(self, ino: int) -> int:
-        return self._parent[ino]
 
     # --- creating -----------------------------------------------------------------------
 
@@ -557,9 +553,6 @@ class FileStore:
         self._stage(inode)
 
     # --- numbers ------------------------------------------------------------------------
-
-    def inodes(self) -> Iterator[Inode]:
-        return iter(self._inodes.values())
 
     def statistics(self) -> FileStatistics:
         files = directories = symlinks = other = file_bytes = 0

@@ -13,7 +13,6 @@ Automatic WAL checkpoints are off; a durable commit can ask for one.
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
@@ -167,15 +166,6 @@ class MetaDb:
             self.commits += 1
             if durable and checkpoint:
                 conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-
-    def size_bytes(self) -> int:
-        total = 0
-        for suffix in ("", "-wal"):
-            try:
-                total += os.stat(self.path + suffix).st_size
-            except FileNotFoundError:
-                pass
-        return total
 
     def close(self) -> None:
         with self._thread_lock:

@@ -70,14 +70,6 @@ class LogRecord:
     payload: bytes
 
 
-@dataclass(frozen=True)
-class LogStatistics:
-    segments: int
-    log_bytes: int
-    active_segment: int
-    synced_bytes: int
-
-
 class _Segment:
     """An open segment file. `readers` counts preads in flight so delete can wait to close."""
 
@@ -344,16 +336,6 @@ class NvmeLog:
             os.unlink(seg.path)
             if seg.readers == 0:
                 os.close(seg.fd)
-
-    def statistics(self) -> LogStatistics:
-        sizes = self.segment_sizes()
-        assert self._active is not None
-        return LogStatistics(
-            segments=len(sizes),
-            log_bytes=sum(sizes.values()),
-            active_segment=self._active.segment,
-            synced_bytes=self._active.synced_bytes,
-        )
 
     def close(self) -> None:
         """fsync the active segment and close every file."""

@@ -64,9 +64,6 @@ class BufferStore:
                 return buf
         raise NotFound(f"no buffer with owner {owner}")
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._buffers
-
     def create(self, name: str, config: BufferConfig | None = None) -> ReplayBuffer:
         check_name(name.encode())
         if name in self._buffers:
