@@ -183,10 +183,8 @@ class BlockStore:
             for i, key in enumerate(keys):
                 positions.setdefault(key, []).append(i)
             for (key, location), payload in zip(cold.items(), payloads, strict=True):
-                if self._dram.peek(key) is None and self._index.get(key) == location:
-                    block = Block(payload, len(payload), dirty=False)
-                    if self._dram.make_room(block.capacity_bytes):
-                        self._dram.insert(key, block)
+                block = self._cache_loaded(key, location, payload)
+                if block is not None:
                     for i in positions[key]:
                         out[i] = block
         for i, key in enumerate(keys):
@@ -206,8 +204,14 @@ class BlockStore:
         finally:
             del self._loading[key]
             done.set()
+        return self._cache_loaded(key, location, payload)
+
+    def _cache_loaded(self, key: BlockKey, location: LogLocation, payload: bytearray) -> Block | None:
+        """A payload read from `location` came back: the clean block for it (kept in DRAM
+        when there is room), or None when the key changed meanwhile and must be looked
+        up again (written, deleted, moved by compaction)."""
         if self._dram.peek(key) is not None or self._index.get(key) != location:
-            return None  # changed while we read: look again
+            return None
         block = Block(payload, len(payload), dirty=False)
         if self._dram.make_room(block.capacity_bytes):
             self._dram.insert(key, block)
@@ -269,9 +273,7 @@ class BlockStore:
         size = len(data)
         while not self._dram.make_room(size):
             await self._wait_for_room()
-        old = self._dram.remove(key)
-        if old is not None and old.dirty:
-            self._unmark_dirty(key)
+        self._uncache(key)
         block = Block(data if isinstance(data, bytearray) else bytearray(data), size, dirty=False)
         self._dram.insert(key, block)
         self._mark_dirty(key, block)
@@ -294,12 +296,16 @@ class BlockStore:
 
     def delete(self, key: BlockKey) -> None:
         """Forget the block in DRAM and in the index; its log record becomes dead."""
-        block = self._dram.remove(key)
-        if block is not None and block.dirty:
-            self._unmark_dirty(key)
+        self._uncache(key)
         if key in self._index:
             self._drop_location(key)
             self._meta.delete("blocks", tuple(key))
+
+    def _uncache(self, key: BlockKey) -> None:
+        """Drop the block from DRAM, dirty or not (its index entry stays)."""
+        block = self._dram.remove(key)
+        if block is not None and block.dirty:
+            self._unmark_dirty(key)
 
     async def _writable(self, key: BlockKey, end: int) -> Block:
         """Return the cached block with capacity for `end` bytes and no flush reading it.
@@ -526,6 +532,10 @@ class BlockStore:
                 victims.append(segment)
         return sorted(victims)
 
+    def _move_record(self, key: BlockKey, location: LogLocation) -> LogLocation:
+        """Copy one record to the end of the log (in a worker thread: one trip per record)."""
+        return self._log.append(key, self._log.read(location, key))
+
     async def compact(self, min_dead_ratio: float = 0.5) -> int:
         """Move the live records out of sparse sealed segments and delete those segments.
 
@@ -544,8 +554,7 @@ class BlockStore:
                 cached = self._dram.peek(key)
                 if cached is not None and cached.dirty:
                     continue  # the flusher will write it elsewhere anyway
-                payload = await trio.to_thread.run_sync(self._log.read, location, key, limiter=self._io_limiter)
-                moved = await trio.to_thread.run_sync(self._log.append, key, payload, limiter=self._io_limiter)
+                moved = await trio.to_thread.run_sync(self._move_record, key, location, limiter=self._io_limiter)
                 if self._index.get(key) == location:
                     self._set_location(key, moved)
                     self._moved_bytes += moved.length
