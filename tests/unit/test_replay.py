@@ -456,3 +456,14 @@ def test_a_partial_frame_at_close_is_refused() -> None:
     stream.feed(0, data[:-2])
     with pytest.raises(InvalidArgument, match=r"a partial frame at close \(4 of 6 bytes\); not added"):
         stream.finish()
+
+
+async def test_compressed_items_sample_back_as_their_original_bytes(tiers: tuple[BlockStore, MetaDb]) -> None:
+    buf = make(tiers, compression="zstd:3", batch_size=8)
+    items = [bytes([i]) * 50_000 for i in range(4)]
+    await buf.append(items)
+    assert buf._blocks.statistics().dram_used_bytes < 4 * 50_000  # stored compressed
+    batch = decode_blob_batch((await buf.sample()).data.tobytes())  # type: ignore[union-attr]
+    assert len(batch) == 8
+    for index, _weight, item in batch:
+        assert item == items[index]

@@ -233,15 +233,12 @@ class ReplayBuffer:
         # A concurrent appender may already have put newer items in these slots: then the
         # older new items are evicted at once, as FIFO order says.
         stale = old > indices
-        for index in indices[stale].tolist():
-            self._blocks.delete(self.key(index))
-            self.removed += 1
+        self._drop_items(indices[stale])
         indices, slots, old, size_array = indices[~stale], slots[~stale], old[~stale], size_array[~stale]
         count = len(indices)
-        for slot, index in zip(slots[old >= 0].tolist(), old[old >= 0].tolist(), strict=True):
-            self._blocks.delete(self.key(index))
-            self.stored_bytes -= int(self._size[slot])
-            self.removed += 1
+        evicted = old >= 0
+        self._drop_items(old[evicted])
+        self.stored_bytes -= int(self._size[slots[evicted]].sum())
         priority = self._tree.max if self.size else DEFAULT_PRIORITY
         raw = self._raw_priority_for(priority if priority > 0 else DEFAULT_PRIORITY)
         raws = np.full(count, raw)
@@ -280,10 +277,14 @@ class ReplayBuffer:
         self._size[slots] = 0
         self._tree.update(slots, np.zeros(len(slots)))
         self._live.update(slots, np.zeros(len(slots)))
-        for index in indices:
+        self._drop_items(indices)
+        self._snapshot_dirty = True
+
+    def _drop_items(self, indices: np.ndarray | list[int]) -> None:
+        """Delete these items' bytes from the block tier and count them removed."""
+        for index in np.asarray(indices, dtype=np.int64).tolist():
             self._blocks.delete(self.key(index))
         self.removed += len(indices)
-        self._snapshot_dirty = True
 
     def delete_item(self, index: int) -> None:
         slot = self._slot_of(index)
@@ -293,10 +294,7 @@ class ReplayBuffer:
 
     def delete_all(self) -> None:
         """Remove every item at once (buffer deletion): one pass, no per-item tree updates."""
-        live = self.live_indices()
-        for index in live.tolist():
-            self._blocks.delete(self.key(index))
-        self.removed += len(live)
+        self._drop_items(self.live_indices())
         self.stored_bytes = 0
         self._apply_config(self.config, *(np.zeros(0, dtype) for dtype in (np.int64, np.float64, np.int64, np.int64)))
         self._snapshot_dirty = True
@@ -394,8 +392,9 @@ class ReplayBuffer:
         for index, block in zip(indices.tolist(), blocks, strict=True):
             if block is None:
                 raise NotFound(f"buffers/{self.name}: item {index} has no data")
-            data = memoryview(block.buf)[: block.length]
-            out.append(zstandard.decompress(data) if self._zstd_level is not None else data)
+            out.append(memoryview(block.buf)[: block.length])
+        if self._zstd_level is not None:  # CPU work: off the event loop, one trip per batch
+            return await trio.to_thread.run_sync(lambda: [zstandard.decompress(view) for view in out])
         return out
 
     def _draw(self, count: int) -> tuple[np.ndarray, np.ndarray]:
