@@ -102,6 +102,14 @@ async def interruptible(pid: int, wait: Callable[[], Awaitable[T]]) -> T:
     return result[0]
 
 
+async def run_waiting(pid: int, nonblocking: bool, ready: bool, call: Callable[[bool], Awaitable[T]]) -> T:
+    """Run `call(nonblocking)`. When it is going to wait (not ready, and blocking is
+    allowed), run it so that a signal to the caller interrupts it (EINTR)."""
+    if nonblocking or ready:
+        return await call(nonblocking)
+    return await interruptible(pid, lambda: call(False))
+
+
 def item_ino(buffer: ReplayBuffer, index: int) -> int:
     return ITEM_BASE | ((buffer.owner - BUFFER_OWNER_BASE) << INDEX_BITS) | index
 
@@ -183,10 +191,8 @@ class AppendHandle(VirtualHandle):
         buffer = self._buffer
         if buffer.deleted:
             raise NotFound(f"buffers/{buffer.name} was removed")
-        if self._nonblocking or buffer.can_append(len(items)):
-            await buffer.append(items, nonblocking=self._nonblocking)
-        else:
-            await interruptible(self._pid, lambda: buffer.append(items))
+        ready = buffer.can_append(len(items))
+        await run_waiting(self._pid, self._nonblocking, ready, lambda nb: buffer.append(items, nonblocking=nb))
 
     async def write(self, offset: int, data: bytes) -> int:
         try:
@@ -226,10 +232,10 @@ class SampleHandle(VirtualHandle):
     async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
         if self._data is None:
             buffer, count = self._buffer, self._count
-            if self._nonblocking or buffer.can_sample(count):
-                batch = await buffer.sample(count, nonblocking=self._nonblocking)
-            else:
-                batch = await interruptible(self._pid, lambda: buffer.sample(count))
+            ready = buffer.can_sample(count)
+            batch = await run_waiting(
+                self._pid, self._nonblocking, ready, lambda nb: buffer.sample(count, nonblocking=nb)
+            )
             self._data = batch.data
         else:
             await trio.lowlevel.checkpoint()

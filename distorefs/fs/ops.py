@@ -156,8 +156,11 @@ class FsOperations(pyfuse3.Operations):
             raise NotPermitted("not a directory")
         return None
 
+    def _is_reserved(self, parent: int, name: bytes) -> bool:
+        return parent == ROOT_INODE and (name in self.virtual.root_nodes or name == CHECKPOINTS)
+
     def _guard_reserved(self, parent: int, name: bytes, what: str) -> None:
-        if parent == ROOT_INODE and (name in self.virtual.root_nodes or name == CHECKPOINTS):
+        if self._is_reserved(parent, name):
             raise Busy(f"{name.decode()}/ is a reserved directory: cannot {what}")
 
     def _guard_virtual_parent(self, parent: int, what: str) -> None:
@@ -268,7 +271,7 @@ class FsOperations(pyfuse3.Operations):
         vdir = self._virtual_dir(parent_inode)
         if vdir is not None:
             return self._virtual_attrs(await vdir.mkdir(name, mode))
-        if parent_inode == ROOT_INODE and (name in self.virtual.root_nodes or name == CHECKPOINTS):
+        if self._is_reserved(parent_inode, name):
             raise Exists(f"{name.decode()}/ exists (reserved)")
         return self._entry(self.files.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
 
