@@ -37,6 +37,7 @@ class BufferStore:
         self._blocks = blocks
         self._meta = meta
         self._buffers: dict[str, ReplayBuffer] = {}
+        self._by_owner: dict[int, ReplayBuffer] = {}  # item inodes resolve through this
         self._next_owner = int(meta.get_kv("next_buffer_owner", BUFFER_OWNER_BASE))
 
     @classmethod
@@ -45,7 +46,7 @@ class BufferStore:
         for name, *row in meta.rows("buffers"):
             owner = row[0]
             buf = ReplayBuffer.restore(name, tuple(row), blocks, meta, blocks.owner_lengths(owner))
-            self._buffers[name] = buf
+            self._buffers[name] = self._by_owner[owner] = buf
             log.info("buffer %s: %d items restored (next index %d)", name, buf.size, buf.next_index)
         return self
 
@@ -59,10 +60,10 @@ class BufferStore:
         return buf
 
     def by_owner(self, owner: int) -> ReplayBuffer:
-        for buf in self._buffers.values():
-            if buf.owner == owner:
-                return buf
-        raise NotFound(f"no buffer with owner {owner}")
+        buf = self._by_owner.get(owner)
+        if buf is None:
+            raise NotFound(f"no buffer with owner {owner}")
+        return buf
 
     def create(self, name: str, config: BufferConfig | None = None) -> ReplayBuffer:
         check_name(name.encode())
@@ -72,7 +73,7 @@ class BufferStore:
         self._next_owner += 1
         self._meta.put("kv", ("next_buffer_owner",), (self._next_owner,))
         buf = ReplayBuffer(name, owner, config or BufferConfig(), self._blocks, self._meta)
-        self._buffers[name] = buf
+        self._buffers[name] = self._by_owner[owner] = buf
         buf.stage_row()
         return buf
 
@@ -82,6 +83,7 @@ class BufferStore:
         buf.delete_all()
         buf.deleted = True
         del self._buffers[name]
+        del self._by_owner[buf.owner]
         self._meta.delete("buffers", (name,))
 
     def snapshot(self) -> int:
