@@ -69,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="how often buffer priorities are persisted (default 5 s)",
     )  # fmt: skip
     mount.add_argument("--segment-size", default="64MiB", help="log segment size (default 64MiB)")
+    mount.add_argument(
+        "--wait-timeout", type=_positive_float, default=60.0, metavar="S",
+        help="longest a read of weights/<model>/wait blocks before ETIMEDOUT (default 60 s)",
+    )  # fmt: skip
+    mount.add_argument(
+        "--checkpoint-sync-close", action="store_true",
+        help="close of a file under checkpoints/ returns only once it is durable (like fsync)",
+    )  # fmt: skip
     mount.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
 
     umount = sub.add_parser("umount", help="persist everything, unmount, wait for the daemon to exit")
@@ -123,6 +131,8 @@ def _daemon_config(args: argparse.Namespace) -> Any:
         sync_interval_s=args.sync_interval,
         compact_interval_s=args.compact_interval,
         snapshot_interval_s=args.snapshot_interval,
+        wait_timeout_s=args.wait_timeout,
+        checkpoint_sync_close=args.checkpoint_sync_close,
     )
     config.validate()
     return config

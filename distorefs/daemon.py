@@ -25,8 +25,10 @@ from distorefs.errors import ConfigError
 from distorefs.fs.buffers import BuffersDir
 from distorefs.fs.control import MountInfo, VirtualTree
 from distorefs.fs.ops import FsOperations
+from distorefs.fs.weights import WeightsDir
 from distorefs.stores.files import FileStore
 from distorefs.stores.replay.store import BufferStore
+from distorefs.stores.weights import WeightStore
 from distorefs.tiers.blocks import DEFAULT_BLOCK_BYTES, BlockStore
 from distorefs.tiers.dram import DramCache
 from distorefs.tiers.metadb import MetaDb
@@ -51,6 +53,8 @@ class DaemonConfig:
     compact_interval_s: float = 5.0
     compact_min_dead_ratio: float = 0.5
     snapshot_interval_s: float = 5.0
+    wait_timeout_s: float = 60.0
+    checkpoint_sync_close: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mountpoint", os.path.abspath(self.mountpoint))
@@ -59,7 +63,13 @@ class DaemonConfig:
     def validate(self) -> None:
         if self.dram_budget_bytes < MIN_DRAM_BUDGET_BYTES:
             raise ConfigError(f"--dram-budget must be >= 8MiB, got {self.dram_budget_bytes} bytes")
-        for name in ("flush_interval_s", "sync_interval_s", "compact_interval_s", "snapshot_interval_s"):
+        for name in (
+            "flush_interval_s",
+            "sync_interval_s",
+            "compact_interval_s",
+            "snapshot_interval_s",
+            "wait_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0.0 < self.compact_min_dead_ratio <= 1.0:
@@ -124,8 +134,11 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
             blocks = BlockStore(nvme_log, DramCache(config.dram_budget_bytes), meta, config.block_bytes)
             files = FileStore.load(blocks, meta)
             buffers = BufferStore.load(blocks, meta)
+            weights = WeightStore.load(blocks, meta)
             virtual = VirtualTree(MountInfo(os.getpid(), data_dir, config.mountpoint, time.time_ns()), files, blocks)
             virtual.install(BuffersDir(virtual, buffers))
+            virtual.install(WeightsDir(virtual, weights, config.wait_timeout_s))
+            virtual.add_status(weights.statistics)
             ops = FsOperations(files, virtual, data_dir, config.block_bytes)
             await blocks.commit(durable=True)
             log.info(

@@ -81,6 +81,18 @@ class TryAgain(DistorefsError):
     errno = _errno.EAGAIN
 
 
+class CrossDevice(DistorefsError):
+    """A rename between parts of the namespace that hold different kinds."""
+
+    errno = _errno.EXDEV
+
+
+class TimedOut(DistorefsError):
+    """A bounded wait ran out of time."""
+
+    errno = _errno.ETIMEDOUT
+
+
 class Interrupted(DistorefsError):
     """A signal arrived for the process waiting on this request."""
 

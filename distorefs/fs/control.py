@@ -45,6 +45,8 @@ class VirtualNode:
     # How long the kernel may cache this node's entry and attributes. Control files: 0
     # (their content changes behind the kernel's back). Kinds with stable nodes raise it.
     cache_s: float | None = None
+    # How long the kernel may cache the entry naming this node, when that differs.
+    entry_cache_s: float | None = None
 
     def __init__(self, ino: int, name: bytes, mode: int) -> None:
         self.ino = ino
@@ -56,16 +58,24 @@ class VirtualNode:
     def size(self) -> int:
         return 0
 
+    def looked_up(self, count: int) -> None:
+        """The kernel took (count > 0) or dropped (forget, count < 0) lookup references.
+        Nodes whose lifetime depends on them (versions of weights files) count them."""
+
 
 class VirtualHandle:
     """One open of a virtual file. Reads and writes go here; `direct_io` means every read
     reaches the daemon (control files have size 0 and are read to EOF)."""
 
     direct_io = True
+    keep_cache = False  # True only where the node's bytes never change (weights versions)
 
     async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
         await trio.lowlevel.checkpoint()
         return b""
+
+    async def fsync(self) -> None:
+        await trio.lowlevel.checkpoint()
 
     async def write(self, offset: int, data: bytes) -> int:
         raise ReadOnly("this file is read-only")
@@ -104,6 +114,15 @@ class VirtualFile(VirtualNode):
         if not self.writable:
             raise ReadOnly(f"{self.name.decode()} is read-only")
 
+    async def resize(self, size: int, handle: VirtualHandle | None) -> None:
+        """truncate/ftruncate to `size` (through `handle` when the caller has one open)."""
+        await trio.lowlevel.checkpoint()
+        if size != 0:
+            raise ReadOnly(f"{self.name.decode()} can only be truncated to 0")
+        self.truncate()
+        if handle is not None:
+            handle.truncate()
+
 
 class ControlFile(VirtualFile):
     """A read-only file of size 0 whose content is rendered per open (like /proc)."""
@@ -124,6 +143,8 @@ class VirtualDir(VirtualNode):
 
     # Cache time readdir gives the entries it lists (0: control files).
     child_cache_s: float = 0.0
+    # Whether readdir replies hand the kernel lookup references the children count.
+    counts_lookups = False
 
     def __init__(self, ino: int, name: bytes, mode: int = stat.S_IFDIR | 0o555) -> None:
         super().__init__(ino, name, mode)
@@ -161,6 +182,12 @@ class VirtualDir(VirtualNode):
     async def unlink(self, name: bytes) -> None:
         raise self.refuse("remove files")
 
+    async def create(self, name: bytes, mode: int, flags: int, pid: int) -> tuple[VirtualNode, VirtualHandle]:
+        raise self.refuse("create files")
+
+    async def rename(self, name: bytes, new_parent: VirtualDir, new_name: bytes, flags: int) -> None:
+        raise self.refuse("rename entries")
+
 
 class KindDirectory(VirtualDir):
     """A reserved top-level directory whose contents a store kind supplies."""
@@ -187,6 +214,7 @@ class VirtualTree:
         self.nodes: dict[int, VirtualNode] = {}
         self.root_nodes: dict[bytes, VirtualNode] = {}
         self._info = info
+        self._status_parts: list[Callable[[], dict[str, int]]] = []
         self._files = files
         self._blocks = blocks
         control = self._add_root(VirtualDir(self.new_ino(), b".distore"))
@@ -197,7 +225,7 @@ class VirtualTree:
             (b"buffers", "replay buffers"),
             (b"weights", "versioned weights"),
             (b"datasets", "datasets"),
-        ):
+        ):  # the daemon installs the kinds that exist over these
             self._add_root(PlannedKind(self.new_ino(), name, arrives_with))
 
     def new_ino(self) -> int:
@@ -215,6 +243,10 @@ class VirtualTree:
     def add_resolver(self, low: int, high: int, resolve: Callable[[int], VirtualNode]) -> None:
         """Inodes in [low, high) are computed by `resolve` (nodes too many to keep, like items)."""
         self._resolvers.append((low, high, resolve))
+
+    def add_status(self, part: Callable[[], dict[str, int]]) -> None:
+        """Numbers a store adds to `.distore/status`."""
+        self._status_parts.append(part)
 
     def install(self, kind: KindDirectory) -> None:
         """Put a kind at its reserved root name, replacing the placeholder."""
@@ -250,6 +282,9 @@ class VirtualTree:
         blocks = self._blocks.statistics()
         files = self._files.statistics()
         st = os.statvfs(self._info.data_dir)
+        parts: dict[str, int] = {}
+        for part in self._status_parts:
+            parts.update(part())
         return {
             "pid": self._info.pid,
             "version": __version__,
@@ -269,6 +304,7 @@ class VirtualTree:
             "file_bytes": files.file_bytes,
             "disk_free_bytes": st.f_bavail * st.f_frsize,
             "degraded": self.degraded,
+            **parts,
             "blocks": asdict(blocks),
         }
 

@@ -23,7 +23,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
 
-from distorefs.errors import Busy, DistorefsError, Exists, NotPermitted, ReadOnly
+from distorefs.errors import Busy, CrossDevice, DistorefsError, Exists, NotPermitted, ReadOnly
 from distorefs.fs.control import VirtualDir, VirtualFile, VirtualHandle, VirtualNode, VirtualTree
 from distorefs.stores.files import ROOT_INODE, FileStore, Inode
 from distorefs.types import FileHandle
@@ -127,6 +127,8 @@ class FsOperations(pyfuse3.Operations):
         attr.st_ino = node.ino
         default = 0 if isinstance(node, VirtualFile) else ATTR_TIMEOUT_S
         attr.entry_timeout = ATTR_TIMEOUT_S if node.cache_s is None else node.cache_s
+        if node.entry_cache_s is not None:
+            attr.entry_timeout = node.entry_cache_s
         attr.attr_timeout = default if node.cache_s is None else node.cache_s
         attr.st_mode = node.mode
         attr.st_nlink = 2 if isinstance(node, VirtualDir) else 1
@@ -136,6 +138,11 @@ class FsOperations(pyfuse3.Operations):
         attr.st_blksize = 4096
         attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = node.mtime_ns
         return attr
+
+    def _virtual_entry(self, node: VirtualNode) -> pyfuse3.EntryAttributes:
+        """Attributes for a reply that hands the kernel a lookup reference to `node`."""
+        node.looked_up(1)
+        return self._virtual_attrs(node)
 
     def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
         """Attributes for a reply that hands the kernel a new lookup reference."""
@@ -178,7 +185,7 @@ class FsOperations(pyfuse3.Operations):
                 return self._virtual_attrs(vdir)
             if name == b"..":
                 return self._entry(self.files.get(ROOT_INODE))
-            return self._virtual_attrs(vdir.lookup(name))
+            return self._virtual_entry(vdir.lookup(name))
         if parent_inode == ROOT_INODE and name in self.virtual.root_nodes:
             return self._virtual_attrs(self.virtual.root_nodes[name])
         return self._entry(self.files.lookup(parent_inode, name))
@@ -187,6 +194,10 @@ class FsOperations(pyfuse3.Operations):
         for ino, nlookup in inode_list:
             if ino not in self.virtual:
                 self.files.unref(ino, nlookup)
+            else:
+                node = self.virtual.nodes.get(ino)
+                if node is not None:
+                    node.looked_up(-nlookup)
 
     @_translate(mutates=False)
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
@@ -205,19 +216,12 @@ class FsOperations(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         if inode in self.virtual:
             node = self.virtual.get(inode)
-            only_truncate = (
-                fields.update_size
-                and attr.st_size == 0
-                and not (fields.update_mode or fields.update_uid or fields.update_gid)
-            )
-            if isinstance(node, VirtualFile) and only_truncate:
-                node.truncate()
-                handle = self._handles.get(fh) if fh is not None else None
-                if handle is not None and handle.vhandle is not None:
-                    handle.vhandle.truncate()
-                return self._virtual_attrs(node)
+            if fields.update_mode or fields.update_uid or fields.update_gid:
+                raise NotPermitted("virtual nodes cannot change their owner or mode")
             if isinstance(node, VirtualFile) and fields.update_size:
-                raise ReadOnly(f"{node.name.decode()} can only be truncated to 0")
+                handle = self._handles.get(fh) if fh is not None else None
+                await node.resize(attr.st_size, handle.vhandle if handle is not None else None)
+                return self._virtual_attrs(node)
             if fields.update_atime or fields.update_mtime:
                 return self._virtual_attrs(node)  # touch: accepted, not kept
             raise NotPermitted("virtual nodes cannot change their owner or mode")
@@ -321,8 +325,12 @@ class FsOperations(pyfuse3.Operations):
         flags: int,
         ctx: pyfuse3.RequestContext,
     ) -> None:
-        for parent in (parent_inode_old, parent_inode_new):
-            self._guard_virtual_parent(parent, "rename entries")
+        vdir_old, vdir_new = self._virtual_dir(parent_inode_old), self._virtual_dir(parent_inode_new)
+        if vdir_old is not None and vdir_new is not None:
+            await vdir_old.rename(name_old, vdir_new, name_new, flags)
+            return
+        if vdir_old is not None or vdir_new is not None:
+            raise CrossDevice("rename between a kind directory and the POSIX tree: copy instead")
         self._guard_reserved(parent_inode_old, name_old, "rename it")
         self._guard_reserved(parent_inode_new, name_new, "replace it")
         self.files.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
@@ -337,7 +345,7 @@ class FsOperations(pyfuse3.Operations):
                 raise NotPermitted("not a file")
             vhandle = await node.open(flags, ctx.pid)
             fh = self._new_fh(Handle(inode, virtual=True, vhandle=vhandle))
-            return pyfuse3.FileInfo(fh=fh, direct_io=vhandle.direct_io, keep_cache=False)
+            return pyfuse3.FileInfo(fh=fh, direct_io=vhandle.direct_io, keep_cache=vhandle.keep_cache)
         if flags & os.O_TRUNC and self.degraded:
             raise ReadOnly("the mount is degraded (read-only) after an internal error")
         inode_obj = self.files.get(inode)
@@ -353,7 +361,12 @@ class FsOperations(pyfuse3.Operations):
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        self._guard_virtual_parent(parent_inode, "create files")
+        vdir = self._virtual_dir(parent_inode)
+        if vdir is not None:
+            node, vhandle = await vdir.create(name, mode, flags, ctx.pid)
+            fh = self._new_fh(Handle(node.ino, virtual=True, vhandle=vhandle))
+            info = pyfuse3.FileInfo(fh=fh, direct_io=vhandle.direct_io, keep_cache=vhandle.keep_cache)
+            return info, self._virtual_entry(node)
         self._guard_reserved(parent_inode, name, "create it")
         inode = self.files.mknod(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), 0, ctx.uid, ctx.gid)
         self.files.ref(inode.ino)
@@ -385,7 +398,9 @@ class FsOperations(pyfuse3.Operations):
     @_translate(mutates=False)
     async def fsync(self, fh: int, datasync: bool) -> None:
         handle = self._handles[fh]
-        if not handle.virtual:
+        if handle.vhandle is not None:
+            await handle.vhandle.fsync()
+        elif not handle.virtual:
             await self.files.fsync(handle.ino)
 
     @_translate(mutates=False)
@@ -441,8 +456,10 @@ class FsOperations(pyfuse3.Operations):
         # without a million node lookups.
         vdir = self.virtual.get(dir_ino)
         attr = self._virtual_attrs(vdir)
+        counts = False
         if isinstance(vdir, VirtualDir):
             attr.entry_timeout = attr.attr_timeout = vdir.child_cache_s
+            counts = vdir.counts_lookups
         for position in range(start_id, len(listing)):
             name, ino, mode, size = listing[position]
             attr.st_ino = ino
@@ -451,6 +468,10 @@ class FsOperations(pyfuse3.Operations):
             attr.st_nlink = 2 if stat.S_ISDIR(mode) else 1
             if not pyfuse3.readdir_reply(token, name, attr, position + 1):
                 return
+            if counts:
+                node = self.virtual.nodes.get(ino)
+                if node is not None:
+                    node.looked_up(1)
 
     @_translate(mutates=False)
     async def releasedir(self, fh: int) -> None:

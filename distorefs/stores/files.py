@@ -35,7 +35,7 @@ from distorefs.errors import (
 )
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.metadb import MetaDb
-from distorefs.types import BlockKey, InodeId
+from distorefs.types import InodeId
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,6 @@ ROOT_INODE = InodeId(1)
 NAME_MAX = 255
 XATTR_VALUE_MAX = 64 * 1024
 MAX_FILE_BYTES = 1 << 44  # 16 TiB
-PREFETCH_BLOCKS = 32
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 
@@ -114,7 +113,6 @@ class FileStore:
         self._parent: dict[int, int] = {}
         self._xattrs: dict[int, dict[bytes, bytes]] = {}
         self._refs: dict[int, int] = {}
-        self._read_end: dict[int, int] = {}  # where each file's last read ended
         self._next_ino = 2
 
     @classmethod
@@ -377,10 +375,8 @@ class FileStore:
             self._purge(ino)
 
     def _purge(self, ino: int) -> None:
-        for key in self._blocks.owner_keys(ino):
-            self._blocks.delete(key)
+        self._blocks.delete_owner(ino)
         del self._inodes[ino]
-        self._read_end.pop(ino, None)
         self._meta.delete("inodes", (ino,))
         for name in self._xattrs.pop(ino, {}):
             self._meta.delete("xattrs", (ino, name))
@@ -424,13 +420,7 @@ class FileStore:
         return inode
 
     async def _truncate(self, inode: Inode, size: int) -> None:
-        if size < inode.size:
-            keep = -(-size // self.block_bytes)  # blocks that keep some bytes
-            for key in self._blocks.owner_keys(inode.ino):
-                if key.number >= keep:
-                    self._blocks.delete(key)
-            if size % self.block_bytes:
-                await self._blocks.truncate(BlockKey(inode.ino, size // self.block_bytes), size % self.block_bytes)
+        await self._blocks.truncate_range(inode.ino, inode.size, size)
         if size != inode.size:
             inode.size = size
             inode.mtime_ns = time.time_ns()
@@ -452,56 +442,20 @@ class FileStore:
         caller must use it before its next await.
         """
         inode = self._regular(ino)
-        if offset < 0:
-            raise InvalidArgument(f"negative offset {offset}")
-        if offset >= inode.size or size <= 0:
-            return b""
-        size = min(size, inode.size - offset)
-        bb = self.block_bytes
-        first, last = offset // bb, (offset + size - 1) // bb
-        if self._read_end.get(ino) == offset:
-            # Sequential: have the next blocks loaded from the log while this one is served.
-            ahead = min(last + 1 + PREFETCH_BLOCKS, -(-inode.size // bb))
-            self._blocks.prefetch(BlockKey(ino, i) for i in range(last + 1, ahead))
-        self._read_end[ino] = offset + size
-        if first == last:
-            block = await self._blocks.get(BlockKey(ino, first))
-            inner = offset - first * bb
-            if block is not None and inner + size <= block.length:
-                return memoryview(block.buf)[inner : inner + size]
-        out = bytearray(size)
-        for index in range(first, last + 1):
-            block = await self._blocks.get(BlockKey(ino, index))
-            if block is None:
-                continue
-            start = max(offset, index * bb)
-            end = min(offset + size, index * bb + block.length)
-            if end > start:
-                out[start - offset : end - offset] = memoryview(block.buf)[start - index * bb : end - index * bb]
-        return out
+        return await self._blocks.read_range(ino, offset, size, inode.size)
 
     async def write(self, ino: int, offset: int, data: bytes | memoryview) -> int:
         """Write `data` at `offset` into DRAM (write-back); return the bytes written."""
         inode = self._regular(ino)
-        if offset < 0:
-            raise InvalidArgument(f"negative offset {offset}")
         if offset + len(data) > MAX_FILE_BYTES:
             raise FileTooLarge(f"write past {MAX_FILE_BYTES} bytes")
-        view = memoryview(data)
-        bb = self.block_bytes
-        pos = 0
-        while pos < len(view):
-            at = offset + pos
-            inner = at % bb
-            count = min(bb - inner, len(view) - pos)
-            await self._blocks.write(BlockKey(ino, at // bb), inner, view[pos : pos + count])
-            pos += count
-        end = offset + len(view)
+        await self._blocks.write_range(ino, offset, data)
+        end = offset + len(data)
         if end > inode.size:
             inode.size = end
         inode.mtime_ns = inode.ctime_ns = time.time_ns()
         self._stage(inode)
-        return len(view)
+        return len(data)
 
     async def flush(self, ino: int) -> None:
         """On close: the file's data goes to the log and its metadata to the database,

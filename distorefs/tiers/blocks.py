@@ -12,14 +12,15 @@ docs/concurrency.md.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
 import trio
 
-from distorefs.errors import StoreFull
+from distorefs.errors import DistorefsError, InvalidArgument, StoreFull
 from distorefs.tiers.dram import Block, DramCache, capacity_for
 from distorefs.tiers.metadb import Changes, MetaDb
 from distorefs.tiers.nvme_log import HEADER, NvmeLog
@@ -31,6 +32,7 @@ DEFAULT_BLOCK_BYTES = 1024 * 1024
 FLUSH_BATCH_BYTES = 16 * 1024 * 1024
 PREFETCH_QUEUE = 256
 PREFETCH_CONCURRENCY = 8
+PREFETCH_BLOCKS = 32  # how far a sequential reader's next blocks are loaded ahead
 
 
 def _record_bytes(location: LogLocation) -> int:
@@ -100,6 +102,7 @@ class BlockStore:
         self._reclaimed_bytes = 0
         self._moved_bytes = 0  # live bytes compaction had to copy
         self._seg_live_seen: dict[int, int] = {}  # live bytes per segment at the last pass
+        self._read_end: dict[int, int] = {}  # owner -> where its last read_range ended
         for owner, index, segment, offset, length in meta.rows("blocks"):
             self._add_location(BlockKey(owner, index), LogLocation(segment, offset, length))
 
@@ -138,6 +141,95 @@ class BlockStore:
 
     def has_block(self, key: BlockKey) -> bool:
         return key in self._index or self._dram.peek(key) is not None
+
+    def owners(self) -> set[int]:
+        """Every owner with a block in the index or dirty in DRAM."""
+        return set(self._owned) | set(self._dirty)
+
+    def delete_owner(self, owner: int) -> None:
+        """Delete all of `owner`'s blocks (a file or a version that is gone)."""
+        for key in self.owner_keys(owner):
+            self.delete(key)
+        self._read_end.pop(owner, None)
+
+    def owner_dirty_bytes(self, owner: int) -> int:
+        """Bytes of `owner` in DRAM that the log does not have yet."""
+        total = 0
+        for number in self._dirty.get(owner, ()):
+            block = self._dram.peek(BlockKey(owner, number))
+            if block is not None:
+                total += block.length
+        return total
+
+    # --- byte ranges over an owner's fixed-size blocks ---------------------------------
+
+    async def read_range(self, owner: int, offset: int, size: int, length: int) -> bytes | bytearray | memoryview:
+        """Up to `size` bytes at `offset` of `owner`'s content of `length` bytes, laid out in
+        blocks of `block_bytes` (short at the end; holes read as zeros).
+
+        A read inside one cached block returns a memoryview of it without copying; the
+        caller must use it before its next await. A read that continues where the last
+        one of this owner ended has the next blocks loaded from the log meanwhile.
+        """
+        if offset < 0:
+            raise InvalidArgument(f"negative offset {offset}")
+        if offset >= length or size <= 0:
+            return b""
+        size = min(size, length - offset)
+        bb = self.block_bytes
+        first, last = offset // bb, (offset + size - 1) // bb
+        if self._read_end.get(owner) == offset:
+            ahead = min(last + 1 + PREFETCH_BLOCKS, -(-length // bb))
+            self.prefetch(BlockKey(owner, i) for i in range(last + 1, ahead))
+        self._read_end[owner] = offset + size
+        if first == last:
+            block = await self.get(BlockKey(owner, first))
+            inner = offset - first * bb
+            if block is not None and inner + size <= block.length:
+                return memoryview(block.buf)[inner : inner + size]
+        out = bytearray(size)
+        for index in range(first, last + 1):
+            block = await self.get(BlockKey(owner, index))
+            if block is None:
+                continue
+            start = max(offset, index * bb)
+            end = min(offset + size, index * bb + block.length)
+            if end > start:
+                out[start - offset : end - offset] = memoryview(block.buf)[start - index * bb : end - index * bb]
+        return out
+
+    async def write_range(self, owner: int, offset: int, data: bytes | memoryview) -> None:
+        """Write `data` at `offset` of `owner`'s content, block by block, into DRAM."""
+        if offset < 0:
+            raise InvalidArgument(f"negative offset {offset}")
+        view = memoryview(data)
+        bb = self.block_bytes
+        pos = 0
+        while pos < len(view):
+            at = offset + pos
+            inner = at % bb
+            count = min(bb - inner, len(view) - pos)
+            await self.write(BlockKey(owner, at // bb), inner, view[pos : pos + count])
+            pos += count
+
+    async def truncate_range(self, owner: int, old_length: int, new_length: int) -> None:
+        """Cut `owner`'s content from `old_length` down to `new_length` bytes."""
+        if new_length >= old_length:
+            return
+        bb = self.block_bytes
+        keep = -(-new_length // bb)  # blocks that keep some bytes
+        for key in self.owner_keys(owner):
+            if key.number >= keep:
+                self.delete(key)
+        if new_length % bb:
+            await self.truncate(BlockKey(owner, new_length // bb), new_length % bb)
+
+    async def copy_owner(self, source: int, target: int) -> None:
+        """Copy every block of `source` to `target` (copy-on-write of a whole file)."""
+        for key in sorted(self.owner_keys(source)):
+            block = await self.get(key)
+            if block is not None:
+                await self.put(BlockKey(target, key.number), memoryview(block.buf)[: block.length])
 
     # --- reading ----------------------------------------------------------------------
 
@@ -369,8 +461,9 @@ class BlockStore:
     def dirty_bytes(self) -> int:
         return self._dram.dirty_bytes
 
-    async def flush(self, owner: int | None = None) -> None:
-        """Write dirty blocks (of `owner`, or all) to the log; they turn clean.
+    async def flush(self, owner: int | None = None, full_only: bool = False) -> None:
+        """Write dirty blocks (of `owner`, or all) to the log; they turn clean. `full_only`
+        leaves out blocks shorter than `block_bytes` (the tail of a file being written).
 
         When this returns the data is in the log's write path (it survives a killed daemon);
         `commit` makes the index say where it is.
@@ -380,6 +473,8 @@ class BlockStore:
                 keys = [BlockKey(o, i) for o, idx in self._dirty.items() for i in sorted(idx)]
             else:
                 keys = [BlockKey(owner, i) for i in sorted(self._dirty.get(owner, ()))]
+            if full_only:
+                keys = [k for k in keys if (b := self._dram.peek(k)) is not None and b.length == self.block_bytes]
             per_batch = max(1, FLUSH_BATCH_BYTES // self.block_bytes)
             try:
                 for start in range(0, len(keys), per_batch):
@@ -495,21 +590,24 @@ class BlockStore:
                 await self._flush_wanted.wait()
             self._flush_wanted = trio.Event()
             if self._dirty:
-                await self.flush()
-                await self.commit()
+                async with _survive("flusher"):
+                    await self.flush()
+                    await self.commit()
 
     async def run_syncer(self, interval_s: float = 5.0) -> None:
         """Background task: bound what a power loss can take to `interval_s` of closed data."""
         while True:
             await trio.sleep(interval_s)
             if self._meta.pending_changes:
-                await self.commit(durable=True)
+                async with _survive("syncer"):
+                    await self.commit(durable=True)
 
     async def run_compactor(self, interval_s: float = 5.0, min_dead_ratio: float = 0.5) -> None:
         """Background task: compact sealed segments whose dead share reached `min_dead_ratio`."""
         while True:
             await trio.sleep(interval_s)
-            await self.compact(min_dead_ratio)
+            async with _survive("compactor"):
+                await self.compact(min_dead_ratio)
 
     # --- compaction ---------------------------------------------------------------------
 
@@ -605,6 +703,16 @@ class BlockStore:
             moved_bytes=self._moved_bytes,
             blocks=len(self._index),
         )
+
+
+@contextlib.asynccontextmanager
+async def _survive(task: str) -> AsyncIterator[None]:
+    """A background pass that fails (disk full, a bad record) is logged and tried again
+    next time; the daemon goes on serving."""
+    try:
+        yield
+    except (DistorefsError, OSError) as exc:
+        log.warning("%s: pass failed, will retry: %s", task, exc)
 
 
 def blocks_for_range(offset: int, size: int, block_bytes: int) -> range:

@@ -20,7 +20,7 @@ from typing import Any
 
 import trio
 
-SCHEMA_VERSION = 2  # 2: the buffers table
+SCHEMA_VERSION = 3  # 2: the buffers table; 3: the weights and ckpt_pending tables
 
 TABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # table: (primary key columns, value columns)
@@ -33,6 +33,8 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "xattrs": (("ino", "name"), ("value",)),
     "kv": (("key",), ("value",)),
     "buffers": (("name",), ("owner", "config", "next_index", "inserts", "samples", "removed", "snapshot")),
+    "weights": (("model",), ("version", "published_ns", "files")),
+    "ckpt_pending": (("ino",), ("since_ns",)),
 }
 
 Row = tuple[Any, ...]
@@ -69,7 +71,7 @@ class MetaDb:
                 f"CREATE TABLE IF NOT EXISTS {table} ({columns}, PRIMARY KEY ({', '.join(keys)})) WITHOUT ROWID"
             )
         found = conn.execute("SELECT value FROM kv WHERE key = 'schema_version'").fetchone()
-        if found is None or found[0] == 1:  # version 1 lacked only the buffers table, now created
+        if found is None or found[0] in (1, 2):  # older versions lacked only tables now created
             conn.execute("INSERT OR REPLACE INTO kv VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
         elif found[0] != SCHEMA_VERSION:
             raise RuntimeError(f"{path}: metadata schema {found[0]}, this distorefs reads {SCHEMA_VERSION}")

@@ -25,6 +25,8 @@ hold a torn tail: a segment is fsync'ed before the next one is created.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import struct
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 
 import crc32c
 
-from distorefs.errors import Corrupted
+from distorefs.errors import Corrupted, StoreFull
 from distorefs.types import BlockKey, LogLocation
 
 log = logging.getLogger(__name__)
@@ -185,7 +187,7 @@ class NvmeLog:
                 size = HEADER.size + len(payload)
                 seg = self._active
                 if seg.size_bytes > 0 and seg.size_bytes + size > self.segment_bytes:
-                    self._write(seg, start, buffers)
+                    self._write_or_roll_back(seg, start, buffers)
                     buffers = []
                     self._seal_active()
                     seg = self._active
@@ -195,8 +197,21 @@ class NvmeLog:
                 locations.append(LogLocation(seg.segment, seg.size_bytes, len(payload)))
                 seg.size_bytes += size
                 self._seq += 1
-            self._write(self._active, start, buffers)
+            self._write_or_roll_back(self._active, start, buffers)
         return locations
+
+    def _write_or_roll_back(self, seg: _Segment, offset: int, buffers: list[bytes | bytearray | memoryview]) -> None:
+        """Write at `offset`; on failure cut the segment back to `offset`, so no later
+        append follows a torn record, and raise (StoreFull when the disk is full)."""
+        try:
+            self._write(seg, offset, buffers)
+        except OSError as exc:
+            seg.size_bytes = offset
+            with contextlib.suppress(OSError):
+                os.ftruncate(seg.fd, offset)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreFull(f"the log's disk is full ({self.directory}): {exc.strerror}") from None
+            raise
 
     def _write(self, seg: _Segment, offset: int, buffers: list[bytes | bytearray | memoryview]) -> None:
         # pwritev takes at most IOV_MAX (1024) buffers and may write short.

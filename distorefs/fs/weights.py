@@ -1,0 +1,408 @@
+"""The `weights/` kind: versioned models as directories of files.
+
+Owns the FUSE side of weights: the nodes (`weights/<model>/`, its files, `version` and
+`wait`), the handles of readers and writers, and how each version meets the kernel's
+caches. The models themselves are stores/weights.py.
+
+Every version of a file gets an inode of its own and its bytes never change, so readers
+keep the kernel page cache (keep_cache; 32 readers of one version share it), and a reader
+that opened a version keeps reading it after newer ones are published. Entries of a model
+are never cached (entry timeout 0): each open asks the daemon which version is current.
+A writer's handle is direct_io, so what it writes never lands in the pages of the
+version it replaces.
+
+A writer publishes at its last close, unless its process was exiting at that close (it
+was killed or crashed before closing): the flush that the kernel sends on close is
+checked against the PF_EXITING flag of the writer's process in /proc.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import trio
+
+from distorefs.errors import CrossDevice, NotFound, NotPermitted, ReadOnly
+from distorefs.fs.buffers import run_waiting
+from distorefs.fs.control import (
+    ControlFile,
+    KindDirectory,
+    VirtualDir,
+    VirtualFile,
+    VirtualHandle,
+    VirtualNode,
+    VirtualTree,
+)
+from distorefs.stores.weights import RESERVED_NAMES, Model, WeightFile, WeightStore, check_file_name
+
+PF_EXITING = 0x4
+RENAME_NOREPLACE = 1
+FILE_ATTR_CACHE_S = 3600.0  # a version's inode never changes
+
+
+def thread_group(pid: int) -> int:
+    """The process (thread group) of thread `pid`; `pid` itself if /proc cannot say."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return pid
+
+
+def process_exiting(tgid: int) -> bool:
+    """True when process `tgid` is gone or exiting (killed, crashed, or exit() with the
+    file still open): its closes are not the writer's own."""
+    try:
+        with open(f"/proc/{tgid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return bool(int(fields[6]) & PF_EXITING)
+    except (OSError, IndexError, ValueError):
+        return True
+
+
+# --- handles ----------------------------------------------------------------------------
+
+
+class ReaderHandle(VirtualHandle):
+    """Reads one version of one file, through the kernel page cache."""
+
+    direct_io = False
+    keep_cache = True
+
+    def __init__(self, store: WeightStore, node: FileNode) -> None:
+        self._store = store
+        self._node = node
+        store.hold(node.wf)
+
+    async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
+        return await self._store.read(self._node.wf, offset, size)
+
+    async def release(self) -> None:
+        await trio.lowlevel.checkpoint()
+        self._store.release(self._node.wf)
+        self._node.collect()
+
+
+class WriterHandle(VirtualHandle):
+    """Fills a private file; a close that follows writes publishes it as `name` of the
+    model (the flush the kernel sends on close returns once the version is published).
+
+    Writes after such a close (through a dup of the descriptor) go to a fresh copy, so a
+    published version never changes. A handle closed without any write publishes its
+    (empty or copied) file at its last close.
+    """
+
+    direct_io = True
+
+    def __init__(self, store: WeightStore, model_dir: ModelDir, name: bytes, pending: WeightFile, pid: int) -> None:
+        self._store = store
+        self._dir = model_dir
+        self._name = name
+        self.pending = pending
+        self._tgid = thread_group(pid)
+        self._killed = False
+        self._written = False  # writes since the last publish
+        self._published = False
+
+    async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
+        return await self._store.read(self.pending, offset, size)
+
+    async def _own_copy(self) -> None:
+        if self.pending.current:  # published by an earlier close of a dup
+            old = self.pending
+            self.pending = await self._store.begin_write(old)
+            self._store.release(old)
+
+    async def write(self, offset: int, data: bytes) -> int:
+        await self._own_copy()
+        written = await self._store.write(self.pending, offset, data)
+        self._written = True
+        return written
+
+    async def resize(self, size: int) -> None:
+        await self._own_copy()
+        await self._store.truncate(self.pending, size)
+        self._written = True
+
+    async def fsync(self) -> None:
+        await self._store.sync(self.pending)
+
+    async def _publish(self) -> None:
+        try:
+            await self._store.publish(self._dir.model, {self._name: self.pending})
+        except NotFound:
+            self._killed = True  # the model went away (removed, or renamed onto another)
+            self._dir.discarded += 1
+            raise
+        self._written = False
+        self._published = True
+
+    async def flush(self) -> None:
+        await trio.lowlevel.checkpoint()
+        if self._killed:
+            return
+        if process_exiting(self._tgid):
+            self._killed = True
+            self._dir.discarded += 1
+        elif self._written:
+            await self._publish()
+
+    async def release(self) -> None:
+        try:
+            if not self._killed and (self._written or not self._published):
+                await self._publish()
+        except NotFound:
+            pass
+        finally:
+            self._store.release(self.pending)
+            self._dir.kind.node_for(self.pending).collect()
+
+
+class WaitHandle(VirtualHandle):
+    """Each read returns one line `VERSION TIME`: the first at once, each later one when
+    a version newer than the last one returned is published. EOF once the model is gone."""
+
+    def __init__(self, store: WeightStore, model: Model, timeout_s: float, nonblocking: bool, pid: int) -> None:
+        self._store = store
+        self._model = model
+        self._timeout_s = timeout_s
+        self._nonblocking = nonblocking
+        self._pid = pid
+        self._last: int | None = None
+
+    async def read(self, offset: int, size: int) -> bytes:
+        model = self._model
+        if self._last is not None:
+            last = self._last
+            try:
+                await run_waiting(
+                    self._pid,
+                    self._nonblocking,
+                    model.version > last or model.deleted,
+                    lambda nb: self._store.wait_newer(model, last, self._timeout_s, nb),
+                )
+            except NotFound:
+                return b""
+        else:
+            await trio.lowlevel.checkpoint()
+        self._last = model.version
+        return model.version_line()[:size]
+
+
+# --- nodes ------------------------------------------------------------------------------
+
+
+class FileNode(VirtualFile):
+    """One version of one file (or a writer's file before it is published)."""
+
+    writable = True
+    cache_s = FILE_ATTR_CACHE_S
+    entry_cache_s = 0.0
+
+    def __init__(self, kind: WeightsDir, ino: int, name: bytes, wf: WeightFile) -> None:
+        super().__init__(ino, name, stat.S_IFREG | 0o644)
+        self.kind = kind
+        self.wf = wf
+        self.mtime_ns = wf.mtime_ns
+        self.lookups = 0
+
+    @property
+    def size(self) -> int:
+        return self.wf.size
+
+    def looked_up(self, count: int) -> None:
+        self.lookups += count
+        self.collect()
+
+    def collect(self) -> None:
+        """Forget this node once its version is freed and the kernel holds no reference."""
+        if self.wf.freed and self.lookups <= 0:
+            self.kind.drop_node(self)
+
+    async def open(self, flags: int, pid: int) -> VirtualHandle:
+        store = self.kind.store
+        if flags & os.O_ACCMODE == os.O_RDONLY:
+            await trio.lowlevel.checkpoint()
+            return ReaderHandle(store, self)
+        model_dir = self.kind.dir_holding(self)
+        base = None if flags & os.O_TRUNC else self.wf
+        if base is not None:
+            store.hold(base)
+        try:
+            pending = await store.begin_write(base)
+        finally:
+            if base is not None:
+                store.release(base)
+        return WriterHandle(store, model_dir, self.name, pending, pid)
+
+    async def resize(self, size: int, handle: VirtualHandle | None) -> None:
+        if isinstance(handle, WriterHandle):
+            await handle.resize(size)
+            return
+        raise ReadOnly("a published weights file changes only when a writer closes it; truncate through a write open")
+
+
+class ModelDir(VirtualDir):
+    """`weights/<model>/`: the current version's files, `version` and `wait`."""
+
+    counts_lookups = True
+    entry_cache_s = 0.0  # a rename onto the model replaces its node
+
+    def __init__(self, kind: WeightsDir, model: Model) -> None:
+        super().__init__(kind.tree.new_ino(), model.name, stat.S_IFDIR | 0o755)
+        self.kind = kind
+        self.model = model
+        self.discarded = 0  # writers that closed without publishing
+        self.children[b"version"] = ControlFile(kind.tree.new_ino(), b"version", model.version_line)
+        self.children[b"wait"] = WaitFile(kind, model, kind.tree.new_ino())
+        for node in self.children.values():
+            kind.tree.register(node)
+
+    def lookup(self, name: bytes) -> VirtualNode:
+        control = self.children.get(name)
+        if control is not None:
+            return control
+        wf = self.model.files.get(name)
+        if wf is None:
+            raise NotFound(f"no file {name.decode(errors='replace')!r} in weights/{self.model.name.decode()}")
+        return self.kind.node_for(wf, name)
+
+    def entries(self) -> list[tuple[bytes, int]]:
+        return [(n, c.ino) for n, c in self.children.items()] + [
+            (n, self.kind.node_for(wf, n).ino) for n, wf in self.model.files.items()
+        ]
+
+    def listing(self) -> list[tuple[bytes, int, int, int]]:
+        out = [(n, c.ino, c.mode, 0) for n, c in self.children.items()]
+        for name, wf in self.model.files.items():
+            out.append((name, self.kind.node_for(wf, name).ino, stat.S_IFREG | 0o644, wf.size))
+        return out
+
+    async def create(self, name: bytes, mode: int, flags: int, pid: int) -> tuple[VirtualNode, VirtualHandle]:
+        check_file_name(name)
+        pending = await self.kind.store.begin_write()
+        node = self.kind.node_for(pending, name)
+        return node, WriterHandle(self.kind.store, self, name, pending, pid)
+
+    async def unlink(self, name: bytes) -> None:
+        if name in RESERVED_NAMES:
+            await trio.lowlevel.checkpoint()
+            return  # control files come back: a no-op, so `rm -r` works
+        await self.kind.store.unlink(self.model, name)
+
+    async def rename(self, name: bytes, new_parent: VirtualDir, new_name: bytes, flags: int) -> None:
+        if not isinstance(new_parent, ModelDir):
+            raise CrossDevice("weights files move only between models")
+        if name in RESERVED_NAMES:
+            raise NotPermitted(f"{name.decode()} is a control file")
+        await self.kind.store.rename_file(
+            self.model, name, new_parent.model, new_name, noreplace=bool(flags & RENAME_NOREPLACE)
+        )
+
+    async def mkdir(self, name: bytes, mode: int) -> VirtualNode:
+        raise NotPermitted("a model holds files only; stage a group in a model of its own and rename it onto this one")
+
+    def forget_nodes(self) -> None:
+        for node in [*self.children.values(), self]:
+            self.kind.tree.unregister(node.ino)
+
+
+class WaitFile(VirtualFile):
+    def __init__(self, kind: WeightsDir, model: Model, ino: int) -> None:
+        super().__init__(ino, b"wait", stat.S_IFREG | 0o444)
+        self._kind = kind
+        self._model = model
+
+    async def open(self, flags: int, pid: int) -> VirtualHandle:
+        await trio.lowlevel.checkpoint()
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            raise ReadOnly("wait is read-only")
+        nonblocking = bool(flags & os.O_NONBLOCK)
+        return WaitHandle(self._kind.store, self._model, self._kind.wait_timeout_s, nonblocking, pid)
+
+
+class WeightsDir(KindDirectory):
+    """`weights/`: mkdir creates a model; rename of a model onto another publishes the
+    source's files as the target's next version (a group publish)."""
+
+    child_cache_s = 0.0
+
+    def __init__(self, tree: VirtualTree, store: WeightStore, wait_timeout_s: float) -> None:
+        super().__init__(tree.new_ino(), b"weights", stat.S_IFDIR | 0o755)
+        self.tree = tree
+        self.store = store
+        self.wait_timeout_s = wait_timeout_s
+        self._dirs: dict[int, ModelDir] = {}  # id(model) -> its directory node
+        self._files: dict[int, FileNode] = {}  # owner -> node
+
+    def dir_for(self, model: Model) -> ModelDir:
+        node = self._dirs.get(id(model))
+        if node is None:
+            node = self._dirs[id(model)] = ModelDir(self, model)
+            self.tree.register(node)
+        return node
+
+    def dir_holding(self, node: FileNode) -> ModelDir:
+        for model in self.store.models.values():
+            if model.files.get(node.name) is node.wf:
+                return self.dir_for(model)
+        raise NotFound(f"{node.name.decode(errors='replace')} is no longer published; open it again")
+
+    def node_for(self, wf: WeightFile, name: bytes = b"") -> FileNode:
+        node = self._files.get(wf.owner)
+        if node is None or (name and node.name != name):
+            lookups = node.lookups if node is not None else 0
+            node = FileNode(self, self.tree.new_ino() if node is None else node.ino, name, wf)
+            node.lookups = lookups
+            self._files[wf.owner] = node
+            self.tree.register(node)
+        return node
+
+    def drop_node(self, node: FileNode) -> None:
+        if self._files.get(node.wf.owner) is node:
+            del self._files[node.wf.owner]
+        self.tree.unregister(node.ino)
+
+    def lookup(self, name: bytes) -> VirtualNode:
+        return self.dir_for(self.store.model(name))
+
+    def entries(self) -> list[tuple[bytes, int]]:
+        return [(name, self.dir_for(model).ino) for name, model in self.store.models.items()]
+
+    def listing(self) -> list[tuple[bytes, int, int, int]]:
+        return [(name, ino, stat.S_IFDIR | 0o755, 0) for name, ino in self.entries()]
+
+    async def mkdir(self, name: bytes, mode: int) -> VirtualNode:
+        await trio.lowlevel.checkpoint()
+        return self.dir_for(self.store.create_model(name))
+
+    async def rmdir(self, name: bytes) -> None:
+        model = self.store.model(name)
+        self.store.remove_model(name)
+        self._forget_dir(model)
+        await self.store.commit()
+
+    async def unlink(self, name: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+        raise NotPermitted(f"weights/{name.decode(errors='replace')} is a model directory: use rmdir or rm -r")
+
+    async def rename(self, name: bytes, new_parent: VirtualDir, new_name: bytes, flags: int) -> None:
+        if new_parent is not self:
+            raise CrossDevice("a model stays directly under weights/")
+        source = self.store.model(name)
+        target = self.store.models.get(new_name)
+        await self.store.rename_model(name, new_name, noreplace=bool(flags & RENAME_NOREPLACE))
+        self._forget_dir(source)
+        if target is not None and target is not source:
+            # The kernel marks a directory replaced by rename as dead: the target model
+            # continues under a node with a fresh inode.
+            self._forget_dir(target)
+
+    def _forget_dir(self, model: Model) -> None:
+        node = self._dirs.pop(id(model), None)
+        if node is not None:
+            node.forget_nodes()
