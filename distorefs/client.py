@@ -143,3 +143,48 @@ def update_priorities(buffer_dir: str | os.PathLike[str], indices: Iterable[int]
     np.save(out, pairs, allow_pickle=False)
     with open(os.path.join(buffer_dir, "priority"), "wb", buffering=0) as f:
         f.write(out.getvalue())
+
+
+# --- weights ------------------------------------------------------------------------------
+
+WEIGHTS_CONTROL = frozenset({"version", "wait"})
+
+
+def model_version(model_dir: str | os.PathLike[str]) -> int:
+    """The model's current version number (0 before the first publish)."""
+    with open(os.path.join(model_dir, "version"), "rb") as f:
+        return int(f.read().split()[0])
+
+
+def open_model(model_dir: str | os.PathLike[str], attempts: int = 100) -> tuple[int, dict[bytes, Any]]:
+    """Open every file of the model's current version: (version, {name: open file}).
+
+    The files are opened between two reads of `version` and the opens are retried until
+    both reads agree, so all of them belong to one version; each open file then reads
+    that version however many are published meanwhile. The caller closes them.
+    """
+    for _ in range(attempts):
+        before = model_version(model_dir)
+        names = [n for n in os.listdir(os.fsencode(model_dir)) if n.decode(errors="replace") not in WEIGHTS_CONTROL]
+        files: dict[bytes, Any] = {}
+        try:
+            for name in names:
+                files[name] = open(os.path.join(os.fsencode(model_dir), name), "rb")  # noqa: SIM115
+        except FileNotFoundError:
+            pass  # unlinked by a publish between the listing and the open: try again
+        else:
+            if model_version(model_dir) == before:
+                return before, files
+        for f in files.values():
+            f.close()
+    raise TimeoutError(f"{model_dir}: versions changed during each of {attempts} attempts to open one")
+
+
+def read_model(model_dir: str | os.PathLike[str]) -> tuple[int, dict[bytes, bytes]]:
+    """Read every file of one version of the model: (version, {name: bytes})."""
+    number, files = open_model(model_dir)
+    try:
+        return number, {name: f.read() for name, f in files.items()}
+    finally:
+        for f in files.values():
+            f.close()

@@ -4,12 +4,13 @@ Owns the FUSE side of weights: the nodes (`weights/<model>/`, its files, `versio
 `wait`), the handles of readers and writers, and how each version meets the kernel's
 caches. The models themselves are stores/weights.py.
 
-Every version of a file gets an inode of its own and its bytes never change, so readers
-keep the kernel page cache (keep_cache; 32 readers of one version share it), and a reader
-that opened a version keeps reading it after newer ones are published. Entries of a model
-are never cached (entry timeout 0): each open asks the daemon which version is current.
-A writer's handle is direct_io, so what it writes never lands in the pages of the
-version it replaces.
+Every version of a file gets an inode of its own and its bytes never change; a reader
+holds the version it opened and keeps reading it after newer ones are published. Entries
+of a model are never cached (entry timeout 0): each open asks the daemon which version is
+current. Readers and writers are direct_io: a writer opening a published file with
+O_TRUNC makes the kernel cut that inode's cached size and pages, and writes move its
+size, so nothing about a version may be served from the kernel's caches (a stress test
+with 32 readers caught early EOFs when readers used the page cache).
 
 A writer publishes at its last close, unless its process was exiting at that close (it
 was killed or crashed before closing): the flush that the kernel sends on close is
@@ -68,10 +69,11 @@ def process_exiting(tgid: int) -> bool:
 
 
 class ReaderHandle(VirtualHandle):
-    """Reads one version of one file, through the kernel page cache."""
+    """Reads one version of one file. direct_io: a writer that opens the same inode with
+    O_TRUNC makes the kernel cut that inode's size and page cache to 0 (atomic_o_trunc),
+    which a reader going through the page cache would see as an early EOF."""
 
-    direct_io = False
-    keep_cache = True
+    direct_io = True
 
     def __init__(self, store: WeightStore, node: FileNode) -> None:
         self._store = store

@@ -238,10 +238,11 @@ class WeightStore:
                 raise
             old = model.files
             model.files, model.version, model.published_ns = files, version, published_ns
+            kept = {id(wf) for wf in files.values()}
             for wf in added.values():
                 wf.current = True
-            for name, wf in old.items():
-                if files.get(name) is not wf:
+            for wf in old.values():
+                if id(wf) not in kept:
                     wf.current = False
                     self._free_if_unused(wf)
             self._wake(model)

@@ -1,0 +1,350 @@
+"""weights/ through a real mount: atomic publish at close, readers keeping their version,
+group publish, version and wait, killed writers, remounts and crashes, many readers."""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distorefs import client
+from tests.conftest import Mount
+
+pytestmark = pytest.mark.mount
+
+MountFactory = Callable[..., Mount]
+
+
+@pytest.fixture
+def model(mounted: Mount, request: pytest.FixtureRequest) -> Iterator[Path]:
+    path = mounted.path / "weights" / request.node.name.replace("[", "_").replace("]", "_")
+    path.mkdir()
+    yield path
+    subprocess.run(["rm", "-rf", str(path)], check=False)
+
+
+def version(model: Path) -> int:
+    return int((model / "version").read_text().split()[0])
+
+
+def test_mkdir_creates_an_empty_model_at_version_0(model: Path) -> None:
+    assert sorted(os.listdir(model)) == ["version", "wait"]
+    line = (model / "version").read_text()
+    number, published = line.split()
+    assert number == "0"
+    assert abs(float(published) - time.time()) < 3600
+    with pytest.raises(OSError) as excinfo:
+        os.mkdir(model)
+    assert excinfo.value.errno == errno.EEXIST
+
+
+def test_close_publishes_and_each_close_is_a_version(model: Path) -> None:
+    subprocess.run(f"echo hello > {model}/a.txt", shell=True, check=True)
+    assert subprocess.run(["cat", str(model / "a.txt")], capture_output=True, check=True).stdout == b"hello\n"
+    assert version(model) == 1
+    (model / "a.txt").write_bytes(b"second")
+    assert (model / "a.txt").read_bytes() == b"second"
+    assert version(model) == 2
+    assert os.stat(model / "a.txt").st_size == 6
+
+
+def test_a_reader_keeps_the_version_it_opened(model: Path) -> None:
+    first = os.urandom(3 << 20)
+    (model / "w.bin").write_bytes(first)
+    with open(model / "w.bin", "rb") as reader:
+        head = reader.read(1000)
+        for i in range(3):
+            (model / "w.bin").write_bytes(bytes([i]) * (2 << 20))
+        assert head + reader.read() == first
+    assert (model / "w.bin").read_bytes() == bytes([2]) * (2 << 20)
+
+
+def test_nothing_is_visible_before_close(model: Path) -> None:
+    (model / "w.bin").write_bytes(b"old")
+    with open(model / "w.bin", "r+b") as writer:  # starts from the current bytes
+        writer.write(b"NEW-BYTES")
+        writer.flush()
+        assert (model / "w.bin").read_bytes() == b"old"
+        assert version(model) == 1
+    assert (model / "w.bin").read_bytes() == b"NEW-BYTES"
+    assert version(model) == 2
+
+
+def test_a_killed_writer_publishes_nothing(model: Path) -> None:
+    (model / "w.bin").write_bytes(b"intact")
+    script = textwrap.dedent(f"""
+        import os, signal
+        f = open({str(model / "w.bin")!r}, "wb", buffering=0)
+        f.write(b"half of a tensor")
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], check=False)
+    assert result.returncode == -signal.SIGKILL
+    assert (model / "w.bin").read_bytes() == b"intact"
+    assert version(model) == 1
+
+
+def test_group_publish_by_renaming_a_staged_model(mounted: Mount, model: Path) -> None:
+    (model / "a").write_bytes(b"a1")
+    (model / "b").write_bytes(b"b1")
+    stage = mounted.path / "weights" / f"{model.name}.stage"
+    stage.mkdir()
+    (stage / "a").write_bytes(b"a2")
+    (stage / "b").write_bytes(b"b2")
+    before = version(model)
+    subprocess.run(["mv", "-T", str(stage), str(model)], check=True)
+    assert version(model) == before + 1
+    assert not stage.exists()
+    assert (model / "a").read_bytes() + (model / "b").read_bytes() == b"a2b2"
+
+
+def test_a_group_publish_is_never_seen_half_done(mounted: Mount, model: Path) -> None:
+    """Readers take both files under one version (the documented client recipe) while a
+    writer swaps in groups whose files carry the same stamp."""
+    (model / "a").write_bytes(b"0")
+    (model / "b").write_bytes(b"0")
+    stop = threading.Event()
+    mixes: list[tuple[bytes, bytes]] = []
+    reads = 0
+
+    def reader() -> None:
+        nonlocal reads
+        while not stop.is_set():
+            _, files = client.read_model(model)
+            if files[b"a"] != files[b"b"]:
+                mixes.append((files[b"a"], files[b"b"]))
+            reads += 1
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for stamp in range(1, 30):
+            stage = mounted.path / "weights" / f"{model.name}.s"
+            stage.mkdir()
+            (stage / "a").write_bytes(str(stamp).encode())
+            (stage / "b").write_bytes(str(stamp).encode())
+            os.rename(stage, model)
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert reads > 0
+    assert mixes == []
+
+
+def test_rename_of_a_file_publishes_it_under_the_new_name(model: Path) -> None:
+    (model / "w.tmp").write_bytes(b"complete")
+    os.rename(model / "w.tmp", model / "w")
+    assert sorted(os.listdir(model)) == ["version", "w", "wait"]
+    assert (model / "w").read_bytes() == b"complete"
+
+
+def test_unlink_publishes_a_version_without_the_file_and_rm_r_removes_the_model(model: Path) -> None:
+    (model / "a").write_bytes(b"a")
+    (model / "b").write_bytes(b"b")
+    os.unlink(model / "a")
+    assert version(model) == 3
+    assert sorted(os.listdir(model)) == ["b", "version", "wait"]
+    with pytest.raises(OSError) as excinfo:
+        os.rmdir(model)
+    assert excinfo.value.errno == errno.ENOTEMPTY
+    subprocess.run(["rm", "-r", str(model)], check=True)
+    assert not model.exists()
+
+
+def test_bad_input_gets_clear_errnos(mounted: Mount, model: Path) -> None:
+    cases: list[tuple[Callable[[], object], int]] = [
+        (lambda: (model / "version").write_bytes(b"9"), errno.EROFS),
+        (lambda: os.mkdir(model / "sub"), errno.EPERM),
+        (lambda: os.rename(model, mounted.path / "checkpoints" / "x"), errno.EXDEV),
+        (lambda: (mounted.path / "weights" / "stray.bin").write_bytes(b"x"), errno.EROFS),
+        (lambda: (model / "missing").read_bytes(), errno.ENOENT),
+    ]
+    for call, expected in cases:
+        with pytest.raises(OSError) as excinfo:
+            call()
+        assert excinfo.value.errno == expected, call
+    (model / "w").write_bytes(b"w")
+    with pytest.raises(OSError) as excinfo:
+        os.truncate(model / "w", 0)
+    assert excinfo.value.errno == errno.EROFS
+    assert (model / "w").read_bytes() == b"w"
+
+
+def test_wait_returns_now_then_blocks_until_a_newer_version(model: Path) -> None:
+    (model / "w").write_bytes(b"1")
+    fd = os.open(model / "wait", os.O_RDONLY)
+    try:
+        assert os.read(fd, 100).split()[0] == b"1"
+        timer = threading.Timer(0.3, lambda: (model / "w").write_bytes(b"2"))
+        timer.start()
+        started = time.monotonic()
+        line = os.read(fd, 100)
+        timer.join()
+        assert line.split()[0] == b"2"
+        assert time.monotonic() - started >= 0.25
+    finally:
+        os.close(fd)
+
+
+def test_wait_nonblocking_says_eagain(model: Path) -> None:
+    fd = os.open(model / "wait", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        assert os.read(fd, 100).split()[0] == b"0"
+        with pytest.raises(BlockingIOError):
+            os.read(fd, 100)
+        (model / "w").write_bytes(b"x")
+        assert os.read(fd, 100).split()[0] == b"1"
+    finally:
+        os.close(fd)
+
+
+def _blocked_waiter(path: str, queue: multiprocessing.Queue[str]) -> None:
+    class Stop(Exception):
+        pass
+
+    def on_signal(signum: int, frame: object) -> None:
+        raise Stop
+
+    signal.signal(signal.SIGUSR1, on_signal)
+    fd = os.open(path, os.O_RDONLY)
+    os.read(fd, 100)
+    queue.put("waiting")
+    try:
+        os.read(fd, 100)
+        queue.put("read returned")
+    except Stop:
+        queue.put("interrupted")
+    except OSError as exc:
+        queue.put(f"error {exc.errno}")
+
+
+def test_a_signal_interrupts_a_blocked_wait(model: Path) -> None:
+    queue: multiprocessing.Queue[str] = multiprocessing.Queue()
+    waiter = multiprocessing.get_context("fork").Process(target=_blocked_waiter, args=(str(model / "wait"), queue))
+    waiter.start()
+    try:
+        assert queue.get(timeout=10) == "waiting"
+        time.sleep(0.3)
+        os.kill(waiter.pid or 0, signal.SIGUSR1)
+        assert queue.get(timeout=10) == "interrupted"
+    finally:
+        waiter.join(timeout=10)
+        if waiter.is_alive():
+            waiter.kill()
+
+
+def test_wait_times_out_with_etimedout(mount_factory: MountFactory) -> None:
+    mount = mount_factory("--wait-timeout", "0.5")
+    model = mount.path / "weights" / "m"
+    model.mkdir()
+    fd = os.open(model / "wait", os.O_RDONLY)
+    try:
+        os.read(fd, 100)
+        with pytest.raises(OSError) as excinfo:
+            os.read(fd, 100)
+        assert excinfo.value.errno == errno.ETIMEDOUT
+    finally:
+        os.close(fd)
+    assert mount.unmount() == 0
+
+
+def test_versions_survive_remount_and_kill_9(mount_factory: MountFactory, tmp_path: Path) -> None:
+    mount = mount_factory()
+    model = mount.path / "weights" / "policy"
+    model.mkdir()
+    payload = os.urandom(5 << 20)
+    (model / "params.bin").write_bytes(payload)
+    (model / "config.json").write_text("{}")
+    assert mount.unmount() == 0
+
+    mount = mount_factory()
+    assert version(model) == 2
+    assert (model / "params.bin").read_bytes() == payload
+    (model / "params.bin").write_bytes(payload[::-1])  # acknowledged by close
+    mount.kill9()
+
+    mount = mount_factory()
+    assert version(model) == 3
+    assert (model / "params.bin").read_bytes() == payload[::-1]
+    assert (model / "config.json").read_text() == "{}"
+    assert mount.unmount() == 0
+
+
+READER = textwrap.dedent("""
+    import json, sys, time
+    import numpy as np
+    path, seconds = sys.argv[1], float(sys.argv[2])
+    reads, bad, versions = 0, [], set()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with open(path, "rb") as f:
+            data = f.read()
+        words = np.frombuffer(data, dtype=np.uint64)
+        seq = int(words[0] >> np.uint64(32))
+        expected = (np.uint64(seq) << np.uint64(32)) + np.arange(len(words), dtype=np.uint64)
+        if len(data) != int(sys.argv[3]) or not np.array_equal(words, expected):
+            bad.append(seq)
+        versions.add(seq)
+        reads += 1
+    print(json.dumps({"reads": reads, "bad": bad, "versions": sorted(versions)}))
+""")
+
+
+def test_32_readers_always_read_a_whole_published_version(mount_factory: MountFactory) -> None:
+    """A writer publishes a 64 MB file once a second while 32 processes read it in a
+    loop: each read is one complete version, and the daemon's memory stays bounded."""
+    size = 64 << 20
+    budget = 512 << 20
+    mount = mount_factory("--dram-budget", "512MiB")
+    model = mount.path / "weights" / "big"
+    model.mkdir()
+    path = model / "tensor.bin"
+    base = np.arange(size // 8, dtype=np.uint64)
+
+    def publish(seq: int) -> None:
+        (base + np.uint64(seq << 32)).tofile(path)
+
+    publish(1)
+    readers = [
+        subprocess.Popen(
+            [sys.executable, "-c", READER, str(path), "6", str(size)],
+            stdout=subprocess.PIPE,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for _ in range(32)
+    ]
+    try:
+        for seq in range(2, 8):
+            time.sleep(1.0)
+            publish(seq)
+        results = []
+        for proc in readers:
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 0
+            results.append(__import__("json").loads(out))
+    finally:
+        for proc in readers:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert all(r["bad"] == [] for r in results), [r["bad"] for r in results if r["bad"]]
+    assert sum(r["reads"] for r in results) >= 32
+    assert len({v for r in results for v in r["versions"]}) >= 2  # readers saw publishes
+    status = mount.status()
+    assert int(status["dram_used_bytes"]) <= budget  # type: ignore[call-overload]
+    with open(f"/proc/{mount.proc.pid}/status", encoding="ascii") as f:
+        peak_kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    assert peak_kib * 1024 < budget + (400 << 20), f"daemon peak RSS {peak_kib} KiB"
+    assert int(status["weight_files"]) == 1  # type: ignore[call-overload]
+    assert mount.unmount() == 0

@@ -1,0 +1,155 @@
+"""The weights store without a mount: versions, holding, group publish, persistence, waits."""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from distorefs.errors import DistorefsError
+from distorefs.stores.weights import WEIGHT_OWNER_BASE, WeightStore
+from distorefs.tiers.blocks import BlockStore
+from distorefs.tiers.dram import DramCache
+from distorefs.tiers.metadb import MetaDb
+from distorefs.tiers.nvme_log import NvmeLog
+
+BLOCK = 64 * 1024
+
+
+def open_store(path: Path) -> tuple[WeightStore, BlockStore, MetaDb]:
+    log = NvmeLog.open(str(path / "log"))
+    meta = MetaDb.open(str(path / "meta.sqlite"))
+    blocks = BlockStore(log, DramCache(64 * BLOCK), meta, block_bytes=BLOCK)
+    return WeightStore.load(blocks, meta), blocks, meta
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[WeightStore]:
+    weights, blocks, meta = open_store(tmp_path)
+    yield weights
+    await blocks.close()
+    meta.close()
+
+
+async def publish_bytes(store: WeightStore, model_name: bytes, name: bytes, data: bytes) -> int:
+    pending = await store.begin_write()
+    await store.write(pending, 0, data)
+    version = await store.publish(store.model(model_name), {name: pending})
+    store.release(pending)
+    return version
+
+
+async def read_all(store: WeightStore, model_name: bytes, name: bytes) -> bytes:
+    wf = store.model(model_name).files[name]
+    return bytes(await store.read(wf, 0, wf.size))
+
+
+async def test_a_held_version_stays_whole_while_newer_ones_are_published(store: WeightStore) -> None:
+    store.create_model(b"m")
+    first = bytes(range(256)) * (3 * BLOCK // 256)  # spans blocks
+    await publish_bytes(store, b"m", b"w", first)
+    held = store.model(b"m").files[b"w"]
+    store.hold(held)
+    for i in range(5):
+        await publish_bytes(store, b"m", b"w", bytes([i]) * BLOCK)
+    assert bytes(await store.read(held, 0, held.size)) == first
+    assert store.model(b"m").version == 6
+    store.release(held)
+    assert held.freed
+    with pytest.raises(DistorefsError) as excinfo:
+        await store.read(held, 0, 1)
+    assert excinfo.value.errno == errno.ENOENT
+
+
+async def test_unheld_old_versions_free_their_blocks(store: WeightStore) -> None:
+    store.create_model(b"m")
+    await publish_bytes(store, b"m", b"w", b"a" * (2 * BLOCK))
+    old = store.model(b"m").files[b"w"]
+    await publish_bytes(store, b"m", b"w", b"b" * (2 * BLOCK))
+    assert old.freed
+    assert store._blocks.owner_keys(old.owner) == []
+
+
+async def test_group_publish_by_renaming_a_model_onto_another(store: WeightStore) -> None:
+    store.create_model(b"policy")
+    await publish_bytes(store, b"policy", b"a", b"old-a")
+    await publish_bytes(store, b"policy", b"stale", b"gone after the swap")
+    store.create_model(b"stage")
+    await publish_bytes(store, b"stage", b"a", b"new-a")
+    await publish_bytes(store, b"stage", b"b", b"new-b")
+    before = store.model(b"policy").version
+    await store.rename_model(b"stage", b"policy", noreplace=False)
+    model = store.model(b"policy")
+    assert model.version == before + 1
+    assert sorted(model.files) == [b"a", b"b"]
+    assert await read_all(store, b"policy", b"a") == b"new-a"
+    assert b"stage" not in store.models
+
+
+async def test_rename_noreplace_and_reserved_names_refused(store: WeightStore) -> None:
+    store.create_model(b"a")
+    store.create_model(b"b")
+    with pytest.raises(DistorefsError) as excinfo:
+        await store.rename_model(b"a", b"b", noreplace=True)
+    assert excinfo.value.errno == errno.EEXIST
+    pending = await store.begin_write()
+    with pytest.raises(DistorefsError) as excinfo:
+        await store.publish(store.model(b"a"), {b"version": pending})
+    assert excinfo.value.errno == errno.EEXIST
+    assert store.model(b"a").version == 0
+
+
+async def test_copy_on_write_open_starts_from_the_current_bytes(store: WeightStore) -> None:
+    store.create_model(b"m")
+    await publish_bytes(store, b"m", b"w", b"0123456789")
+    pending = await store.begin_write(store.model(b"m").files[b"w"])
+    await store.write(pending, 2, b"ab")
+    assert await read_all(store, b"m", b"w") == b"0123456789"  # unpublished
+    await store.publish(store.model(b"m"), {b"w": pending})
+    assert await read_all(store, b"m", b"w") == b"01ab456789"
+
+
+async def test_versions_survive_a_reopen_and_orphans_are_dropped(tmp_path: Path) -> None:
+    store, blocks, meta = open_store(tmp_path)
+    store.create_model(b"m")
+    await publish_bytes(store, b"m", b"w", b"x" * (BLOCK + 7))
+    orphan = await store.begin_write()  # a writer that never published
+    await store.write(orphan, 0, b"never published")
+    await blocks.flush()
+    await blocks.commit()
+    await blocks.close()
+    meta.close()
+
+    store, blocks, meta = open_store(tmp_path)
+    try:
+        assert store.model(b"m").version == 1
+        assert await read_all(store, b"m", b"w") == b"x" * (BLOCK + 7)
+        owners = {o for o in blocks.owners() if o >= WEIGHT_OWNER_BASE}
+        assert owners == {store.model(b"m").files[b"w"].owner}
+    finally:
+        await blocks.close()
+        meta.close()
+
+
+async def test_wait_newer_wakes_on_publish_and_bounds_its_wait(store: WeightStore) -> None:
+    model = store.create_model(b"m")
+    with pytest.raises(DistorefsError) as excinfo:
+        await store.wait_newer(model, 0, 10.0, nonblocking=True)
+    assert excinfo.value.errno == errno.EAGAIN
+    with pytest.raises(DistorefsError) as excinfo:
+        await store.wait_newer(model, 0, 0.05, nonblocking=False)
+    assert excinfo.value.errno == errno.ETIMEDOUT
+    got: list[int] = []
+    async with trio.open_nursery() as nursery:
+
+        async def waiter() -> None:
+            got.append(await store.wait_newer(model, 0, 10.0, nonblocking=False))
+
+        nursery.start_soon(waiter)
+        await trio.sleep(0.05)
+        assert got == []
+        await publish_bytes(store, b"m", b"w", b"v1")
+    assert got == [1]
