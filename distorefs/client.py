@@ -163,18 +163,22 @@ def open_model(model_dir: str | os.PathLike[str], attempts: int = 100) -> tuple[
     both reads agree, so all of them belong to one version; each open file then reads
     that version however many are published meanwhile. The caller closes them.
     """
+    directory = os.fsencode(model_dir)
     for _ in range(attempts):
-        before = model_version(model_dir)
-        names = [n for n in os.listdir(os.fsencode(model_dir)) if n.decode(errors="replace") not in WEIGHTS_CONTROL]
         files: dict[bytes, Any] = {}
         try:
-            for name in names:
-                files[name] = open(os.path.join(os.fsencode(model_dir), name), "rb")  # noqa: SIM115
-        except FileNotFoundError:
-            pass  # unlinked by a publish between the listing and the open: try again
-        else:
+            before = model_version(model_dir)
+            for name in os.listdir(directory):
+                if name.decode(errors="replace") not in WEIGHTS_CONTROL:
+                    files[name] = open(os.path.join(directory, name), "rb")  # noqa: SIM115
             if model_version(model_dir) == before:
                 return before, files
+        except FileNotFoundError:
+            pass  # a publish replaced the model or a file meanwhile: try again
+        except BaseException:
+            for f in files.values():
+                f.close()
+            raise
         for f in files.values():
             f.close()
     raise TimeoutError(f"{model_dir}: versions changed during each of {attempts} attempts to open one")

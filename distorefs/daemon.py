@@ -26,6 +26,7 @@ from distorefs.fs.buffers import BuffersDir
 from distorefs.fs.control import MountInfo, VirtualTree
 from distorefs.fs.ops import FsOperations
 from distorefs.fs.weights import WeightsDir
+from distorefs.stores.checkpoints import CheckpointStore
 from distorefs.stores.files import FileStore
 from distorefs.stores.replay.store import BufferStore
 from distorefs.stores.weights import WeightStore
@@ -139,7 +140,9 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
             virtual.install(BuffersDir(virtual, buffers))
             virtual.install(WeightsDir(virtual, weights, config.wait_timeout_s))
             virtual.add_status(weights.statistics)
-            ops = FsOperations(files, virtual, data_dir, config.block_bytes)
+            checkpoints = CheckpointStore.load(files, blocks, meta, config.checkpoint_sync_close)
+            virtual.add_status(checkpoints.statistics)
+            ops = FsOperations(files, virtual, checkpoints, data_dir, config.block_bytes)
             await blocks.commit(durable=True)
             log.info(
                 "recovered %s in %.2f s (torn tail dropped: %d bytes)",
@@ -161,6 +164,7 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
                         name="compactor",
                     )  # fmt: skip
                     nursery.start_soon(blocks.run_prefetcher, name="prefetcher")
+                    nursery.start_soon(checkpoints.run_persister, name="checkpoint persister")
                     nursery.start_soon(buffers.run_snapshots, config.snapshot_interval_s, name="snapshots")
                     nursery.start_soon(_stop_on_signal, name="signals")
                     nursery.start_soon(_tune_after_init, config.mountpoint, name="tune")
@@ -172,6 +176,7 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
                 log.info("unmounted %s; persisting", config.mountpoint)
                 with trio.CancelScope(shield=True):
                     buffers.snapshot()
+                    checkpoints.persisted_all()
                     await blocks.close()
         finally:
             meta.close()

@@ -25,6 +25,7 @@ import pyfuse3
 
 from distorefs.errors import Busy, CrossDevice, DistorefsError, Exists, NotPermitted, ReadOnly
 from distorefs.fs.control import VirtualDir, VirtualFile, VirtualHandle, VirtualNode, VirtualTree
+from distorefs.stores.checkpoints import CHECKPOINTS, KEEP_XATTR, STATE_XATTR, CheckpointStore
 from distorefs.stores.files import ROOT_INODE, FileStore, Inode
 from distorefs.types import FileHandle
 
@@ -33,7 +34,6 @@ log = logging.getLogger(__name__)
 P = ParamSpec("P")
 R = TypeVar("R")
 
-CHECKPOINTS = b"checkpoints"
 ATTR_TIMEOUT_S = 1.0
 
 
@@ -45,6 +45,7 @@ class Handle:
     ino: int
     virtual: bool
     vhandle: VirtualHandle | None = None
+    writable: bool = False
     entries: list[tuple[bytes, int]] = field(default_factory=list)
     listing: list[tuple[bytes, int, int, int]] | None = None  # virtual dirs: name, ino, mode, size
 
@@ -82,23 +83,30 @@ class FsOperations(pyfuse3.Operations):
     supports_dot_lookup = True
     enable_writeback_cache = False
 
-    def __init__(self, files: FileStore, virtual: VirtualTree, data_dir: str, block_bytes: int) -> None:
+    def __init__(
+        self, files: FileStore, virtual: VirtualTree, checkpoints: CheckpointStore, data_dir: str, block_bytes: int
+    ) -> None:
         super().__init__()
         self.files = files
         self.virtual = virtual
+        self.ckpt = checkpoints
+        checkpoints.on_removed = self._removed_behind_the_kernel
         self.data_dir = data_dir
         self.block_bytes = block_bytes
         self.degraded = False
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
-        self._ensure_checkpoints()
 
-    def _ensure_checkpoints(self) -> None:
-        try:
-            self.files.lookup(ROOT_INODE, CHECKPOINTS)
-        except DistorefsError:
-            root = self.files.get(ROOT_INODE)
-            self.files.mkdir(ROOT_INODE, CHECKPOINTS, 0o755, root.uid, root.gid)
+    @staticmethod
+    def _removed_behind_the_kernel(parent: int, name: bytes, ino: int) -> None:
+        """The daemon removed an entry itself (retention): the kernel must drop it too."""
+        pyfuse3.invalidate_entry_async(parent, name, deleted=ino, ignore_enoent=True)
+
+    def _tracked(self, parent: int, inode: Inode) -> Inode:
+        """A regular file found in `parent`: checkpoints/ files get their policy."""
+        if inode.is_reg:
+            self.ckpt.track(inode.ino, parent)
+        return inode
 
     # --- helpers ------------------------------------------------------------------------
 
@@ -188,7 +196,7 @@ class FsOperations(pyfuse3.Operations):
             return self._virtual_entry(vdir.lookup(name))
         if parent_inode == ROOT_INODE and name in self.virtual.root_nodes:
             return self._virtual_attrs(self.virtual.root_nodes[name])
-        return self._entry(self.files.lookup(parent_inode, name))
+        return self._entry(self._tracked(parent_inode, self.files.lookup(parent_inode, name)))
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for ino, nlookup in inode_list:
@@ -234,6 +242,8 @@ class FsOperations(pyfuse3.Operations):
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
         )
+        if fields.update_size and self.ckpt.tracks(inode):
+            self.ckpt.changed(inode)
         return self._attrs(changed)
 
     @_translate(mutates=False)
@@ -266,7 +276,9 @@ class FsOperations(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         self._guard_virtual_parent(parent_inode, "create files")
         self._guard_reserved(parent_inode, name, "create it")
-        return self._entry(self.files.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
+        return self._entry(
+            self._tracked(parent_inode, self.files.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
+        )
 
     @_translate(mutates=True)
     async def mkdir(
@@ -334,6 +346,7 @@ class FsOperations(pyfuse3.Operations):
         self._guard_reserved(parent_inode_old, name_old, "rename it")
         self._guard_reserved(parent_inode_new, name_new, "replace it")
         self.files.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+        self._tracked(parent_inode_new, self.files.lookup(parent_inode_new, name_new))
 
     # --- files --------------------------------------------------------------------------
 
@@ -349,10 +362,16 @@ class FsOperations(pyfuse3.Operations):
         if flags & os.O_TRUNC and self.degraded:
             raise ReadOnly("the mount is degraded (read-only) after an internal error")
         inode_obj = self.files.get(inode)
+        tracked = self.ckpt.tracks(inode)
         if flags & os.O_TRUNC and inode_obj.size:
             await self.files.setattr(inode, size=0)
+            if tracked:
+                self.ckpt.changed(inode)
         self.files.ref(inode)
-        fh = self._new_fh(Handle(inode, virtual=False))
+        writable = flags & os.O_ACCMODE != os.O_RDONLY
+        if tracked:
+            self.ckpt.opened(inode, writable)
+        fh = self._new_fh(Handle(inode, virtual=False, writable=writable))
         # The kernel page cache stays valid across opens: every change to a tree file
         # passes through this kernel, which updates or drops its pages itself.
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
@@ -370,7 +389,10 @@ class FsOperations(pyfuse3.Operations):
         self._guard_reserved(parent_inode, name, "create it")
         inode = self.files.mknod(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), 0, ctx.uid, ctx.gid)
         self.files.ref(inode.ino)
-        fh = self._new_fh(Handle(inode.ino, virtual=False))
+        self._tracked(parent_inode, inode)
+        if self.ckpt.tracks(inode.ino):
+            self.ckpt.opened(inode.ino, True)
+        fh = self._new_fh(Handle(inode.ino, virtual=False, writable=True))
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._entry(inode)
 
     @_translate(mutates=False)
@@ -385,14 +407,22 @@ class FsOperations(pyfuse3.Operations):
         handle = self._handles[fh]
         if handle.vhandle is not None:
             return await handle.vhandle.write(off, buf)
-        return await self.files.write(handle.ino, off, buf)
+        written = await self.files.write(handle.ino, off, buf)
+        if self.ckpt.tracks(handle.ino):
+            self.ckpt.changed(handle.ino)
+        return written
 
     @_translate(mutates=False)
     async def flush(self, fh: int) -> None:
         handle = self._handles[fh]
         if handle.vhandle is not None:
             await handle.vhandle.flush()
-        elif not self.degraded:
+        elif self.degraded:
+            return
+        elif self.ckpt.tracks(handle.ino):
+            if handle.writable:
+                await self.ckpt.close(handle.ino)  # persisted in the background
+        else:
             await self.files.flush(handle.ino)
 
     @_translate(mutates=False)
@@ -400,6 +430,8 @@ class FsOperations(pyfuse3.Operations):
         handle = self._handles[fh]
         if handle.vhandle is not None:
             await handle.vhandle.fsync()
+        elif self.ckpt.tracks(handle.ino):
+            await self.ckpt.fsync(handle.ino)
         elif not handle.virtual:
             await self.files.fsync(handle.ino)
 
@@ -409,6 +441,7 @@ class FsOperations(pyfuse3.Operations):
         if handle.vhandle is not None:
             await handle.vhandle.release()
         else:
+            self.ckpt.released(handle.ino, handle.writable)
             self.files.unref(handle.ino)
 
     # --- directories --------------------------------------------------------------------
@@ -487,22 +520,30 @@ class FsOperations(pyfuse3.Operations):
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
         if inode in self.virtual:
             raise ReadOnly("virtual nodes take no attributes")
+        self.ckpt.check_setting(inode, name, value)
         self.files.setxattr(inode, name, value)
+        if name == KEEP_XATTR and self.ckpt.apply_retention(inode):
+            await self.files.sync_all()
 
     @_translate(mutates=False)
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         if inode in self.virtual:
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        if name == STATE_XATTR and self.ckpt.tracks(inode):
+            return self.ckpt.state(inode).encode()
         return self.files.getxattr(inode, name)
 
     @_translate(mutates=False)
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
         if inode in self.virtual:
             return []
-        return self.files.listxattr(inode)
+        names = self.files.listxattr(inode)
+        return [*names, STATE_XATTR] if self.ckpt.tracks(inode) else names
 
     @_translate(mutates=True)
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         if inode in self.virtual:
             raise ReadOnly("virtual nodes take no attributes")
+        if name == STATE_XATTR:
+            raise NotPermitted(f"{STATE_XATTR.decode()} is computed; it cannot be removed")
         self.files.removexattr(inode, name)

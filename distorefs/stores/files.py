@@ -354,6 +354,45 @@ class FileStore:
         inode.ctime_ns = now
         self._stage(inode)
 
+    def remove_tree(self, parent: int, name: bytes) -> list[int]:
+        """Remove `name` from `parent`, a directory with everything below it (retention).
+        Returns the inodes of the regular files removed."""
+        inode = self.lookup(parent, name)
+        removed: list[int] = []
+        if inode.is_dir:
+            for child in list(self._dirs[inode.ino]):
+                removed += self.remove_tree(inode.ino, child)
+            self.rmdir(parent, name)
+        else:
+            if inode.is_reg:
+                removed.append(inode.ino)
+            self.unlink(parent, name)
+        return removed
+
+    def parent_of(self, directory: int) -> int:
+        """The parent of directory `directory` (the root is its own parent)."""
+        return self._parent[directory]
+
+    def is_within(self, directory: int, ancestor: int) -> bool:
+        """Whether directory `directory` is `ancestor` or below it."""
+        walk = directory
+        while walk in self._parent:
+            if walk == ancestor:
+                return True
+            if walk == ROOT_INODE:
+                return False
+            walk = self._parent[walk]
+        return False
+
+    def find_entry(self, ino: int) -> tuple[int, bytes] | None:
+        """(parent, name) of one entry naming `ino`, by a scan of every directory (slow:
+        for recovery, not for requests)."""
+        for parent, entries in self._dirs.items():
+            for name, child in entries.items():
+                if child == ino:
+                    return parent, name
+        return None
+
     # --- references and purging ---------------------------------------------------------
 
     def ref(self, ino: int, count: int = 1) -> None:

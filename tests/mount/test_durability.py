@@ -26,6 +26,14 @@ pytestmark = pytest.mark.mount
 MountFactory = Callable[..., Mount]
 
 
+
+def tree(mount: Mount) -> Path:
+    """A plain directory of the POSIX tree (checkpoints/ has a policy of its own)."""
+    path = mount.path / "files"
+    path.mkdir(exist_ok=True)
+    return path
+
+
 def digest_tree(root: Path) -> dict[str, tuple[int, int, str]]:
     """path -> (mode, size, sha256 or link target) for every entry under root."""
     out: dict[str, tuple[int, int, str]] = {}
@@ -58,18 +66,18 @@ def write_tree(root: Path) -> None:
 
 def test_clean_remount_brings_back_the_whole_tree(mount_factory: MountFactory) -> None:
     mount = mount_factory()
-    write_tree(mount.path / "checkpoints")
-    before = digest_tree(mount.path / "checkpoints")
+    write_tree(tree(mount))
+    before = digest_tree(tree(mount))
     assert mount.unmount() == 0
     mount = mount_factory()
-    assert digest_tree(mount.path / "checkpoints") == before
-    assert os.getxattr(mount.path / "checkpoints" / "a" / "small.txt", "user.tag") == b"v1"
+    assert digest_tree(tree(mount)) == before
+    assert os.getxattr(tree(mount) / "a" / "small.txt", "user.tag") == b"v1"
     assert mount.unmount() == 0
 
 
 def test_kill_9_keeps_every_fsynced_and_closed_file(mount_factory: MountFactory) -> None:
     mount = mount_factory()
-    root = mount.path / "checkpoints"
+    root = tree(mount)
     synced = {f"synced-{i}": os.urandom(700_000 + i) for i in range(5)}
     for name, payload in synced.items():
         with open(root / name, "wb") as f:
@@ -87,17 +95,17 @@ def test_kill_9_keeps_every_fsynced_and_closed_file(mount_factory: MountFactory)
 
     mount = mount_factory()
     for name, payload in synced.items():
-        assert (mount.path / "checkpoints" / name).read_bytes() == payload
-    assert (mount.path / "checkpoints" / "dir" / "synced-in-dir").read_bytes() == b"in dir"
+        assert (tree(mount) / name).read_bytes() == payload
+    assert (tree(mount) / "dir" / "synced-in-dir").read_bytes() == b"in dir"
     # A killed daemon's closed files are in the OS page cache and the WAL: they survive too.
-    assert (mount.path / "checkpoints" / "closed").read_bytes() == closed
+    assert (tree(mount) / "closed").read_bytes() == closed
     assert mount.unmount() == 0
 
 
 def test_torn_record_at_the_log_tail_is_dropped_and_the_mount_comes_up(mount_factory: MountFactory) -> None:
     mount = mount_factory()
     payload = os.urandom(1_500_000)
-    with open(mount.path / "checkpoints" / "kept", "wb") as f:
+    with open(tree(mount) / "kept", "wb") as f:
         f.write(payload)
         os.fsync(f.fileno())
     mount.kill9()
@@ -112,14 +120,14 @@ def test_torn_record_at_the_log_tail_is_dropped_and_the_mount_comes_up(mount_fac
     size_with_tear = newest.stat().st_size
 
     mount = mount_factory()
-    assert (mount.path / "checkpoints" / "kept").read_bytes() == payload
+    assert (tree(mount) / "kept").read_bytes() == payload
     assert newest.stat().st_size == size_with_tear - HEADER.size - 100
     log_text = (mount.data_dir.parent / "data.daemon.log").read_text()
     assert f"dropped a torn tail of {HEADER.size + 100} bytes" in log_text
-    (mount.path / "checkpoints" / "after").write_bytes(b"writes go on")
+    (tree(mount) / "after").write_bytes(b"writes go on")
     assert mount.unmount() == 0
     mount = mount_factory()
-    assert (mount.path / "checkpoints" / "after").read_bytes() == b"writes go on"
+    assert (tree(mount) / "after").read_bytes() == b"writes go on"
     assert mount.unmount() == 0
 
 
@@ -127,12 +135,12 @@ def test_torn_record_at_the_log_tail_is_dropped_and_the_mount_comes_up(mount_fac
 def test_sigterm_and_sigint_persist_everything_and_unmount(mount_factory: MountFactory, signum: int) -> None:
     mount = mount_factory()
     payload = os.urandom(4_000_000)
-    (mount.path / "checkpoints" / "f").write_bytes(payload)
+    (tree(mount) / "f").write_bytes(payload)
     mount.proc.send_signal(signum)
     assert mount.proc.wait(timeout=EXIT_TIMEOUT_S) == 0
     assert not os.path.ismount(mount.path)
     mount = mount_factory()
-    assert (mount.path / "checkpoints" / "f").read_bytes() == payload
+    assert (tree(mount) / "f").read_bytes() == payload
     assert mount.unmount() == 0
 
 
@@ -146,7 +154,7 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None
 
 def test_compaction_reclaims_space_of_deleted_and_overwritten_files(mount_factory: MountFactory) -> None:
     mount = mount_factory("--segment-size", "4MiB", "--compact-interval", "0.2")
-    root = mount.path / "checkpoints"
+    root = tree(mount)
     keep = {}
     for i in range(40):
         payload = os.urandom(1024 * 1024)
@@ -169,14 +177,14 @@ def test_compaction_reclaims_space_of_deleted_and_overwritten_files(mount_factor
     assert mount.unmount() == 0
     mount = mount_factory("--segment-size", "4MiB")
     for name, payload in keep.items():
-        assert (mount.path / "checkpoints" / name).read_bytes() == payload
+        assert (tree(mount) / name).read_bytes() == payload
     assert mount.unmount() == 0
 
 
 def test_dram_budget_holds_under_a_working_set_three_times_larger(mount_factory: MountFactory) -> None:
     budget = 16 * 1024 * 1024
     mount = mount_factory("--dram-budget", "16MiB")
-    root = mount.path / "checkpoints"
+    root = tree(mount)
     files = {f"w{i}": os.urandom(4 * 1024 * 1024) for i in range(12)}  # 48 MiB
     peak = 0
     for name, payload in files.items():
@@ -187,7 +195,7 @@ def test_dram_budget_holds_under_a_working_set_three_times_larger(mount_factory:
 
     mount = mount_factory("--dram-budget", "16MiB")  # fresh kernel cache and empty DRAM
     for name, payload in files.items():
-        assert (mount.path / "checkpoints" / name).read_bytes() == payload
+        assert (tree(mount) / name).read_bytes() == payload
         status = mount.status()
         peak = max(peak, int(status["dram_used_bytes"]))
     blocks = status["blocks"]
@@ -234,8 +242,8 @@ def test_readdir_lists_100k_entries_completely(mount_factory: MountFactory, tmp_
 def test_a_corrupted_record_reads_as_eio_and_is_never_served(mount_factory: MountFactory) -> None:
     mount = mount_factory()
     good, bad = os.urandom(1024 * 1024), os.urandom(1024 * 1024)
-    (mount.path / "checkpoints" / "good").write_bytes(good)
-    (mount.path / "checkpoints" / "bad").write_bytes(bad)
+    (tree(mount) / "good").write_bytes(good)
+    (tree(mount) / "bad").write_bytes(bad)
     assert mount.unmount() == 0
     log_dir = mount.data_dir / "log"
     flipped = 0
@@ -250,9 +258,9 @@ def test_a_corrupted_record_reads_as_eio_and_is_never_served(mount_factory: Moun
 
     mount = mount_factory()
     with pytest.raises(OSError) as excinfo:
-        (mount.path / "checkpoints" / "bad").read_bytes()
+        (tree(mount) / "bad").read_bytes()
     assert excinfo.value.errno == errno.EIO
-    assert (mount.path / "checkpoints" / "good").read_bytes() == good
+    assert (tree(mount) / "good").read_bytes() == good
     assert mount.status()["degraded"] is False  # a bad record is an I/O error, not a bug
-    (mount.path / "checkpoints" / "new").write_bytes(b"writes still work")
+    (tree(mount) / "new").write_bytes(b"writes still work")
     assert mount.unmount() == 0

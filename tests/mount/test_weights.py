@@ -116,15 +116,19 @@ def test_a_group_publish_is_never_seen_half_done(mounted: Mount, model: Path) ->
     (model / "b").write_bytes(b"0")
     stop = threading.Event()
     mixes: list[tuple[bytes, bytes]] = []
+    failures: list[BaseException] = []
     reads = 0
 
     def reader() -> None:
         nonlocal reads
-        while not stop.is_set():
-            _, files = client.read_model(model)
-            if files[b"a"] != files[b"b"]:
-                mixes.append((files[b"a"], files[b"b"]))
-            reads += 1
+        try:
+            while not stop.is_set():
+                _, files = client.read_model(model)
+                if files[b"a"] != files[b"b"]:
+                    mixes.append((files[b"a"], files[b"b"]))
+                reads += 1
+        except BaseException as exc:  # reported by the test below
+            failures.append(exc)
 
     thread = threading.Thread(target=reader)
     thread.start()
@@ -138,6 +142,7 @@ def test_a_group_publish_is_never_seen_half_done(mounted: Mount, model: Path) ->
     finally:
         stop.set()
         thread.join(timeout=30)
+    assert failures == []
     assert reads > 0
     assert mixes == []
 

@@ -1,0 +1,322 @@
+"""CheckpointStore: the policy of files under `checkpoints/` (CheckFreq's two phases).
+
+Owns what makes a checkpoint file differ from any other file of the tree: a write
+returns once its bytes are in DRAM (as for every file), but a close does not wait for
+the log. A background persister writes the files' blocks to the log in the order they
+were first written, full blocks while a file is still open and the rest once it is
+closed, then commits durably (log fsync'ed, metadata with synchronous=FULL). It also
+owns each file's state (`dram`, `persisting`, `durable`), the bytes waiting to persist,
+and retention (`user.distore.keep_last` on a directory keeps its newest N durable
+checkpoints and removes older ones).
+
+Crash rule: a checkpoint file that is not durable has a row in MetaDb's `ckpt_pending`
+table, removed in the same durable commit that makes it durable. At start-up the files
+still listed there died half-persisted (never acknowledged as durable): they are removed,
+so no half-written file can claim to be durable.
+
+Plain Python with no FUSE: the fs layer reports opens, writes and closes of tree files
+here, and passes `on_removed` to tell the kernel about entries retention removes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+from distorefs.errors import DistorefsError, InvalidArgument, NotPermitted
+from distorefs.stores.files import ROOT_INODE, FileStore
+from distorefs.tiers.blocks import BlockStore
+from distorefs.tiers.metadb import MetaDb
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS = b"checkpoints"
+STATE_XATTR = b"user.distore.state"
+KEEP_XATTR = b"user.distore.keep_last"
+SYNC_CLOSE_XATTR = b"user.distore.sync_close"
+RETRY_S = 1.0
+
+
+@dataclass
+class _State:
+    parent: int
+    gen: int = 0  # bumps on every change
+    durable_gen: int = 0  # the change the last durable commit covered
+    writers: int = 0
+
+
+class CheckpointStore:
+    """Background persistence, states and retention of the files under `checkpoints/`.
+
+    Examples:
+        >>> ckpt = CheckpointStore.load(files, blocks, meta, sync_close=False)
+        >>> ckpt.track(ino, parent)          # a file under checkpoints/ was looked up
+        >>> ckpt.changed(ino)                # after each write
+        >>> await ckpt.close(ino)            # returns at once; the persister takes over
+        >>> ckpt.state(ino)
+        'persisting'
+    """
+
+    def __init__(self, files: FileStore, blocks: BlockStore, meta: MetaDb, sync_close: bool) -> None:
+        self._files = files
+        self._blocks = blocks
+        self._meta = meta
+        self.sync_close = sync_close
+        self.root = files.lookup(ROOT_INODE, CHECKPOINTS).ino
+        self._states: dict[int, _State] = {}
+        self._queue: dict[int, None] = {}  # files with changes to persist, in write order
+        self._work = trio.Event()
+        self.errors = 0
+        self.last_error = ""
+        self.removed_by_retention = 0
+        self.on_removed: Callable[[int, bytes, int], None] = lambda parent, name, ino: None
+
+    @classmethod
+    def load(cls, files: FileStore, blocks: BlockStore, meta: MetaDb, sync_close: bool) -> CheckpointStore:
+        """Remove the checkpoint files that were not durable when the last daemon died."""
+        try:
+            files.lookup(ROOT_INODE, CHECKPOINTS)
+        except DistorefsError:
+            root = files.get(ROOT_INODE)
+            files.mkdir(ROOT_INODE, CHECKPOINTS, 0o755, root.uid, root.gid)
+        self = cls(files, blocks, meta, sync_close)
+        dropped = 0
+        for ino, _since in list(meta.rows("ckpt_pending")):
+            meta.delete("ckpt_pending", (ino,))
+            while (entry := files.find_entry(ino)) is not None:
+                files.unlink(*entry)
+                dropped += 1
+        if dropped:
+            log.warning("checkpoints: removed %d files that were not durable when the daemon stopped", dropped)
+        return self
+
+    # --- what the fs layer reports ------------------------------------------------------
+
+    def covers(self, directory: int) -> bool:
+        return self._files.is_within(directory, self.root)
+
+    def track(self, ino: int, parent: int) -> None:
+        """A regular file `ino` was found in directory `parent` (lookup, create, rename)."""
+        if self.covers(parent):
+            state = self._states.get(ino)
+            if state is None:
+                self._states[ino] = _State(parent)
+            else:
+                state.parent = parent
+        elif ino in self._states and self._states[ino].gen == self._states[ino].durable_gen:
+            del self._states[ino]  # moved out of checkpoints/: an ordinary file again
+
+    def tracks(self, ino: int) -> bool:
+        return ino in self._states
+
+    def opened(self, ino: int, writable: bool) -> None:
+        if writable:
+            self._states[ino].writers += 1
+
+    def released(self, ino: int, writable: bool) -> None:
+        state = self._states.get(ino)
+        if writable and state is not None:
+            state.writers -= 1
+            self._wake()
+
+    def changed(self, ino: int) -> None:
+        """Bytes or size of `ino` changed (in DRAM): it is not durable until persisted."""
+        state = self._states[ino]
+        if state.gen == state.durable_gen:
+            self._meta.put("ckpt_pending", (ino,), (time.time_ns(),))
+        state.gen += 1
+        self._queue[ino] = None
+        self._wake()
+
+    async def close(self, ino: int) -> None:
+        """A close: at once, unless sync-close applies (mount option or the directory's
+        `user.distore.sync_close`), where it returns when the file is durable."""
+        if self.sync_close or self._sync_close_set(self._states[ino].parent):
+            await self.fsync(ino)
+        else:
+            await trio.lowlevel.checkpoint()
+            self._wake()
+
+    async def fsync(self, ino: int) -> None:
+        """Return once `ino`'s bytes and metadata are durable."""
+        state = self._states[ino]
+        gen = state.gen
+        if gen != state.durable_gen:
+            self._meta.delete("ckpt_pending", (ino,))
+        try:
+            await self._files.fsync(ino)
+        except BaseException:
+            if state.gen != state.durable_gen:
+                self._meta.put("ckpt_pending", (ino,), (time.time_ns(),))
+            raise
+        await self._made_durable([(ino, gen)])
+
+    def persisted_all(self) -> None:
+        """Clean shutdown: the block tier's final durable commit covers every file, so no
+        file may stay listed as pending (stage before that commit)."""
+        for ino in self._states:
+            self._meta.delete("ckpt_pending", (ino,))
+
+    # --- state ----------------------------------------------------------------------------
+
+    def state(self, ino: int) -> str:
+        state = self._states[ino]
+        if state.gen == state.durable_gen:
+            return "durable"
+        return "dram" if state.writers else "persisting"
+
+    def _entry_durable(self, ino: int) -> bool:
+        if ino not in self._files:
+            return True
+        inode = self._files.get(ino)
+        if inode.is_dir:
+            return all(self._entry_durable(child) for _name, child in self._files.entries(ino))
+        return ino not in self._states or self.state(ino) == "durable"
+
+    def statistics(self) -> dict[str, int]:
+        waiting = [ino for ino, s in self._states.items() if s.gen != s.durable_gen]
+        return {
+            "checkpoint_bytes_waiting": sum(self._blocks.owner_dirty_bytes(ino) for ino in waiting),
+            "checkpoint_files_waiting": len(waiting),
+            "checkpoint_files_tracked": len(self._states),
+            "checkpoint_persist_errors": self.errors,
+            "checkpoint_removed_by_retention": self.removed_by_retention,
+        }
+
+    # --- settings (xattrs on directories) -----------------------------------------------
+
+    def check_setting(self, ino: int, name: bytes, value: bytes) -> None:
+        """Refuse a bad value for one of our xattrs before it is stored."""
+        if name == STATE_XATTR:
+            raise NotPermitted(f"{STATE_XATTR.decode()} is computed; it cannot be set")
+        if name not in (KEEP_XATTR, SYNC_CLOSE_XATTR):
+            return
+        inode = self._files.get(ino)
+        if not inode.is_dir or not self.covers(ino):
+            raise InvalidArgument(f"{name.decode()} applies to directories under checkpoints/ only")
+        text = value.decode(errors="replace").strip()
+        if name == KEEP_XATTR and not (text.isdigit() and int(text) >= 1):
+            raise InvalidArgument(f"{KEEP_XATTR.decode()} must be a whole number >= 1, got {text!r}")
+        if name == SYNC_CLOSE_XATTR and text not in ("0", "1"):
+            raise InvalidArgument(f"{SYNC_CLOSE_XATTR.decode()} must be 0 or 1, got {text!r}")
+
+    def _setting(self, directory: int, name: bytes) -> tuple[int, str] | None:
+        """The nearest directory from `directory` up to checkpoints/ that sets `name`."""
+        walk = directory
+        while True:
+            try:
+                return walk, self._files.getxattr(walk, name).decode().strip()
+            except DistorefsError:
+                pass
+            if walk == self.root or walk == ROOT_INODE:
+                return None
+            walk = self._files.parent_of(walk)
+
+    def _sync_close_set(self, directory: int) -> bool:
+        found = self._setting(directory, SYNC_CLOSE_XATTR)
+        return found is not None and found[1] == "1"
+
+    # --- the persister --------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        self._work.set()
+
+    async def run_persister(self, idle_s: float = 1.0) -> None:
+        """Background task: persist checkpoint files in write order, then make them durable."""
+        while True:
+            with trio.move_on_after(idle_s):
+                await self._work.wait()
+            self._work = trio.Event()
+            try:
+                await self.persist_pass()
+            except (DistorefsError, OSError) as exc:
+                self.errors += 1
+                self.last_error = str(exc)
+                log.warning("checkpoints: persisting failed, will retry in %s s: %s", RETRY_S, exc)
+                await trio.sleep(RETRY_S)
+
+    async def persist_pass(self) -> None:
+        """One pass: open files give their full blocks to the log, closed files all of
+        theirs; the closed ones then become durable in one durable commit."""
+        closed: list[tuple[int, int]] = []
+        for ino in list(self._queue):
+            state = self._states.get(ino)
+            if state is None or ino not in self._files:
+                self._forget(ino)
+                continue
+            if state.writers:
+                await self._blocks.flush(ino, full_only=True)
+            else:
+                await self._blocks.flush(ino)
+                closed.append((ino, state.gen))
+        if not closed:
+            return
+        for ino, _gen in closed:
+            self._meta.delete("ckpt_pending", (ino,))
+        try:
+            await self._blocks.commit(durable=True)
+        except BaseException:
+            for ino, _gen in closed:
+                self._meta.put("ckpt_pending", (ino,), (time.time_ns(),))
+            raise
+        await self._made_durable(closed)
+
+    def _forget(self, ino: int) -> None:
+        self._queue.pop(ino, None)
+        self._states.pop(ino, None)
+        self._meta.delete("ckpt_pending", (ino,))
+
+    async def _made_durable(self, done: list[tuple[int, int]]) -> None:
+        """A durable commit covered these (file, change) pairs: the unchanged ones are
+        durable now; the changed ones go back to pending. Then retention runs."""
+        directories: set[int] = set()
+        for ino, gen in done:
+            state = self._states.get(ino)
+            if state is None:
+                continue
+            if state.gen == gen and not self._blocks.owner_dirty_bytes(ino):
+                state.durable_gen = gen
+                self._queue.pop(ino, None)
+                directories.add(state.parent)
+            else:
+                self._meta.put("ckpt_pending", (ino,), (time.time_ns(),))
+        removed = False
+        for directory in directories:
+            removed |= self.apply_retention(directory)
+        if removed:
+            await self._blocks.commit()
+
+    # --- retention ------------------------------------------------------------------------
+
+    def apply_retention(self, directory: int) -> bool:
+        """Under the nearest directory with `keep_last` = N: keep the newest N durable
+        entries (by creation order) and remove every entry older than the N-th. Entries
+        whose names start with `.` are not checkpoints and stay. True if any went."""
+        if directory not in self._files:
+            return False
+        found = self._setting(directory, KEEP_XATTR)
+        if found is None:
+            return False
+        run_dir, text = found
+        keep = int(text)
+        entries = sorted(
+            ((name, ino) for name, ino in self._files.entries(run_dir) if not name.startswith(b".")),
+            key=lambda entry: entry[1],
+            reverse=True,
+        )
+        durable = [ino for _name, ino in entries if self._entry_durable(ino)]
+        if len(durable) < keep:
+            return False
+        cutoff = durable[keep - 1]
+        for name, ino in entries:
+            if ino < cutoff:
+                for file_ino in self._files.remove_tree(run_dir, name):
+                    self._forget(file_ino)
+                self.on_removed(run_dir, name, ino)
+                self.removed_by_retention += 1
+                log.info("checkpoints: retention removed %s (keep_last=%d)", name.decode(errors="replace"), keep)
+        return any(ino < cutoff for _name, ino in entries)
