@@ -1,0 +1,205 @@
+"""Checkpoint and weights benchmarks: distorefs against tmpfs and the local disk, one run.
+
+    .venv/bin/python benchmarks/bench_checkpoint.py [--sizes-gib 1 4] [--readers 32]
+
+Checkpoints: for state dicts of float32 tensors of mixed sizes, the stall (until
+`torch.save` or safetensors `save_file` returns) and the time until durable (save, then
+fsync) on distorefs' checkpoints/, against the same save to tmpfs and to the local disk
+followed by fsync. Weights: publish latency of a 100 MB model file and reads/s of it by
+N reader processes, against the same reads from tmpfs.
+
+Prints Markdown tables and writes the raw numbers as JSON (--json PATH). No thresholds:
+docs/benchmarks.md keeps the results and the aims they are read against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+
+def distore(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "distorefs", *args], check=True, stdout=subprocess.DEVNULL)
+
+
+def state_dict(total_bytes: int, seed: int = 0) -> dict[str, object]:
+    """float32 tensors of mixed sizes (4 KiB to 64 MiB) adding up to about `total_bytes`."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    out: dict[str, object] = {}
+    left = total_bytes
+    i = 0
+    while left > 0:
+        size = int(min(left, 2 ** rng.uniform(12, 26)))
+        elements = max(1, size // 4)
+        out[f"layer.{i}.weight"] = torch.from_numpy(rng.standard_normal(elements, dtype=np.float32))
+        left -= elements * 4
+        i += 1
+    return out
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def drop_caches() -> None:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w", encoding="ascii") as f:
+            f.write("3\n")
+    except OSError:
+        pass
+
+
+def measure_save(save: Callable[[Path], None], path: Path) -> tuple[float, float]:
+    """(stall, time to durable) of one save to `path`."""
+    if path.exists():
+        path.unlink()
+    drop_caches()
+    started = time.perf_counter()
+    save(path)
+    stall = time.perf_counter() - started
+    fsync_path(path)
+    durable = time.perf_counter() - started
+    return stall, durable
+
+
+def bench_checkpoints(sizes_gib: list[float], places: dict[str, Path]) -> list[dict[str, object]]:
+    import torch
+    from safetensors.torch import save_file
+
+    savers: dict[str, Callable[[dict[str, object], Path], None]] = {
+        "torch.save": lambda sd, p: torch.save(sd, p),
+        "safetensors": lambda sd, p: save_file(sd, p),  # type: ignore[arg-type]
+    }
+    rows = []
+    for gib in sizes_gib:
+        sd = state_dict(int(gib * (1 << 30)))
+        for saver_name, saver in savers.items():
+            row: dict[str, object] = {"size_gib": gib, "writer": saver_name}
+            for place, directory in places.items():
+                path = directory / f"ckpt-{gib}.bin"
+                stall, durable = measure_save(lambda p, s=saver, d=sd: s(d, p), path)
+                row[f"{place}_stall_s"] = round(stall, 3)
+                row[f"{place}_durable_s"] = round(durable, 3)
+                path.unlink()
+            row["stall_vs_tmpfs"] = round(row["distorefs_stall_s"] / row["tmpfs_stall_s"], 2)  # type: ignore[operator]
+            row["durable_vs_disk"] = round(row["distorefs_durable_s"] / row["disk_durable_s"], 2)  # type: ignore[operator]
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr)
+        del sd
+    return rows
+
+
+READER = textwrap.dedent("""
+    import sys, time
+    path, seconds = sys.argv[1], float(sys.argv[2])
+    buf = bytearray(1 << 20)
+    reads = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+        reads += 1
+    print(reads)
+""")
+
+
+def readers_per_second(path: Path, readers: int, seconds: float) -> float:
+    procs = [
+        subprocess.Popen([sys.executable, "-c", READER, str(path), str(seconds)], stdout=subprocess.PIPE)
+        for _ in range(readers)
+    ]
+    total = sum(int(p.communicate()[0]) for p in procs)
+    return total / seconds
+
+
+def bench_weights(mnt: Path, tmpfs: Path, readers: int, seconds: float) -> dict[str, object]:
+    model = mnt / "weights" / "bench"
+    model.mkdir()
+    payload = np.random.default_rng(1).integers(0, 255, 100_000_000, dtype=np.uint8).tobytes()
+    latencies = []
+    for _ in range(10):
+        started = time.perf_counter()
+        (model / "params.bin").write_bytes(payload)  # returns once published
+        latencies.append(time.perf_counter() - started)
+    tmpfs_started = time.perf_counter()
+    (tmpfs / "params.bin").write_bytes(payload)
+    tmpfs_write = time.perf_counter() - tmpfs_started
+    result: dict[str, object] = {
+        "publish_100mb_median_s": round(float(np.median(latencies)), 4),
+        "tmpfs_write_100mb_s": round(tmpfs_write, 4),
+        "readers": readers,
+        "distorefs_reads_per_s": round(readers_per_second(model / "params.bin", readers, seconds), 1),
+        "tmpfs_reads_per_s": round(readers_per_second(tmpfs / "params.bin", readers, seconds), 1),
+    }
+    result["reads_vs_tmpfs"] = round(result["distorefs_reads_per_s"] / result["tmpfs_reads_per_s"], 2)  # type: ignore[operator]
+    print(json.dumps(result), file=sys.stderr)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes-gib", type=float, nargs="+", default=[1.0, 4.0])
+    parser.add_argument("--readers", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--dram-budget", default="6GiB")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    base = Path(tempfile.mkdtemp(prefix="distorefs-bench-ckpt-", dir="/var/tmp"))
+    shm = Path(tempfile.mkdtemp(prefix="distorefs-bench-ckpt-", dir="/dev/shm"))
+    mnt = base / "mnt"
+    mnt.mkdir()
+    (base / "disk").mkdir()
+    distore("mount", str(mnt), "--data-dir", str(base / "data"), "--dram-budget", args.dram_budget)
+    try:
+        run = mnt / "checkpoints" / "bench"
+        run.mkdir()
+        places = {"tmpfs": shm, "disk": base / "disk", "distorefs": run}
+        checkpoints = bench_checkpoints(args.sizes_gib, places)
+        weights = bench_weights(mnt, shm, args.readers, args.seconds)
+    finally:
+        distore("umount", str(mnt))
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+
+    print("| state dict | writer | tmpfs stall | distorefs stall | stall / tmpfs | disk save+fsync "
+          "| distorefs to durable | durable / disk |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in checkpoints:
+        print(
+            f"| {r['size_gib']} GiB | {r['writer']} | {r['tmpfs_stall_s']} s | {r['distorefs_stall_s']} s "
+            f"| {r['stall_vs_tmpfs']}x | {r['disk_durable_s']} s | {r['distorefs_durable_s']} s "
+            f"| {r['durable_vs_disk']}x |"
+        )
+    print()
+    print(
+        f"weights: publish of 100 MB {weights['publish_100mb_median_s']} s (tmpfs write "
+        f"{weights['tmpfs_write_100mb_s']} s); {weights['readers']} readers: {weights['distorefs_reads_per_s']} "
+        f"reads/s vs tmpfs {weights['tmpfs_reads_per_s']} ({weights['reads_vs_tmpfs']}x)"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"checkpoints": checkpoints, "weights": weights}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
