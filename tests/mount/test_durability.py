@@ -26,7 +26,6 @@ pytestmark = pytest.mark.mount
 MountFactory = Callable[..., Mount]
 
 
-
 def tree(mount: Mount) -> Path:
     """A plain directory of the POSIX tree (checkpoints/ has a policy of its own)."""
     path = mount.path / "files"
