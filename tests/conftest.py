@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import select
 import shutil
@@ -163,13 +164,49 @@ def mount_factory(tmp_path: Path) -> Iterator[object]:
         mount.cleanup()
 
 
+@contextlib.contextmanager
+def dir_for_test(parent: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A directory named after the running test under `parent`, removed afterwards."""
+    path = parent / request.node.name.replace("[", "_").replace("]", "_")
+    path.mkdir(parents=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["rm", "-rf", str(path)], check=False)
+
+
 @pytest.fixture
 def scratch(mounted: Mount, request: pytest.FixtureRequest) -> Iterator[Path]:
     """A fresh directory inside the shared mount for one test."""
-    path = mounted.path / "t" / request.node.name.replace("[", "_").replace("]", "_")
-    path.mkdir(parents=True)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with dir_for_test(mounted.path / "t", request) as path:
+        yield path
+
+
+def blocked_read(path: str, queue: multiprocessing.Queue[str], reads_first: int = 0) -> None:
+    """Child process body: after `reads_first` reads, one read that is expected to block;
+    reports "reading", then how it ended: "interrupted" by SIGUSR1, "read returned", or
+    "error N"."""
+
+    class Stop(Exception):
+        pass
+
+    def on_signal(signum: int, frame: object) -> None:
+        raise Stop
+
+    signal.signal(signal.SIGUSR1, on_signal)
+    fd = os.open(path, os.O_RDONLY)
+    for _ in range(reads_first):
+        os.read(fd, 1 << 20)
+    queue.put("reading")
+    try:
+        os.read(fd, 1 << 20)
+        queue.put("read returned")
+    except Stop:
+        queue.put("interrupted")
+    except OSError as exc:
+        queue.put(f"error {exc.errno}")
+    finally:
+        os.close(fd)
 
 
 @pytest.fixture

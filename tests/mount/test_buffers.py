@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from distorefs import client
-from tests.conftest import Mount
+from tests.conftest import Mount, blocked_read
 
 pytestmark = pytest.mark.mount
 
@@ -252,29 +252,10 @@ def test_sample_blocks_until_min_size_then_fails_with_eagain(buffer: Path) -> No
     assert stats(buffer)["samples"] == 0  # nothing counted
 
 
-def _blocked_reader(path: str, queue: multiprocessing.Queue[str]) -> None:
-    class Stop(Exception):
-        pass
-
-    def on_signal(signum: int, frame: object) -> None:
-        raise Stop
-
-    signal.signal(signal.SIGUSR1, on_signal)
-    queue.put("reading")
-    try:
-        with open(path, "rb", buffering=0) as f:
-            f.read()
-        queue.put("read returned")
-    except Stop:
-        queue.put("interrupted")
-    except OSError as exc:
-        queue.put(f"error {exc.errno}")
-
-
 def test_a_signal_interrupts_a_blocked_sample(buffer: Path) -> None:
     configure(buffer, min_size_to_sample=5, sample_timeout=30)
     queue: multiprocessing.Queue[str] = multiprocessing.Queue()
-    reader = multiprocessing.get_context("fork").Process(target=_blocked_reader, args=(str(buffer / "sample"), queue))
+    reader = multiprocessing.get_context("fork").Process(target=blocked_read, args=(str(buffer / "sample"), queue))
     reader.start()
     try:
         assert queue.get(timeout=10) == "reading"

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import Mount
+from tests.conftest import Mount, dir_for_test
 
 pytestmark = pytest.mark.mount
 
@@ -36,10 +36,8 @@ def wait_durable(path: Path) -> None:
 
 @pytest.fixture
 def run_dir(mounted: Mount, request: pytest.FixtureRequest) -> Iterator[Path]:
-    path = mounted.path / "checkpoints" / request.node.name.replace("[", "_").replace("]", "_")
-    path.mkdir()
-    yield path
-    subprocess.run(["rm", "-rf", str(path)], check=False)
+    with dir_for_test(mounted.path / "checkpoints", request) as path:
+        yield path
 
 
 def test_state_goes_from_dram_to_durable_and_status_counts_waiting_bytes(mounted: Mount, run_dir: Path) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from distorefs import client
-from tests.conftest import Mount
+from tests.conftest import Mount, blocked_read, dir_for_test
 
 pytestmark = pytest.mark.mount
 
@@ -28,10 +28,8 @@ MountFactory = Callable[..., Mount]
 
 @pytest.fixture
 def model(mounted: Mount, request: pytest.FixtureRequest) -> Iterator[Path]:
-    path = mounted.path / "weights" / request.node.name.replace("[", "_").replace("]", "_")
-    path.mkdir()
-    yield path
-    subprocess.run(["rm", "-rf", str(path)], check=False)
+    with dir_for_test(mounted.path / "weights", request) as path:
+        yield path
 
 
 def version(model: Path) -> int:
@@ -214,32 +212,12 @@ def test_wait_nonblocking_says_eagain(model: Path) -> None:
         os.close(fd)
 
 
-def _blocked_waiter(path: str, queue: multiprocessing.Queue[str]) -> None:
-    class Stop(Exception):
-        pass
-
-    def on_signal(signum: int, frame: object) -> None:
-        raise Stop
-
-    signal.signal(signal.SIGUSR1, on_signal)
-    fd = os.open(path, os.O_RDONLY)
-    os.read(fd, 100)
-    queue.put("waiting")
-    try:
-        os.read(fd, 100)
-        queue.put("read returned")
-    except Stop:
-        queue.put("interrupted")
-    except OSError as exc:
-        queue.put(f"error {exc.errno}")
-
-
 def test_a_signal_interrupts_a_blocked_wait(model: Path) -> None:
     queue: multiprocessing.Queue[str] = multiprocessing.Queue()
-    waiter = multiprocessing.get_context("fork").Process(target=_blocked_waiter, args=(str(model / "wait"), queue))
+    waiter = multiprocessing.get_context("fork").Process(target=blocked_read, args=(str(model / "wait"), queue, 1))
     waiter.start()
     try:
-        assert queue.get(timeout=10) == "waiting"
+        assert queue.get(timeout=10) == "reading"
         time.sleep(0.3)
         os.kill(waiter.pid or 0, signal.SIGUSR1)
         assert queue.get(timeout=10) == "interrupted"

@@ -12,17 +12,14 @@ import pytest
 from distorefs.errors import DistorefsError, InvalidArgument, NotEmpty
 from distorefs.stores.files import ROOT_INODE, FileStore
 from distorefs.tiers.blocks import BlockStore
-from distorefs.tiers.dram import DramCache
 from distorefs.tiers.metadb import MetaDb
-from distorefs.tiers.nvme_log import NvmeLog
+from tests.unit.tiers import open_tiers
 
 BLOCK = 64 * 1024
 
 
 def open_files(path: Path) -> tuple[FileStore, BlockStore, MetaDb]:
-    log = NvmeLog.open(str(path / "log"))
-    meta = MetaDb.open(str(path / "meta.sqlite"))
-    blocks = BlockStore(log, DramCache(16 * BLOCK), meta, block_bytes=BLOCK)
+    blocks, meta = open_tiers(path, BLOCK, 16)
     return FileStore.load(blocks, meta), blocks, meta
 
 

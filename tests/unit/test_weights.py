@@ -12,17 +12,14 @@ import trio
 from distorefs.errors import DistorefsError
 from distorefs.stores.weights import WEIGHT_OWNER_BASE, WeightStore
 from distorefs.tiers.blocks import BlockStore
-from distorefs.tiers.dram import DramCache
 from distorefs.tiers.metadb import MetaDb
-from distorefs.tiers.nvme_log import NvmeLog
+from tests.unit.tiers import open_tiers
 
 BLOCK = 64 * 1024
 
 
 def open_store(path: Path) -> tuple[WeightStore, BlockStore, MetaDb]:
-    log = NvmeLog.open(str(path / "log"))
-    meta = MetaDb.open(str(path / "meta.sqlite"))
-    blocks = BlockStore(log, DramCache(64 * BLOCK), meta, block_bytes=BLOCK)
+    blocks, meta = open_tiers(path, BLOCK, 64)
     return WeightStore.load(blocks, meta), blocks, meta
 
 
