@@ -322,10 +322,10 @@ def test_32_readers_always_read_a_whole_published_version(mount_factory: MountFa
                 proc.kill()
                 proc.wait()
     assert all(r["bad"] == [] for r in results), [r["bad"] for r in results if r["bad"]]
-    assert sum(r["reads"] for r in results) >= 32
-    assert len({v for r in results for v in r["versions"]}) >= 2  # readers saw publishes
+    assert sum(r["reads"] for r in results) >= 32, results
+    assert len({v for r in results for v in r["versions"]}) >= 2, results  # readers saw publishes
     status = mount.status()
-    assert int(status["dram_used_bytes"]) <= budget  # type: ignore[call-overload]
+    assert int(status["dram_used_bytes"]) <= budget, status  # type: ignore[call-overload]
     with open(f"/proc/{mount.proc.pid}/status", encoding="ascii") as f:
         peak_kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
     assert peak_kib * 1024 < budget + (400 << 20), f"daemon peak RSS {peak_kib} KiB"
