@@ -369,8 +369,7 @@ class FsOperations(pyfuse3.Operations):
                 self.ckpt.changed(inode)
         self.files.ref(inode)
         writable = flags & os.O_ACCMODE != os.O_RDONLY
-        if tracked:
-            self.ckpt.opened(inode, writable)
+        self.ckpt.opened(inode, writable)
         fh = self._new_fh(Handle(inode, virtual=False, writable=writable))
         # The kernel page cache stays valid across opens: every change to a tree file
         # passes through this kernel, which updates or drops its pages itself.
@@ -390,8 +389,7 @@ class FsOperations(pyfuse3.Operations):
         inode = self.files.mknod(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), 0, ctx.uid, ctx.gid)
         self.files.ref(inode.ino)
         self._tracked(parent_inode, inode)
-        if self.ckpt.tracks(inode.ino):
-            self.ckpt.opened(inode.ino, True)
+        self.ckpt.opened(inode.ino, True)
         fh = self._new_fh(Handle(inode.ino, virtual=False, writable=True))
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._entry(inode)
 

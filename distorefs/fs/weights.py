@@ -35,10 +35,10 @@ from distorefs.fs.control import (
     VirtualNode,
     VirtualTree,
 )
+from distorefs.stores.files import RENAME_NOREPLACE
 from distorefs.stores.weights import RESERVED_NAMES, Model, WeightFile, WeightStore, check_file_name
 
 PF_EXITING = 0x4
-RENAME_NOREPLACE = 1
 FILE_ATTR_CACHE_S = 3600.0  # a version's inode never changes
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
@@ -114,8 +114,10 @@ class CheckpointStore:
         return ino in self._states
 
     def opened(self, ino: int, writable: bool) -> None:
-        if writable:
-            self._states[ino].writers += 1
+        """An open of a tree file (a no-op for files outside checkpoints/)."""
+        state = self._states.get(ino)
+        if writable and state is not None:
+            state.writers += 1
 
     def released(self, ino: int, writable: bool) -> None:
         state = self._states.get(ino)
@@ -127,7 +129,7 @@ class CheckpointStore:
         """Bytes or size of `ino` changed (in DRAM): it is not durable until persisted."""
         state = self._states[ino]
         if state.gen == state.durable_gen:
-            self._meta.put("ckpt_pending", (ino,), (time.time_ns(),))
+            self._mark_pending(ino)
         state.gen += 1
         self._queue[ino] = None
         self._wake()
@@ -143,23 +145,13 @@ class CheckpointStore:
 
     async def fsync(self, ino: int) -> None:
         """Return once `ino`'s bytes and metadata are durable."""
-        state = self._states[ino]
-        gen = state.gen
-        if gen != state.durable_gen:
-            self._meta.delete("ckpt_pending", (ino,))
-        try:
-            await self._files.fsync(ino)
-        except BaseException:
-            if state.gen != state.durable_gen:
-                self._meta.put("ckpt_pending", (ino,), (time.time_ns(),))
-            raise
-        await self._made_durable([(ino, gen)])
+        await self._commit_durable([(ino, self._states[ino].gen)], lambda: self._files.fsync(ino))
 
     def persisted_all(self) -> None:
         """Clean shutdown: the block tier's final durable commit covers every file, so no
         file may stay listed as pending (stage before that commit)."""
         for ino in self._states:
-            self._meta.delete("ckpt_pending", (ino,))
+            self._clear_pending(ino)
 
     # --- state ----------------------------------------------------------------------------
 
@@ -253,22 +245,34 @@ class CheckpointStore:
             else:
                 await self._blocks.flush(ino)
                 closed.append((ino, state.gen))
-        if not closed:
-            return
-        for ino, _gen in closed:
-            self._meta.delete("ckpt_pending", (ino,))
+        if closed:
+            await self._commit_durable(closed, lambda: self._blocks.commit(durable=True))
+
+    async def _commit_durable(self, done: list[tuple[int, int]], commit: Callable[[], Awaitable[None]]) -> None:
+        """Run the durable `commit` with the pending rows of these (file, change) pairs
+        deleted in it; if it fails, the rows of files still not durable come back."""
+        for ino, _gen in done:
+            self._clear_pending(ino)
         try:
-            await self._blocks.commit(durable=True)
+            await commit()
         except BaseException:
-            for ino, _gen in closed:
-                self._meta.put("ckpt_pending", (ino,), (time.time_ns(),))
+            for ino, _gen in done:
+                state = self._states.get(ino)
+                if state is not None and state.gen != state.durable_gen:
+                    self._mark_pending(ino)
             raise
-        await self._made_durable(closed)
+        await self._made_durable(done)
+
+    def _mark_pending(self, ino: int) -> None:
+        self._meta.put("ckpt_pending", (ino,), (time.time_ns(),))
+
+    def _clear_pending(self, ino: int) -> None:
+        self._meta.delete("ckpt_pending", (ino,))
 
     def _forget(self, ino: int) -> None:
         self._queue.pop(ino, None)
         self._states.pop(ino, None)
-        self._meta.delete("ckpt_pending", (ino,))
+        self._clear_pending(ino)
 
     async def _made_durable(self, done: list[tuple[int, int]]) -> None:
         """A durable commit covered these (file, change) pairs: the unchanged ones are
@@ -283,7 +287,7 @@ class CheckpointStore:
                 self._queue.pop(ino, None)
                 directories.add(state.parent)
             else:
-                self._meta.put("ckpt_pending", (ino,), (time.time_ns(),))
+                self._mark_pending(ino)
         removed = False
         for directory in directories:
             removed |= self.apply_retention(directory)

@@ -248,10 +248,6 @@ class WeightStore:
             self._wake(model)
             return version
 
-    def discard(self, pending: WeightFile) -> None:
-        """A writer that publishes nothing (failed, or killed before close)."""
-        self.release(pending)
-
     async def unlink(self, model: Model, name: bytes) -> int:
         if name not in model.files:
             raise NotFound(f"no file {name.decode(errors='replace')!r} in weights/{model.name.decode()}")
