@@ -63,6 +63,7 @@ class DramStatistics:
     hits: int
     misses: int
     evictions: int
+    reserved_bytes: int
 
 
 class DramCache:
@@ -73,6 +74,7 @@ class DramCache:
         self._blocks: OrderedDict[BlockKey, Block] = OrderedDict()
         self.used_bytes = 0
         self.dirty_bytes = 0
+        self.reserved_bytes = 0  # held outside the LRU (a stream's prefetched records)
         self._hits = 0
         self._misses = 0
         self._evictions = 0
@@ -146,6 +148,20 @@ class DramCache:
                 return True
         return self.used_bytes + need_bytes <= self.budget_bytes
 
+    def reserve(self, nbytes: int) -> bool:
+        """Count `nbytes` held outside the LRU against the budget, evicting clean blocks
+        to make room; False (nothing reserved) when they do not fit."""
+        if not self.make_room(nbytes):
+            return False
+        self.used_bytes += nbytes
+        self.reserved_bytes += nbytes
+        return True
+
+    def unreserve(self, nbytes: int) -> None:
+        assert 0 <= nbytes <= self.reserved_bytes
+        self.used_bytes -= nbytes
+        self.reserved_bytes -= nbytes
+
     def owner_bytes(self, owner: int) -> int:
         return sum(b.capacity_bytes for k, b in self._blocks.items() if k.owner == owner)
 
@@ -158,4 +174,5 @@ class DramCache:
             hits=self._hits,
             misses=self._misses,
             evictions=self._evictions,
+            reserved_bytes=self.reserved_bytes,
         )

@@ -20,7 +20,7 @@ from typing import Any
 
 import trio
 
-SCHEMA_VERSION = 3  # 2: the buffers table; 3: the weights and ckpt_pending tables
+SCHEMA_VERSION = 4  # 2: the buffers table; 3: the weights and ckpt_pending tables; 4: datasets
 
 TABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # table: (primary key columns, value columns)
@@ -35,6 +35,7 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "buffers": (("name",), ("owner", "config", "next_index", "inserts", "samples", "removed", "snapshot")),
     "weights": (("model",), ("version", "published_ns", "files")),
     "ckpt_pending": (("ino",), ("since_ns",)),
+    "datasets": (("name",), ("owner", "config", "count", "data_bytes", "sealed", "order_spec", "created_ns")),
 }
 
 Row = tuple[Any, ...]
@@ -71,7 +72,7 @@ class MetaDb:
                 f"CREATE TABLE IF NOT EXISTS {table} ({columns}, PRIMARY KEY ({', '.join(keys)})) WITHOUT ROWID"
             )
         found = conn.execute("SELECT value FROM kv WHERE key = 'schema_version'").fetchone()
-        if found is None or found[0] in (1, 2):  # older versions lacked only tables now created
+        if found is None or found[0] in (1, 2, 3):  # older versions lacked only tables now created
             conn.execute("INSERT OR REPLACE INTO kv VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
         elif found[0] != SCHEMA_VERSION:
             raise RuntimeError(f"{path}: metadata schema {found[0]}, this distorefs reads {SCHEMA_VERSION}")

@@ -1,0 +1,242 @@
+"""The byte formats of a dataset: its record index, what `order` takes, what `stream` returns.
+
+Pure functions and an incremental parser; docs/formats.md has the layouts.
+
+- Records are stored back to back in one byte stream per dataset. The index gives each
+  record its offset, length and crc32c (INDEX_DTYPE, 16 bytes a record).
+- `order` takes a `.npy` of integer indices, text (indices separated by white space or
+  newlines), or one line `shuffle SEED` / `sequential`.
+- `stream` returns the same formats as a buffer's `sample`: a `.npy` of the schema's
+  records plus `_index` and `_weight` (1.0), or the framed DSBATCH1 batch for blob
+  datasets. One stream is one batch holding the whole epoch (or a rank's share of it).
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from distorefs.errors import InvalidArgument
+from distorefs.stores.replay.formats import BATCH_HEAD, BATCH_ITEM, BATCH_MAGIC, NPY_MAGIC, batch_dtype, npy_header
+
+INDEX_DTYPE = np.dtype([("offset", "<u8"), ("length", "<u4"), ("crc", "<u4")])
+MAX_RECORD_BYTES = 64 * 1024 * 1024
+MAX_ORDER_TEXT_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class OrderSpec:
+    """How the next epoch's order is given: `sequential` (0..count-1), `shuffle` (a
+    permutation of `count` records drawn from `seed`), or `explicit` (`length` indices
+    stored in the dataset's order slot `slot`)."""
+
+    kind: str = "sequential"
+    seed: int = 0
+    count: int = 0
+    length: int = 0
+    slot: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "seed": self.seed, "count": self.count, "length": self.length, "slot": self.slot}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> OrderSpec:
+        return cls(**raw)
+
+    def describe(self) -> str:
+        if self.kind == "shuffle":
+            return f"shuffle {self.seed} ({self.count} records)"
+        if self.kind == "explicit":
+            return f"explicit ({self.length} indices)"
+        return "sequential"
+
+
+def shuffled(seed: int, count: int) -> np.ndarray:
+    """The permutation `shuffle SEED` stands for: the same on every node and every run."""
+    return np.random.default_rng(seed).permutation(count).astype(np.int64)
+
+
+class OrderInput:
+    """What is written to `order` during one open, checked as it arrives.
+
+    A `.npy` is complete when its last byte arrives and applies then (`feed` returns it).
+    Text applies at close (`finish`), but every complete line is checked as it arrives, so
+    a bad index fails the write that carried it (a shell's `echo ... > order` never sees
+    errors at close). Indices must be in [0, count).
+    """
+
+    def __init__(self, name: str, count: int) -> None:
+        self._name = name
+        self._count = count
+        self._pending = bytearray()
+        self._npy: bool | None = None
+        self._parts: list[np.ndarray] = []
+        self._word: tuple[str, int] | None = None
+        self._text_bytes = 0
+
+    def _bad(self, why: str) -> InvalidArgument:
+        self.reset()
+        return InvalidArgument(f"datasets/{self._name}/order: {why}; the order is unchanged")
+
+    def reset(self) -> None:
+        self._pending.clear()
+        self._npy, self._parts, self._word, self._text_bytes = None, [], None, 0
+
+    def feed(self, data: bytes) -> tuple[OrderSpec, np.ndarray | None] | None:
+        self._pending += data
+        if self._npy is None:
+            if len(self._pending) < len(NPY_MAGIC) and NPY_MAGIC.startswith(bytes(self._pending)):
+                return None
+            self._npy = self._pending.startswith(NPY_MAGIC)
+        if self._npy:
+            return self._feed_npy()
+        self._text_bytes += len(data)
+        if self._text_bytes > MAX_ORDER_TEXT_BYTES:
+            raise self._bad(f"text over {MAX_ORDER_TEXT_BYTES} bytes; send a .npy")
+        cut = self._pending.rfind(b"\n") + 1
+        if cut:
+            lines = bytes(self._pending[:cut])
+            del self._pending[:cut]
+            self._take_text(lines)
+        return None
+
+    def _feed_npy(self) -> tuple[OrderSpec, np.ndarray | None] | None:
+        try:
+            parsed = npy_header(self._pending)
+        except InvalidArgument as exc:
+            raise self._bad(exc.message) from None
+        if parsed is None:
+            return None
+        header, start = parsed
+        dtype = np.lib.format.descr_to_dtype(header["descr"])
+        if dtype.kind not in "iu" or header["fortran_order"] or len(header["shape"]) != 1:
+            raise self._bad(f"a .npy order must be a 1-d array of integers, got {dtype} {header['shape']}")
+        need = start + int(header["shape"][0]) * dtype.itemsize
+        if len(self._pending) < need:
+            return None
+        if len(self._pending) > need:
+            raise self._bad("bytes after the end of the .npy")
+        array = np.load(io.BytesIO(bytes(self._pending)), allow_pickle=False).astype(np.int64, copy=False)
+        self.reset()
+        return self._explicit(array)
+
+    def _take_text(self, text: bytes) -> None:
+        words = text.split()
+        if not words:
+            return
+        if words[0] in (b"shuffle", b"sequential") or self._word is not None:
+            if self._word is not None or self._parts:
+                raise self._bad("`shuffle SEED` and `sequential` must be the whole input")
+            if words[0] == b"sequential" and len(words) == 1:
+                self._word = ("sequential", 0)
+            elif words[0] == b"shuffle" and len(words) == 2 and words[1].isdigit():
+                self._word = ("shuffle", int(words[1]))
+            else:
+                raise self._bad(f"expected `shuffle SEED` (a non-negative integer) or `sequential`, got {text[:60]!r}")
+            return
+        try:
+            indices = np.array(words, dtype=np.int64)
+        except (ValueError, OverflowError):
+            bad = next((w for w in words if not w.lstrip(b"-").isdigit()), words[0])
+            raise self._bad(f"not an index: {bad[:40]!r}") from None
+        self._check(indices)
+        self._parts.append(indices)
+
+    def _check(self, indices: np.ndarray) -> None:
+        if len(indices) and (indices.min() < 0 or indices.max() >= self._count):
+            bad = indices[(indices < 0) | (indices >= self._count)][0]
+            raise self._bad(f"index {bad} is out of range: the dataset has {self._count} records")
+
+    def _explicit(self, indices: np.ndarray) -> tuple[OrderSpec, np.ndarray]:
+        self._check(indices)
+        if not len(indices):
+            raise self._bad("the order is empty")
+        return OrderSpec("explicit", length=len(indices)), indices
+
+    def finish(self) -> tuple[OrderSpec, np.ndarray | None] | None:
+        """At a close: the text order written in this open, or None when nothing was."""
+        if self._npy:
+            if self._pending:
+                raise self._bad(f"the .npy ended early ({len(self._pending)} bytes)")
+            return None
+        if self._pending:
+            tail = bytes(self._pending)
+            self._pending.clear()
+            self._take_text(tail)
+        word, parts = self._word, self._parts
+        self.reset()
+        if word is not None:
+            kind, seed = word
+            if kind == "sequential":
+                return OrderSpec("sequential"), None
+            return OrderSpec("shuffle", seed=seed, count=self._count), None
+        if not parts:
+            return None
+        return self._explicit(np.concatenate(parts))
+
+
+# --- stream layout ------------------------------------------------------------------------
+
+
+def npy_header_bytes(dtype: np.dtype[Any], count: int) -> bytes:
+    head = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        head, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (count,)}
+    )
+    return head.getvalue()
+
+
+class StreamLayout:
+    """Where each record of a stream sits in the stream's bytes.
+
+    Schema datasets: a `.npy` header, then per record the record's bytes, `_index` (int64)
+    and `_weight` (float32, 1.0). Blob datasets: the DSBATCH1 header, then per record
+    `<q index><f 1.0><Q length>` and the bytes. `ends[p]` is where position p's bytes end.
+    """
+
+    def __init__(self, schema: np.dtype[Any] | None, indices: np.ndarray, lengths: np.ndarray) -> None:
+        self.indices = indices
+        self.lengths = lengths.astype(np.int64)
+        count = len(indices)
+        if schema is not None:
+            self.prefix = 0
+            self.suffix = 12
+            self.header = npy_header_bytes(batch_dtype(schema), count)
+        else:
+            self.prefix = BATCH_ITEM.size
+            self.suffix = 0
+            total = BATCH_HEAD.size + int(self.lengths.sum()) + count * BATCH_ITEM.size
+            self.header = BATCH_HEAD.pack(BATCH_MAGIC, count, total)
+        sizes = self.lengths + (self.prefix + self.suffix)
+        self.ends = np.cumsum(sizes) + len(self.header)
+        self.total = int(self.ends[-1]) if count else len(self.header)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def start(self, position: int) -> int:
+        return int(self.ends[position - 1]) if position else len(self.header)
+
+    def position_at(self, offset: int) -> int:
+        """The position whose bytes hold `offset` (len(self) past the end)."""
+        return int(np.searchsorted(self.ends, offset, side="right"))
+
+    def frame(self, out: bytearray, first: int, last: int) -> np.ndarray:
+        """Lay out positions [first, last) in `out` (sized for them) with their prefixes or
+        suffixes written; returns where each record's own bytes go in `out`."""
+        base = self.start(first)
+        starts = self.ends[first:last] - base - self.lengths[first:last] - self.suffix
+        indices = self.indices[first:last]
+        if self.prefix:
+            for at, index, length in zip(
+                (starts - self.prefix).tolist(), indices.tolist(), self.lengths[first:last].tolist(), strict=True
+            ):
+                BATCH_ITEM.pack_into(out, at, index, 1.0, length)
+        else:
+            rows = np.frombuffer(out, dtype=np.uint8).reshape(last - first, -1)
+            rows[:, -12:-4] = indices.astype("<i8").view(np.uint8).reshape(-1, 8)
+            rows[:, -4:] = np.frombuffer(np.float32(1.0).tobytes(), dtype=np.uint8)
+        return starts

@@ -1,0 +1,140 @@
+"""DatasetStore: the datasets under `datasets/`, by name.
+
+Owns creating and deleting datasets, the block owners they use (four each, from
+DATASET_OWNER_BASE up), restoring them at start-up, and the task that runs each open
+stream's prefetch. No FUSE here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from distorefs.errors import Exists, NotFound
+from distorefs.stores.datasets.dataset import Dataset, DatasetConfig
+from distorefs.stores.datasets.formats import StreamLayout
+from distorefs.stores.datasets.stream import Stream
+from distorefs.stores.files import check_name
+from distorefs.stores.weights import WEIGHT_OWNER_BASE
+from distorefs.tiers.blocks import BlockStore
+from distorefs.tiers.metadb import MetaDb
+
+log = logging.getLogger(__name__)
+
+DATASET_OWNER_BASE = 1 << 46
+OWNERS_PER_DATASET = 4
+STREAM_QUEUE = 64
+
+
+class DatasetStore:
+    """Named datasets.
+
+    Examples:
+        >>> datasets = DatasetStore.load(blocks, meta, window_bytes=256 << 20)
+        >>> ds = datasets.create("imagenet-meta")
+        >>> await ds.append([b"a", b"bc"]); await ds.seal()
+        >>> stream = await datasets.open_stream(ds, rank=0, world=1)
+    """
+
+    def __init__(self, blocks: BlockStore, meta: MetaDb, window_bytes: int) -> None:
+        self._blocks = blocks
+        self._meta = meta
+        self.window_bytes = window_bytes
+        self._datasets: dict[str, Dataset] = {}
+        self._by_owner: dict[int, Dataset] = {}
+        self._next_owner = int(meta.get_kv("next_dataset_owner", DATASET_OWNER_BASE))
+        self._stream_send, self._stream_recv = trio.open_memory_channel[Stream](STREAM_QUEUE)
+        self.streams: set[Stream] = set()
+
+    @classmethod
+    def load(cls, blocks: BlockStore, meta: MetaDb, window_bytes: int) -> DatasetStore:
+        """Restore every dataset as its last commit left it; drop the blocks of datasets
+        deleted before a crash and of writes past the last commit."""
+        self = cls(blocks, meta, window_bytes)
+        for name, *row in meta.rows("datasets"):
+            ds = Dataset.restore(name.decode(errors="surrogateescape"), tuple(row), blocks, meta)
+            self._datasets[ds.name] = self._by_owner[ds.owner] = ds
+        live = {o for ds in self._datasets.values() for o in ds.owners()}
+        orphans = [o for o in blocks.owners() if DATASET_OWNER_BASE <= o < WEIGHT_OWNER_BASE and o not in live]
+        for owner in orphans:
+            blocks.delete_owner(owner)
+        if self._datasets:
+            log.info("datasets: %d restored", len(self._datasets))
+        return self
+
+    def names(self) -> list[str]:
+        return list(self._datasets)
+
+    def get(self, name: str) -> Dataset:
+        ds = self._datasets.get(name)
+        if ds is None:
+            raise NotFound(f"no dataset {name!r}")
+        return ds
+
+    def by_owner(self, owner: int) -> Dataset:
+        ds = self._by_owner.get(owner)
+        if ds is None:
+            raise NotFound(f"no dataset with owner {owner}")
+        return ds
+
+    def create(self, name: str, config: DatasetConfig | None = None) -> Dataset:
+        check_name(name.encode(errors="surrogateescape"))
+        if name in self._datasets:
+            raise Exists(f"dataset {name!r} exists")
+        owner = self._next_owner
+        self._next_owner += OWNERS_PER_DATASET
+        self._meta.put("kv", ("next_dataset_owner",), (self._next_owner,))
+        ds = Dataset(name, owner, self._blocks, self._meta, config)
+        self._datasets[name] = self._by_owner[owner] = ds
+        ds.stage_row()
+        return ds
+
+    async def delete(self, name: str) -> None:
+        """Remove the dataset and its records (their log space goes at compaction)."""
+        ds = self.get(name)
+        ds.deleted = True
+        del self._datasets[name]
+        del self._by_owner[ds.owner]
+        for stream in [s for s in self.streams if s.dataset is ds]:
+            stream.close()
+        for owner in ds.owners():
+            self._blocks.delete_owner(owner)
+        self._meta.delete("datasets", (name.encode(errors="surrogateescape"),))
+        await self._blocks.commit()
+
+    # --- streams ----------------------------------------------------------------------------
+
+    async def open_stream(self, ds: Dataset, rank: int, world: int) -> Stream:
+        """A stream of rank `rank`'s share of the current order (Busy until sealed)."""
+        positions = await ds.shard(rank, world)
+        index = await ds.index()
+        layout = StreamLayout(ds.dtype, positions, index["length"][positions])
+        window = ds.config.prefetch_window_bytes or self.window_bytes
+        stream = Stream(ds, layout, index, self._blocks, window)
+        ds.streams_opened += 1
+        self.streams.add(stream)
+        try:
+            self._stream_send.send_nowait(stream)
+        except trio.WouldBlock:
+            log.warning("datasets/%s: too many streams opening at once; this one reads without prefetch", ds.name)
+        return stream
+
+    def close_stream(self, stream: Stream) -> None:
+        stream.close()
+        self.streams.discard(stream)
+
+    async def run_streams(self) -> None:
+        """Background task: runs the prefetch of each stream from its open to its close."""
+        async with trio.open_nursery() as nursery:
+            async for stream in self._stream_recv:
+                if not stream.closed:
+                    nursery.start_soon(stream.run_prefetch)
+
+    def statistics(self) -> dict[str, int]:
+        return {
+            "datasets": len(self._datasets),
+            "dataset_streams_open": len(self.streams),
+            "dataset_records": sum(ds.count for ds in self._datasets.values()),
+            "dataset_bytes": sum(ds.data_bytes for ds in self._datasets.values()),
+        }

@@ -1,0 +1,250 @@
+"""Stream: one open of `stream`: the records of an epoch (or a rank's share) in order.
+
+Owns the stream's layout, its prefetched batches and the task that fetches them ahead of
+the reader. No FUSE here.
+
+The order is known when the stream opens, so a prefetch task (started by the store's
+`run_streams`) fetches batches of consecutive positions ahead of the reader, each batch
+already laid out in the stream's format, up to the window. A batch's records come from
+DRAM where cached and otherwise straight from the log (BlockStore.gather: many small reads
+in flight, or a whole span of a block many of them share); each record is checked
+against its crc32c. Batches count against the DRAM budget (BlockStore.reserve) and are
+dropped as soon as the reader has passed them, so prefetched data never pushes out the
+block cache for longer than it is needed.
+
+The reader never depends on the task: a read whose batch is not fetched or on its way
+fetches it itself. A read far from where the stream was (a seek) restarts the prefetch
+there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import crc32c
+import numpy as np
+import trio
+
+from distorefs.errors import Corrupted, DistorefsError
+from distorefs.stores.datasets.dataset import Dataset
+from distorefs.stores.datasets.formats import StreamLayout
+from distorefs.tiers.blocks import BlockStore
+
+log = logging.getLogger(__name__)
+
+FIRST_BATCH_BYTES = 1 << 20  # the first batch is small so the first read returns soon
+MAX_BATCH_BYTES = 32 << 20
+BATCHES_IN_FLIGHT = 3  # concurrent fetches: keeps the device's queue full
+RESERVE_RETRY_S = 0.02
+
+
+class _Batch:
+    __slots__ = ("first", "last", "data", "reserved", "done", "error", "dropped")
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first = first
+        self.last = last
+        self.data: bytearray | None = None
+        self.reserved = 0
+        self.done = trio.Event()
+        self.error: DistorefsError | None = None
+        self.dropped = False
+
+
+class Stream:
+    """Positions [0, len(layout)) of one shard of the order, read as one batch."""
+
+    def __init__(
+        self, dataset: Dataset, layout: StreamLayout, index: np.ndarray, blocks: BlockStore, window_bytes: int
+    ) -> None:
+        self.dataset = dataset
+        self.layout = layout
+        self._index = index
+        self._blocks = blocks
+        self.window_bytes = window_bytes
+        self._batches: dict[int, _Batch] = {}  # by first position, in position order
+        self._cursor = 0  # the next position to fetch
+        self._batch_bytes = FIRST_BATCH_BYTES
+        self._in_flight = 0
+        self._held_bytes = 0  # bytes of batches fetched or on their way, not yet passed
+        self._wake = trio.Event()
+        self.closed = False
+        self.fetched_batches = 0
+        self.reader_waits = 0  # reads that found their batch not fetched yet
+        self.restarts = 0
+
+    @property
+    def size(self) -> int:
+        return self.layout.total
+
+    # --- planning (synchronous: no await between looking and planning) --------------------
+
+    def _find(self, position: int) -> _Batch | None:
+        for batch in self._batches.values():
+            if batch.first <= position < batch.last:
+                return batch
+        return None
+
+    def _plan(self) -> _Batch:
+        """The next batch from the cursor: consecutive positions of about `_batch_bytes`."""
+        layout = self.layout
+        first = self._cursor
+        last = max(first + 1, min(len(layout), layout.position_at(layout.start(first) + self._batch_bytes)))
+        self._batch_bytes = min(2 * self._batch_bytes, MAX_BATCH_BYTES, max(FIRST_BATCH_BYTES, self.window_bytes // 4))
+        batch = _Batch(first, last)
+        self._batches[first] = batch
+        self._cursor = last
+        self._held_bytes += self._batch_size(batch)
+        return batch
+
+    def _batch_size(self, batch: _Batch) -> int:
+        return self.layout.start(batch.last) - self.layout.start(batch.first)
+
+    def _drop(self, batch: _Batch) -> None:
+        if batch.dropped:
+            return
+        batch.dropped = True
+        self._batches.pop(batch.first, None)
+        self._held_bytes -= self._batch_size(batch)
+        batch.data = None
+        if batch.done.is_set():
+            self._release(batch)
+        self._wake.set()
+
+    def _release(self, batch: _Batch) -> None:
+        if batch.reserved:
+            self._blocks.unreserve(batch.reserved)
+            batch.reserved = 0
+
+    def _passed(self, position: int) -> None:
+        """The reader is at `position`: batches before it go; a jump restarts the cursor."""
+        for batch in list(self._batches.values()):
+            if batch.last <= position:
+                self._drop(batch)
+        if self._find(position) is None and position != self._cursor:
+            for batch in list(self._batches.values()):
+                self._drop(batch)
+            self._cursor = position
+            self._batch_bytes = FIRST_BATCH_BYTES
+            self.restarts += 1
+
+    # --- fetching ---------------------------------------------------------------------------
+
+    async def _fetch(self, batch: _Batch) -> None:
+        self._in_flight += 1
+        try:
+            layout = self.layout
+            out = bytearray(self._batch_size(batch))
+            at = layout.frame(out, batch.first, batch.last)
+            records = layout.indices[batch.first : batch.last]
+            entries = self._index[records]
+            starts = entries["offset"].astype(np.int64)
+            lengths = layout.lengths[batch.first : batch.last]
+            await self._blocks.gather(self.dataset.data_owner, starts, lengths, out, at)
+            await trio.to_thread.run_sync(_check_crcs, out, at, entries, records, self.dataset.name)
+            batch.data = out
+            self.fetched_batches += 1
+        except DistorefsError as exc:
+            batch.error = exc
+        except OSError as exc:
+            batch.error = Corrupted(f"datasets/{self.dataset.name}: reading records failed: {exc}")
+        finally:
+            self._in_flight -= 1
+            batch.done.set()
+            if batch.dropped:
+                self._release(batch)
+                batch.data = None
+            self._wake.set()
+
+    async def run_prefetch(self) -> None:
+        """Fetch batches ahead of the reader while they fit in the window; ends at close."""
+        async with trio.open_nursery() as nursery:
+            while not self.closed:
+                if (
+                    self._cursor < len(self.layout)
+                    and self._in_flight < BATCHES_IN_FLIGHT
+                    and self._held_bytes + self._batch_bytes <= self.window_bytes
+                ):
+                    need = min(self._batch_bytes, self.layout.start(len(self.layout)) - self.layout.start(self._cursor))
+                    if not self._blocks.reserve(need):
+                        with trio.move_on_after(RESERVE_RETRY_S):
+                            await self._wait_wake()
+                        continue
+                    batch = self._plan()
+                    batch.reserved = need
+                    nursery.start_soon(self._fetch, batch)
+                else:
+                    await self._wait_wake()
+
+    async def _wait_wake(self) -> None:
+        await self._wake.wait()
+        self._wake = trio.Event()
+
+    # --- reading ----------------------------------------------------------------------------
+
+    async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
+        layout = self.layout
+        end = min(offset + size, layout.total)
+        if offset >= end:
+            await trio.lowlevel.checkpoint()
+            return b""
+        pieces: list[memoryview | bytes] = []
+        header = len(layout.header)
+        if offset < header:
+            pieces.append(layout.header[offset : min(end, header)])
+        at = max(offset, header)
+        if at < end:
+            self._passed(layout.position_at(at))
+        while at < end:
+            position = layout.position_at(at)
+            batch = self._find(position)
+            if batch is None:
+                if position != self._cursor:
+                    self._passed(position)
+                batch = self._plan()
+                self.reader_waits += 1
+                await self._fetch(batch)
+            elif not batch.done.is_set():
+                self.reader_waits += 1
+                await batch.done.wait()
+            if batch.error is not None:
+                raise batch.error
+            if batch.data is None:
+                continue  # dropped meanwhile by a concurrent read of this open: look again
+            base = layout.start(batch.first)
+            stop = min(end, layout.start(batch.last))
+            pieces.append(memoryview(batch.data)[at - base : stop - base])
+            at = stop
+        self._wake.set()
+        self.dataset.streamed_bytes += end - offset
+        if len(pieces) == 1:
+            return pieces[0]
+        return b"".join(pieces)
+
+    def close(self) -> None:
+        self.closed = True
+        for batch in list(self._batches.values()):
+            self._drop(batch)
+        self._wake.set()
+
+    def statistics(self) -> dict[str, int]:
+        return {
+            "positions": len(self.layout),
+            "bytes": self.layout.total,
+            "held_bytes": self._held_bytes,
+            "fetched_batches": self.fetched_batches,
+            "reader_waits": self.reader_waits,
+            "restarts": self.restarts,
+        }
+
+
+def _check_crcs(out: bytearray, at: np.ndarray, entries: np.ndarray, records: np.ndarray, name: str) -> None:
+    view = memoryview(out)
+    for start, length, crc, record in _rows(at, entries, records):
+        if crc32c.crc32c(view[start : start + length]) != crc:
+            raise Corrupted(f"datasets/{name}: record {record} fails its crc32c check")
+
+
+def _rows(at: np.ndarray, entries: np.ndarray, records: np.ndarray) -> Iterator[tuple[int, int, int, int]]:
+    return zip(at.tolist(), entries["length"].tolist(), entries["crc"].tolist(), records.tolist(), strict=True)

@@ -1,0 +1,192 @@
+"""The dataset store without a mount: appends, seal, records, orders, streams, restarts."""
+
+from __future__ import annotations
+
+import errno
+import io
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from distorefs.errors import DistorefsError
+from distorefs.stores.datasets.formats import OrderInput, OrderSpec, shuffled
+from distorefs.stores.datasets.store import DatasetStore
+from distorefs.stores.datasets.stream import Stream
+from distorefs.stores.replay.formats import decode_blob_batch
+from distorefs.tiers.blocks import BlockStore
+from distorefs.tiers.metadb import MetaDb
+from tests.unit.tiers import open_tiers
+
+BLOCK = 64 * 1024
+WINDOW = 256 * 1024
+
+
+def open_store(path: Path, dram_blocks: int = 64) -> tuple[DatasetStore, BlockStore, MetaDb]:
+    blocks, meta = open_tiers(path, BLOCK, dram_blocks)
+    return DatasetStore.load(blocks, meta, WINDOW), blocks, meta
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[DatasetStore]:
+    datasets, blocks, meta = open_store(tmp_path)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(datasets.run_streams)
+        yield datasets
+        nursery.cancel_scope.cancel()
+    await blocks.close()
+    meta.close()
+
+
+def blobs(count: int, seed: int = 0) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, int(rng.integers(0, 3000)), dtype=np.uint8).tobytes() for _ in range(count)]
+
+
+async def read_all(stream: Stream, chunk: int = 100_000) -> bytes:
+    out = bytearray()
+    while True:
+        piece = await stream.read(len(out), chunk)
+        if not piece:
+            return bytes(out)
+        out += piece
+
+
+def order_of(text: bytes, count: int) -> tuple[OrderSpec, np.ndarray | None]:
+    parser = OrderInput("d", count)
+    assert parser.feed(text) is None
+    done = parser.finish()
+    assert done is not None
+    return done
+
+
+async def test_blob_records_read_back_and_seal_refuses_appends(store: DatasetStore) -> None:
+    ds = store.create("d")
+    items = blobs(300)
+    await ds.append(items[:100])
+    await ds.append(items[100:])
+    await ds.persist()
+    assert ds.count == 300
+    for i in (0, 17, 299):
+        assert bytes(await ds.read_record(i, 0, 1 << 20)) == items[i]
+    await ds.seal()
+    with pytest.raises(DistorefsError) as err:
+        await ds.append([b"late"])
+    assert err.value.errno == errno.EROFS
+    assert ds.count == 300
+
+
+async def test_stream_follows_the_order_and_shards_split_it(store: DatasetStore) -> None:
+    ds = store.create("d")
+    items = blobs(500, seed=1)
+    await ds.append(items)
+    await ds.seal()
+    await ds.set_order(*order_of(b"shuffle 7\n", ds.count))
+    order = shuffled(7, 500)
+    seen: list[int] = []
+    for rank in range(3):
+        stream = await store.open_stream(ds, rank, 3)
+        batch = decode_blob_batch(await read_all(stream, chunk=4096))
+        store.close_stream(stream)
+        assert [i for i, _w, _b in batch] == order[rank::3].tolist()
+        assert all(item == items[i] for i, _w, item in batch)
+        seen += [i for i, _w, _b in batch]
+    assert sorted(seen) == list(range(500))
+
+
+async def test_schema_stream_is_a_npy_of_records_with_index(store: DatasetStore) -> None:
+    dtype = np.dtype([("label", "<i4"), ("x", "<f4", (3,))])
+    ds = store.create("s")
+    ds.reconfigure({"schema": {"label": "int32", "x": ["float32", [3]]}})
+    records = np.zeros(1000, dtype)
+    records["label"] = np.arange(1000)
+    records["x"] = np.random.default_rng(0).random((1000, 3))
+    await ds.append([r.tobytes() for r in records])
+    await ds.seal()
+    await ds.set_order(OrderSpec("explicit", length=4), np.array([5, 999, 5, 0]))
+    stream = await store.open_stream(ds, 0, 1)
+    got = np.load(io.BytesIO(await read_all(stream)))
+    store.close_stream(stream)
+    assert got["_index"].tolist() == [5, 999, 5, 0]
+    assert got["label"].tolist() == [5, 999, 5, 0]
+    assert np.array_equal(got["x"], records["x"][[5, 999, 5, 0]])
+
+
+async def test_stream_of_an_unsealed_dataset_is_busy(store: DatasetStore) -> None:
+    ds = store.create("d")
+    await ds.append([b"x"])
+    with pytest.raises(DistorefsError) as err:
+        await store.open_stream(ds, 0, 1)
+    assert err.value.errno == errno.EBUSY
+
+
+@pytest.mark.parametrize("text", [b"0 1 5\n", b"-1\n", b"shuffle x\n", b"1\nshuffle 3\n", b"abc\n"])
+def test_a_bad_order_line_fails_the_write_that_carries_it(text: bytes) -> None:
+    with pytest.raises(DistorefsError) as err:
+        OrderInput("d", 5).feed(text)
+    assert err.value.errno == errno.EINVAL
+
+
+def test_a_bad_last_line_without_newline_fails_at_close() -> None:
+    parser = OrderInput("d", 5)
+    assert parser.feed(b"0 1\n7") is None
+    with pytest.raises(DistorefsError) as err:
+        parser.finish()
+    assert err.value.errno == errno.EINVAL
+
+
+def test_an_out_of_range_npy_order_fails_when_complete() -> None:
+    npy = io.BytesIO()
+    np.save(npy, np.array([0, 4, 5]))
+    with pytest.raises(DistorefsError) as err:
+        OrderInput("d", 5).feed(npy.getvalue())
+    assert err.value.errno == errno.EINVAL
+
+
+async def test_cold_stream_larger_than_dram_reads_the_right_records(tmp_path: Path) -> None:
+    datasets, blocks, meta = open_store(tmp_path, dram_blocks=8)  # 512 KiB of DRAM
+    ds = datasets.create("big")
+    items = blobs(2000, seed=3)  # ~3 MB, 6x the DRAM budget
+    for start in range(0, 2000, 100):
+        await ds.append(items[start : start + 100])
+    await ds.seal()
+    await ds.set_order(*order_of(b"shuffle 11\n", ds.count))
+    await blocks.close()
+    meta.close()
+    datasets, blocks, meta = open_store(tmp_path, dram_blocks=8)
+    ds = datasets.get("big")
+    assert ds.sealed
+    assert ds.count == 2000
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(datasets.run_streams)
+        stream = await datasets.open_stream(ds, 0, 1)
+        batch = decode_blob_batch(await read_all(stream, chunk=1 << 20))
+        datasets.close_stream(stream)
+        nursery.cancel_scope.cancel()
+    assert [i for i, _w, _b in batch] == shuffled(11, 2000).tolist()
+    assert all(item == items[i] for i, _w, item in batch)
+    stats = blocks.statistics()
+    assert stats.gathered_log_parts + stats.gathered_log_spans > 0
+    assert stats.dram_reserved_bytes == 0  # every prefetched batch was given back
+    await blocks.close()
+    meta.close()
+
+
+async def test_unacknowledged_appends_are_gone_after_restart(tmp_path: Path) -> None:
+    datasets, blocks, meta = open_store(tmp_path)
+    ds = datasets.create("d")
+    await ds.append([b"kept"])
+    await ds.persist()
+    await ds.append([b"not acknowledged"])
+    await blocks.flush()  # its bytes reach the log, but the row says one record
+    meta.close()
+    datasets, blocks, meta = open_store(tmp_path)
+    ds = datasets.get("d")
+    assert ds.count == 1
+    assert bytes(await ds.read_record(0, 0, 100)) == b"kept"
+    await ds.append([b"next"])
+    assert bytes(await ds.read_record(1, 0, 100)) == b"next"
+    await blocks.close()
+    meta.close()
