@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-sync-close", action="store_true",
         help="close of a file under checkpoints/ returns only once it is durable (like fsync)",
     )  # fmt: skip
+    mount.add_argument(
+        "--prefetch-window", default=None, metavar="SIZE",
+        help="how far a dataset stream reads ahead, e.g. 512MiB (default: 256MiB or a quarter of the DRAM budget)",
+    )  # fmt: skip
     mount.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
 
     umount = sub.add_parser("umount", help="persist everything, unmount, wait for the daemon to exit")
@@ -133,6 +137,7 @@ def _daemon_config(args: argparse.Namespace) -> Any:
         snapshot_interval_s=args.snapshot_interval,
         wait_timeout_s=args.wait_timeout,
         checkpoint_sync_close=args.checkpoint_sync_close,
+        prefetch_window_bytes=None if args.prefetch_window is None else parse_size(args.prefetch_window),
     )
     config.validate()
     return config

@@ -24,9 +24,12 @@ import trio
 from distorefs.errors import ConfigError
 from distorefs.fs.buffers import BuffersDir
 from distorefs.fs.control import MountInfo, VirtualTree
+from distorefs.fs.datasets import DatasetsDir
 from distorefs.fs.ops import FsOperations
 from distorefs.fs.weights import WeightsDir
 from distorefs.stores.checkpoints import CheckpointStore
+from distorefs.stores.datasets.dataset import MIN_WINDOW_BYTES
+from distorefs.stores.datasets.store import DatasetStore
 from distorefs.stores.files import FileStore
 from distorefs.stores.replay.store import BufferStore
 from distorefs.stores.weights import WeightStore
@@ -38,6 +41,7 @@ from distorefs.tiers.nvme_log import DEFAULT_SEGMENT_BYTES, NvmeLog
 log = logging.getLogger(__name__)
 
 MIN_DRAM_BUDGET_BYTES = 8 * 1024 * 1024
+DEFAULT_WINDOW_BYTES = 256 * 1024 * 1024
 READ_AHEAD_KB = 1024
 
 
@@ -56,10 +60,18 @@ class DaemonConfig:
     snapshot_interval_s: float = 5.0
     wait_timeout_s: float = 60.0
     checkpoint_sync_close: bool = False
+    prefetch_window_bytes: int | None = None  # None: min(256 MiB, a quarter of the DRAM budget)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mountpoint", os.path.abspath(self.mountpoint))
         object.__setattr__(self, "data_dir", os.path.abspath(self.data_dir))
+
+    @property
+    def window_bytes(self) -> int:
+        """How far ahead a dataset stream prefetches (unless its config says otherwise)."""
+        if self.prefetch_window_bytes is not None:
+            return self.prefetch_window_bytes
+        return max(MIN_WINDOW_BYTES, min(DEFAULT_WINDOW_BYTES, self.dram_budget_bytes // 4))
 
     def validate(self) -> None:
         if self.dram_budget_bytes < MIN_DRAM_BUDGET_BYTES:
@@ -73,6 +85,9 @@ class DaemonConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        window = self.prefetch_window_bytes
+        if window is not None and not MIN_WINDOW_BYTES <= window <= self.dram_budget_bytes:
+            raise ConfigError(f"--prefetch-window must be between 4MiB and the DRAM budget, got {window} bytes")
         if not 0.0 < self.compact_min_dead_ratio <= 1.0:
             raise ConfigError(f"compact_min_dead_ratio must be in (0, 1], got {self.compact_min_dead_ratio}")
 
@@ -140,6 +155,9 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
             virtual.install(BuffersDir(virtual, buffers))
             virtual.install(WeightsDir(virtual, weights, config.wait_timeout_s))
             virtual.add_status(weights.statistics)
+            datasets = DatasetStore.load(blocks, meta, config.window_bytes)
+            await datasets.load_indexes()
+            virtual.install(DatasetsDir(virtual, datasets))
             checkpoints = CheckpointStore.load(files, blocks, meta, config.checkpoint_sync_close)
             virtual.add_status(checkpoints.statistics)
             ops = FsOperations(files, virtual, checkpoints, data_dir, config.block_bytes)
@@ -166,6 +184,7 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
                     nursery.start_soon(blocks.run_prefetcher, name="prefetcher")
                     nursery.start_soon(checkpoints.run_persister, name="checkpoint persister")
                     nursery.start_soon(buffers.run_snapshots, config.snapshot_interval_s, name="snapshots")
+                    nursery.start_soon(datasets.run_streams, name="dataset streams")
                     nursery.start_soon(_stop_on_signal, name="signals")
                     nursery.start_soon(_tune_after_init, config.mountpoint, name="tune")
                     ready(f"distorefs: mounted {config.mountpoint} (pid {os.getpid()}, data dir {data_dir})")

@@ -35,12 +35,12 @@ from distorefs.fs.control import (
     VIRTUAL_BASE,
     ControlFile,
     KindDirectory,
-    RenderedHandle,
     VirtualDir,
     VirtualFile,
     VirtualHandle,
     VirtualNode,
     VirtualTree,
+    WholeInputHandle,
 )
 from distorefs.stores.replay.buffer import ReplayBuffer
 from distorefs.stores.replay.formats import BlobStream, RecordStream, ScatteredBytes, parse_priorities
@@ -122,47 +122,15 @@ def _recorded(buffer: ReplayBuffer, exc: DistorefsError) -> DistorefsError:
 # --- handles ----------------------------------------------------------------------------
 
 
-class WholeInputHandle(RenderedHandle):
-    """A control file whose writes accumulate until they form a complete input, which
-    then applies whole or not at all; what is left incomplete at a close is EINVAL."""
-
-    incomplete = "input ended incomplete; not applied"
-
-    def __init__(self, buffer: ReplayBuffer, content: bytes = b"") -> None:
-        super().__init__(content)
-        self._buffer = buffer
-        self._pending = bytearray()
-
-    def _apply_if_complete(self, pending: bytearray) -> bool:
-        """Apply `pending` if it is a complete input (raise to refuse it); False: wait."""
-        raise NotImplementedError
-
-    async def write(self, offset: int, data: bytes) -> int:
-        await trio.lowlevel.checkpoint()
-        self._pending += data
-        try:
-            if self._apply_if_complete(self._pending):
-                self._pending.clear()
-        except DistorefsError as exc:
-            self._pending.clear()
-            raise _recorded(self._buffer, exc) from None
-        return len(data)
-
-    async def flush(self) -> None:
-        await trio.lowlevel.checkpoint()
-        if bytes(self._pending).strip():
-            start = bytes(self._pending[:60]).decode(errors="replace")
-            self._pending.clear()
-            raise _recorded(self._buffer, InvalidArgument(f"buffers/{self._buffer.name}: {self.incomplete}: {start!r}"))
-
-
 class ConfigHandle(WholeInputHandle):
     """Reads the config as JSON; a write of a complete JSON object applies it (or none)."""
 
     incomplete = "config is not valid JSON"
 
     def __init__(self, buffer: ReplayBuffer) -> None:
-        super().__init__(buffer, (json.dumps(buffer.config.to_json(), indent=2) + "\n").encode())
+        content = (json.dumps(buffer.config.to_json(), indent=2) + "\n").encode()
+        super().__init__(f"buffers/{buffer.name}", buffer.record_error, content)
+        self._buffer = buffer
 
     def _apply_if_complete(self, pending: bytearray) -> bool:
         try:
@@ -248,6 +216,10 @@ class PriorityHandle(WholeInputHandle):
     """Applies each complete chunk of (index, priority) pairs whole, or none of it."""
 
     incomplete = "priority input ended mid-record; not applied"
+
+    def __init__(self, buffer: ReplayBuffer) -> None:
+        super().__init__(f"buffers/{buffer.name}", buffer.record_error)
+        self._buffer = buffer
 
     def _apply_if_complete(self, pending: bytearray) -> bool:
         parsed = parse_priorities(pending)

@@ -16,13 +16,13 @@ import json
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import trio
 
 from distorefs import __version__
-from distorefs.errors import NotFound, ReadOnly
+from distorefs.errors import DistorefsError, InvalidArgument, NotFound, ReadOnly
 from distorefs.stores.files import FileStore
 from distorefs.tiers.blocks import BlockStore
 
@@ -101,6 +101,46 @@ class RenderedHandle(VirtualHandle):
         return self.content[offset : offset + size]
 
 
+class WholeInputHandle(RenderedHandle):
+    """A control file whose writes accumulate until they form a complete input, which
+    then applies whole or not at all; what is left incomplete at a close is EINVAL.
+    Refusals are also passed to `record` (a store's recent errors, shown in `stats`)."""
+
+    incomplete = "input ended incomplete; not applied"
+
+    def __init__(self, label: str, record: Callable[[str], None], content: bytes = b"") -> None:
+        super().__init__(content)
+        self._label = label
+        self._record = record
+        self._pending = bytearray()
+
+    def recorded(self, exc: DistorefsError) -> DistorefsError:
+        self._record(exc.message)
+        return exc
+
+    def _apply_if_complete(self, pending: bytearray) -> bool:
+        """Apply `pending` if it is a complete input (raise to refuse it); False: wait."""
+        raise NotImplementedError
+
+    async def write(self, offset: int, data: bytes) -> int:
+        await trio.lowlevel.checkpoint()
+        self._pending += data
+        try:
+            if self._apply_if_complete(self._pending):
+                self._pending.clear()
+        except DistorefsError as exc:
+            self._pending.clear()
+            raise self.recorded(exc) from None
+        return len(data)
+
+    async def flush(self) -> None:
+        await trio.lowlevel.checkpoint()
+        if bytes(self._pending).strip():
+            start = bytes(self._pending[:60]).decode(errors="replace")
+            self._pending.clear()
+            raise self.recorded(InvalidArgument(f"{self._label}: {self.incomplete}: {start!r}"))
+
+
 class VirtualFile(VirtualNode):
     """A file whose opens get handles from `open`."""
 
@@ -160,9 +200,9 @@ class VirtualDir(VirtualNode):
         """(name, inode) of each entry."""
         return [(name, node.ino) for name, node in self.children.items()]
 
-    def listing(self) -> list[tuple[bytes, int, int, int]]:
+    def listing(self) -> Sequence[tuple[bytes, int, int, int]]:
         """(name, inode, mode, size) of each entry, for readdir: kinds with many entries
-        compute these in bulk instead of one node at a time."""
+        compute these in bulk (or per position, on demand) instead of one node at a time."""
         out = []
         for name, ino in self.entries():
             node = self.children.get(name)

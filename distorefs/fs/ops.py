@@ -47,7 +47,7 @@ class Handle:
     vhandle: VirtualHandle | None = None
     writable: bool = False
     entries: list[tuple[bytes, int]] = field(default_factory=list)
-    listing: list[tuple[bytes, int, int, int]] | None = None  # virtual dirs: name, ino, mode, size
+    listing: Sequence[tuple[bytes, int, int, int]] | None = None  # virtual dirs: name, ino, mode, size
 
 
 def _translate(mutates: bool) -> Callable[[Callable[P, Coroutine[Any, Any, R]]], Callable[P, Coroutine[Any, Any, R]]]:
@@ -480,7 +480,7 @@ class FsOperations(pyfuse3.Operations):
             self.files.ref(ino)  # readdirplus hands the kernel a lookup reference
 
     def _readdir_virtual(
-        self, dir_ino: int, listing: list[tuple[bytes, int, int, int]], start_id: int, token: pyfuse3.ReaddirToken
+        self, dir_ino: int, listing: Sequence[tuple[bytes, int, int, int]], start_id: int, token: pyfuse3.ReaddirToken
     ) -> None:
         # One attributes object (owner, times, cache times from the directory's kind),
         # refilled per entry: readdir_reply copies it at once, so a million items list

@@ -11,7 +11,7 @@ import logging
 
 import trio
 
-from distorefs.errors import Exists, NotFound
+from distorefs.errors import DistorefsError, Exists, NotFound
 from distorefs.stores.datasets.dataset import Dataset, DatasetConfig
 from distorefs.stores.datasets.formats import StreamLayout
 from distorefs.stores.datasets.stream import Stream
@@ -62,6 +62,16 @@ class DatasetStore:
         if self._datasets:
             log.info("datasets: %d restored", len(self._datasets))
         return self
+
+    async def load_indexes(self) -> None:
+        """Read every dataset's record index (16 bytes a record) at start-up, so that
+        `records/` can list and stat without waiting. A dataset whose index cannot be read
+        is logged; its reads fail with EIO."""
+        for ds in self._datasets.values():
+            try:
+                await ds.index()
+            except DistorefsError as exc:
+                log.error("datasets/%s: cannot read the record index: %s", ds.name, exc)
 
     def names(self) -> list[str]:
         return list(self._datasets)

@@ -1,0 +1,449 @@
+"""The `datasets/` kind: record arrays as directories of control files.
+
+Owns the FUSE side of datasets: the nodes (`config`, `append`, `state`, `order`, `len`,
+`stats`, `stream`, `stream-RANK-of-WORLD`, `records/<i>`) and what each open's handle does
+with reads and writes. The datasets themselves are stores/datasets; nothing here keeps
+dataset state.
+
+Record inodes are computed, not stored: RECORD_BASE | dataset number << 36 | index, and
+`records/` lists its entries per position on demand, so ten million records cost no
+memory here.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import stat
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import overload
+
+import numpy as np
+import trio
+
+from distorefs.errors import DistorefsError, InvalidArgument, IsADirectory, NotFound, ReadOnly
+from distorefs.fs.control import (
+    VIRTUAL_BASE,
+    ControlFile,
+    KindDirectory,
+    RenderedHandle,
+    VirtualDir,
+    VirtualFile,
+    VirtualHandle,
+    VirtualNode,
+    VirtualTree,
+    WholeInputHandle,
+)
+from distorefs.stores.datasets.dataset import Dataset
+from distorefs.stores.datasets.formats import OrderInput
+from distorefs.stores.datasets.store import DATASET_OWNER_BASE, OWNERS_PER_DATASET, DatasetStore
+from distorefs.stores.datasets.stream import Stream
+from distorefs.stores.replay.formats import BlobStream, RecordStream
+
+RECORD_BASE = VIRTUAL_BASE | (1 << 60)
+INDEX_BITS = 36
+RECORD_CACHE_S = 60.0  # records never change; a removed dataset's may stat this long
+CONTROL_NAMES = (b"config", b"append", b"state", b"order", b"len", b"stats", b"stream")
+MAX_WORLD = 1 << 16
+
+
+def record_ino(ds: Dataset, index: int) -> int:
+    return RECORD_BASE | ((ds.owner - DATASET_OWNER_BASE) // OWNERS_PER_DATASET << INDEX_BITS) | index
+
+
+def _label(ds: Dataset, file: str) -> str:
+    return f"datasets/{ds.name}/{file}"
+
+
+# --- handles ----------------------------------------------------------------------------
+
+
+class ConfigHandle(WholeInputHandle):
+    """Reads the config as JSON; a write of a complete JSON object applies it (or none)."""
+
+    incomplete = "config is not valid JSON"
+
+    def __init__(self, ds: Dataset) -> None:
+        content = (json.dumps(asdict(ds.config), indent=2) + "\n").encode()
+        super().__init__(_label(ds, "config"), ds.record_error, content)
+        self._ds = ds
+
+    def _apply_if_complete(self, pending: bytearray) -> bool:
+        try:
+            changes = json.loads(pending)
+        except ValueError:
+            return False  # not complete yet (or not JSON: flush will say)
+        self._ds.reconfigure(changes)
+        return True
+
+    async def flush(self) -> None:
+        await super().flush()
+        await self._ds.persist()
+
+
+class AppendHandle(VirtualHandle):
+    """Adds each complete record (or frame) as it arrives; close acknowledges them, fsync
+    makes them durable."""
+
+    def __init__(self, ds: Dataset) -> None:
+        if ds.sealed:
+            raise ReadOnly(f"datasets/{ds.name} is sealed: no more appends")
+        self._ds = ds
+        self._stream: RecordStream | BlobStream = RecordStream(ds.dtype) if ds.dtype is not None else BlobStream()
+
+    def _recorded(self, exc: DistorefsError) -> DistorefsError:
+        self._ds.record_error(exc.message)
+        return exc
+
+    async def write(self, offset: int, data: bytes) -> int:
+        try:
+            records = self._stream.feed(offset, data)
+            await self._ds.append(records)
+        except InvalidArgument as exc:
+            self._stream.reset()  # the bad input is dropped; later writes start afresh
+            raise self._recorded(exc) from None
+        return len(data)
+
+    async def flush(self) -> None:
+        try:
+            tail = self._stream.finish()
+            await self._ds.append(tail)
+        except InvalidArgument as exc:
+            raise self._recorded(exc) from None
+        await self._ds.persist()
+
+    async def fsync(self) -> None:
+        await self._ds.persist(durable=True)
+
+
+class StateHandle(RenderedHandle):
+    """Reads `open` or `sealed`; a write of `seal` seals (durably, before it returns)."""
+
+    def __init__(self, ds: Dataset) -> None:
+        super().__init__(b"sealed\n" if ds.sealed else b"open\n")
+        self._ds = ds
+        self._pending = bytearray()
+
+    async def _apply(self, text: bytes) -> None:
+        word = text.strip()
+        if word == b"seal":
+            await self._ds.seal()
+        elif word:
+            exc = InvalidArgument(f"{_label(self._ds, 'state')}: write `seal`, got {word[:40]!r}")
+            self._ds.record_error(exc.message)
+            raise exc
+        else:
+            await trio.lowlevel.checkpoint()
+
+    async def write(self, offset: int, data: bytes) -> int:
+        self._pending += data
+        if b"\n" in self._pending:
+            text, self._pending = bytes(self._pending), bytearray()
+            await self._apply(text)
+        else:
+            await trio.lowlevel.checkpoint()
+        return len(data)
+
+    async def flush(self) -> None:
+        text, self._pending = bytes(self._pending), bytearray()
+        await self._apply(text)
+
+
+class OrderHandle(VirtualHandle):
+    """Reads the current order as a `.npy` of int64; takes the next one (OrderInput)."""
+
+    def __init__(self, ds: Dataset) -> None:
+        self._ds = ds
+        self._input = OrderInput(ds.name, ds.count)
+        self._content: bytes | None = None
+
+    def _recorded(self, exc: DistorefsError) -> DistorefsError:
+        self._ds.record_error(exc.message)
+        return exc
+
+    async def read(self, offset: int, size: int) -> bytes | memoryview:
+        if self._content is None:
+            out = io.BytesIO()
+            np.save(out, await self._ds.order_indices())
+            self._content = out.getvalue()
+        else:
+            await trio.lowlevel.checkpoint()
+        return memoryview(self._content)[offset : offset + size]
+
+    async def write(self, offset: int, data: bytes) -> int:
+        try:
+            done = self._input.feed(data)
+        except InvalidArgument as exc:
+            raise self._recorded(exc) from None
+        if done is not None:
+            await self._ds.set_order(*done)
+        else:
+            await trio.lowlevel.checkpoint()
+        return len(data)
+
+    async def flush(self) -> None:
+        try:
+            done = self._input.finish()
+        except InvalidArgument as exc:
+            raise self._recorded(exc) from None
+        if done is not None:
+            await self._ds.set_order(*done)
+        else:
+            await trio.lowlevel.checkpoint()
+
+
+class StreamHandle(VirtualHandle):
+    """One stream: the order as it was at open, this rank's share, read as far as read."""
+
+    def __init__(self, store: DatasetStore, stream: Stream) -> None:
+        self._store = store
+        self.stream = stream
+
+    async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
+        return await self.stream.read(offset, size)
+
+    async def release(self) -> None:
+        await trio.lowlevel.checkpoint()
+        self._store.close_stream(self.stream)
+
+
+class RecordHandle(VirtualHandle):
+    def __init__(self, ds: Dataset, index: int) -> None:
+        self._ds = ds
+        self._index = index
+
+    async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
+        return await self._ds.read_record(self._index, offset, size)
+
+
+# --- nodes ------------------------------------------------------------------------------
+
+
+class DatasetFile(VirtualFile):
+    """A control file of one dataset; `make` builds the handle for an open."""
+
+    def __init__(
+        self, ino: int, name: bytes, mode: int, ds: Dataset, make: Callable[[int], VirtualHandle], writable: bool
+    ) -> None:
+        super().__init__(ino, name, stat.S_IFREG | mode)
+        self.ds = ds
+        self._make = make
+        self.writable = writable
+
+    async def open(self, flags: int, pid: int) -> VirtualHandle:
+        await trio.lowlevel.checkpoint()
+        if self.ds.deleted:
+            raise NotFound(f"datasets/{self.ds.name} was removed")
+        if not self.writable and flags & os.O_ACCMODE != os.O_RDONLY:
+            raise ReadOnly(f"{_label(self.ds, self.name.decode())} is read-only")
+        return self._make(flags)
+
+
+class StreamFile(VirtualFile):
+    """`stream` (rank 0 of 1) or `stream-RANK-of-WORLD`."""
+
+    def __init__(self, ino: int, name: bytes, ds: Dataset, store: DatasetStore, rank: int, world: int) -> None:
+        super().__init__(ino, name, stat.S_IFREG | 0o444)
+        self.ds = ds
+        self._store = store
+        self.rank = rank
+        self.world = world
+
+    async def open(self, flags: int, pid: int) -> VirtualHandle:
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            raise ReadOnly(f"{_label(self.ds, self.name.decode())} is read-only")
+        if self.ds.deleted:
+            raise NotFound(f"datasets/{self.ds.name} was removed")
+        return StreamHandle(self._store, await self._store.open_stream(self.ds, self.rank, self.world))
+
+
+class RecordNode(VirtualFile):
+    cache_s = RECORD_CACHE_S
+
+    def __init__(self, ds: Dataset, index: int) -> None:
+        super().__init__(record_ino(ds, index), b"%d" % index, stat.S_IFREG | 0o444)
+        self.ds = ds
+        self.index = index
+
+    @property
+    def size(self) -> int:
+        loaded = self.ds.index_loaded()
+        return 0 if loaded is None or self.index >= len(loaded) else int(loaded["length"][self.index])
+
+    async def open(self, flags: int, pid: int) -> VirtualHandle:
+        await trio.lowlevel.checkpoint()
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            raise ReadOnly(f"datasets/{self.ds.name}/records/{self.index}: records are written once, via append")
+        if self.ds.deleted or self.index >= self.ds.count:
+            raise NotFound(f"datasets/{self.ds.name}: no record {self.index}")
+        return RecordHandle(self.ds, self.index)
+
+
+class RecordListing(Sequence[tuple[bytes, int, int, int]]):
+    """`records/` for readdir, computed per position: (name, inode, mode, size)."""
+
+    def __init__(self, ds: Dataset) -> None:
+        self._count = ds.count
+        self._base = record_ino(ds, 0)
+        loaded = ds.index_loaded()
+        self._lengths = loaded["length"] if loaded is not None else np.zeros(ds.count, np.uint32)
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, position: int) -> tuple[bytes, int, int, int]: ...
+    @overload
+    def __getitem__(self, position: slice) -> Sequence[tuple[bytes, int, int, int]]: ...
+    def __getitem__(self, position: int | slice) -> tuple[bytes, int, int, int] | Sequence[tuple[bytes, int, int, int]]:
+        if isinstance(position, slice):
+            return [self[i] for i in range(*position.indices(self._count))]
+        return (b"%d" % position, self._base | position, stat.S_IFREG | 0o444, int(self._lengths[position]))
+
+
+class RecordsDir(VirtualDir):
+    """`records/`: record i as the file `i` (read-only)."""
+
+    child_cache_s = RECORD_CACHE_S
+
+    def __init__(self, ino: int, ds: Dataset) -> None:
+        super().__init__(ino, b"records", stat.S_IFDIR | 0o555)
+        self.ds = ds
+
+    def lookup(self, name: bytes) -> VirtualNode:
+        if not name.isdigit() or int(name) >= self.ds.count or (len(name) > 1 and name.startswith(b"0")):
+            raise NotFound(f"datasets/{self.ds.name}/records: no record {name.decode(errors='replace')!r}")
+        return RecordNode(self.ds, int(name))
+
+    def listing(self) -> Sequence[tuple[bytes, int, int, int]]:
+        return RecordListing(self.ds)
+
+    async def unlink(self, name: bytes) -> None:
+        """Records are not removed one by one: a no-op, so `rm -r` of a dataset works."""
+        await trio.lowlevel.checkpoint()
+        self.lookup(name)
+
+
+class DatasetDir(VirtualDir):
+    """`datasets/<name>/`: the control files and `records/`."""
+
+    def __init__(self, tree: VirtualTree, store: DatasetStore, ds: Dataset) -> None:
+        super().__init__(tree.new_ino(), ds.name.encode(errors="surrogateescape"), stat.S_IFDIR | 0o755)
+        self._tree = tree
+        self._store = store
+        self.ds = ds
+        files: list[tuple[bytes, int, Callable[[int], VirtualHandle], bool]] = [
+            (b"config", 0o664, lambda flags: ConfigHandle(ds), True),
+            (b"append", 0o664, lambda flags: AppendHandle(ds), True),
+            (b"state", 0o664, lambda flags: StateHandle(ds), True),
+            (b"order", 0o664, lambda flags: OrderHandle(ds), True),
+        ]
+        for name, mode, make, writable in files:
+            self._add(DatasetFile(tree.new_ino(), name, mode, ds, make, writable))
+        self._add(ControlFile(tree.new_ino(), b"len", lambda: b"%d\n" % ds.count))
+        self._add(ControlFile(tree.new_ino(), b"stats", self._render_stats))
+        self._add(StreamFile(tree.new_ino(), b"stream", ds, store, 0, 1))
+        self._add(RecordsDir(tree.new_ino(), ds))
+        self._shards: dict[tuple[int, int], StreamFile] = {}
+
+    def _add(self, node: VirtualNode) -> None:
+        self.children[node.name] = node
+        self._tree.register(node)
+
+    def _render_stats(self) -> bytes:
+        streams = [s.statistics() for s in self._store.streams if s.dataset is self.ds]
+        return (json.dumps({**self.ds.statistics(), "streams": streams}, indent=2) + "\n").encode()
+
+    def lookup(self, name: bytes) -> VirtualNode:
+        if name.startswith(b"stream-"):
+            return self._shard(name)
+        return super().lookup(name)
+
+    def _shard(self, name: bytes) -> StreamFile:
+        """`stream-RANK-of-WORLD` (not listed by readdir)."""
+        parts = name[len(b"stream-") :].split(b"-of-")
+        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+            raise NotFound(f"datasets/{self.ds.name}: {name.decode(errors='replace')!r} is not stream-RANK-of-WORLD")
+        rank, world = int(parts[0]), int(parts[1])
+        if not 0 <= rank < world <= MAX_WORLD:
+            raise NotFound(f"datasets/{self.ds.name}/{name.decode()}: need 0 <= RANK < WORLD <= {MAX_WORLD}")
+        node = self._shards.get((rank, world))
+        if node is None:
+            node = StreamFile(self._tree.new_ino(), name, self.ds, self._store, rank, world)
+            if len(self._shards) < 1024:
+                self._shards[(rank, world)] = node
+            self._tree.register(node)
+        return node
+
+    async def unlink(self, name: bytes) -> None:
+        """Control files come back: unlinking one is a no-op, so `rm -r` works."""
+        await trio.lowlevel.checkpoint()
+        if name not in CONTROL_NAMES:
+            raise NotFound(f"datasets/{self.ds.name}: no file {name.decode(errors='replace')!r}")
+
+    async def rmdir(self, name: bytes) -> None:
+        """`records/` stays (a no-op, for `rm -r`)."""
+        await trio.lowlevel.checkpoint()
+        if name != b"records":
+            raise NotFound(f"datasets/{self.ds.name}: no directory {name.decode(errors='replace')!r}")
+
+    def forget_nodes(self) -> None:
+        for node in [*self.children.values(), *self._shards.values(), self]:
+            self._tree.unregister(node.ino)
+
+
+class DatasetsDir(KindDirectory):
+    """`datasets/`: mkdir creates a dataset, rmdir (or `rm -r`) deletes it with its records."""
+
+    child_cache_s = 1.0
+
+    def __init__(self, tree: VirtualTree, store: DatasetStore) -> None:
+        super().__init__(tree.new_ino(), b"datasets", stat.S_IFDIR | 0o755)
+        self._tree = tree
+        self._store = store
+        self._dirs: dict[str, DatasetDir] = {}
+        tree.add_resolver(RECORD_BASE, RECORD_BASE + (1 << 59), self._resolve_record)
+        tree.add_status(store.statistics)
+
+    def _dir(self, name: str) -> DatasetDir:
+        node = self._dirs.get(name)
+        if node is None:
+            node = self._dirs[name] = DatasetDir(self._tree, self._store, self._store.get(name))
+            self._tree.register(node)
+        return node
+
+    def lookup(self, name: bytes) -> VirtualNode:
+        return self._dir(name.decode(errors="surrogateescape"))
+
+    def entries(self) -> list[tuple[bytes, int]]:
+        return [(name.encode(errors="surrogateescape"), self._dir(name).ino) for name in self._store.names()]
+
+    def listing(self) -> list[tuple[bytes, int, int, int]]:
+        return [(name, ino, stat.S_IFDIR | 0o755, 0) for name, ino in self.entries()]
+
+    async def mkdir(self, name: bytes, mode: int) -> VirtualNode:
+        key = name.decode(errors="surrogateescape")
+        self._store.create(key)
+        await self._store.get(key).persist()
+        return self._dir(key)
+
+    async def rmdir(self, name: bytes) -> None:
+        key = name.decode(errors="surrogateescape")
+        await self._store.delete(key)
+        node = self._dirs.pop(key, None)
+        if node is not None:
+            node.forget_nodes()
+
+    async def unlink(self, name: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+        raise IsADirectory(f"datasets/{name.decode(errors='replace')} is a directory: use rmdir or rm -r")
+
+    def _resolve_record(self, ino: int) -> VirtualNode:
+        number = (ino - RECORD_BASE) >> INDEX_BITS
+        index = ino & ((1 << INDEX_BITS) - 1)
+        ds = self._store.by_owner(DATASET_OWNER_BASE + number * OWNERS_PER_DATASET)
+        if index >= ds.count:
+            raise NotFound(f"datasets/{ds.name}: no record {index}")
+        return RecordNode(ds, index)

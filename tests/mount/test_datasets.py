@@ -1,0 +1,258 @@
+"""Datasets through a real mount: append, seal, records, order, stream, shards, errors, restarts."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import multiprocessing
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distorefs import client
+from distorefs.stores.datasets.formats import shuffled
+from distorefs.stores.replay.formats import decode_blob_batch
+from tests.conftest import Mount
+
+pytestmark = pytest.mark.mount
+
+MountFactory = Callable[..., Mount]
+SCHEMA = {"label": "int32", "x": {"dtype": "float32", "shape": [4]}}
+DTYPE = np.dtype([("label", "<i4"), ("x", "<f4", (4,))])
+
+
+@pytest.fixture
+def dataset(mounted: Mount, request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A fresh dataset for one test, removed afterwards."""
+    path = mounted.path / "datasets" / request.node.name.replace("[", "_").replace("]", "_")[:60]
+    path.mkdir()
+    yield path
+    if path.exists():
+        os.rmdir(path)
+
+
+def blob(i: int, size: int | None = None) -> bytes:
+    """Record i's bytes: its index, then a pattern of a length that depends on i."""
+    size = size if size is not None else 8 + (i * 37) % 3000
+    return i.to_bytes(8, "little") + bytes((i + k) % 251 for k in range(size - 8))
+
+
+def schema_records(n: int) -> np.ndarray:
+    out = np.zeros(n, DTYPE)
+    out["label"] = np.arange(n)
+    out["x"] = np.arange(n)[:, None] * np.array([1.0, 0.5, 0.25, 2.0])
+    return out
+
+
+def stats(path: Path) -> dict[str, object]:
+    result: dict[str, object] = json.loads(client.read_all(path / "stats"))
+    return result
+
+
+def errno_of(fn: Callable[[], object]) -> int:
+    with pytest.raises(OSError) as excinfo:
+        fn()
+    return int(excinfo.value.errno or 0)
+
+
+def write_order(path: Path, data: bytes) -> None:
+    with open(path / "order", "wb") as f:
+        f.write(data)
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    np.save(out, array)
+    return out.getvalue()
+
+
+def read_stream(path: Path) -> list[tuple[int, bytes]]:
+    return [(i, bytes(b)) for i, _w, b in decode_blob_batch(client.read_all(path))]
+
+
+def test_framed_appends_read_back_as_records_with_cat_and_ls(dataset: Path) -> None:
+    items = [blob(i) for i in range(300)]
+    client.append(dataset, items[:100])
+    client.append(dataset, items[100:])
+    assert (dataset / "len").read_text() == "300\n"
+    assert subprocess.run(["cat", str(dataset / "records" / "123")], capture_output=True, check=True).stdout == items[123]
+    assert os.stat(dataset / "records" / "299").st_size == len(items[299])
+    listed = subprocess.run(["ls", str(dataset / "records")], capture_output=True, check=True, text=True).stdout.split()
+    assert sorted(int(n) for n in listed) == list(range(300))
+    got = stats(dataset)
+    assert got["records"] == 300
+    assert got["bytes"] == sum(len(x) for x in items)
+    assert got["sealed"] is False
+
+
+def test_schema_dataset_takes_npy_and_raw_records(dataset: Path, tmp_path: Path) -> None:
+    (dataset / "config").write_text(json.dumps({"schema": SCHEMA}))
+    records = schema_records(50)
+    with open(dataset / "append", "wb") as f:
+        np.save(f, records[:30])
+    raw = tmp_path / "raw.bin"
+    raw.write_bytes(records[30:].tobytes())
+    subprocess.run(["dd", f"if={raw}", f"of={dataset / 'append'}", "bs=7", "status=none"], check=True)
+    assert (dataset / "len").read_text() == "50\n"
+    assert np.frombuffer((dataset / "records" / "42").read_bytes(), DTYPE)[0] == records[42]
+    assert json.loads((dataset / "config").read_text())["schema"]["x"] == {"dtype": "<f4", "shape": [4]}
+
+
+def test_seal_makes_appends_fail_with_erofs_and_stream_needs_it(dataset: Path) -> None:
+    client.append(dataset, [blob(i) for i in range(10)])
+    assert errno_of(lambda: open(dataset / "stream", "rb").read()) == errno.EBUSY
+    assert (dataset / "state").read_text() == "open\n"
+    subprocess.run(f"echo seal > {dataset / 'state'}", shell=True, check=True)
+    assert (dataset / "state").read_text() == "sealed\n"
+    assert errno_of(lambda: client.append(dataset, [b"late"])) == errno.EROFS
+    assert (dataset / "len").read_text() == "10\n"
+    assert [i for i, _b in read_stream(dataset / "stream")] == list(range(10))
+
+
+def test_orders_as_npy_text_and_shuffle_drive_the_stream(dataset: Path) -> None:
+    items = [blob(i) for i in range(200)]
+    client.append(dataset, items)
+    (dataset / "state").write_text("seal\n")
+    write_order(dataset, npy_bytes(np.array([7, 3, 3, 199, 0])))
+    assert read_stream(dataset / "stream") == [(i, items[i]) for i in (7, 3, 3, 199, 0)]
+    subprocess.run(f"printf '5\\n6\\n' > {dataset / 'order'}", shell=True, check=True)
+    assert [i for i, _b in read_stream(dataset / "stream")] == [5, 6]
+    subprocess.run(f"echo 'shuffle 42' > {dataset / 'order'}", shell=True, check=True)
+    expected = shuffled(42, 200)
+    assert np.array_equal(np.load(io.BytesIO(client.read_all(dataset / "order"))), expected)
+    assert read_stream(dataset / "stream") == [(i, items[i]) for i in expected.tolist()]
+    assert stats(dataset)["order"] == "shuffle 42 (200 records)"
+
+
+def test_an_out_of_range_order_fails_with_einval_and_changes_nothing(dataset: Path) -> None:
+    client.append(dataset, [blob(i) for i in range(20)])
+    write_order(dataset, b"3\n1\n")
+    assert errno_of(lambda: write_order(dataset, b"0\n20\n")) == errno.EINVAL
+    assert errno_of(lambda: write_order(dataset, npy_bytes(np.array([1, -1])))) == errno.EINVAL
+    assert errno_of(lambda: write_order(dataset, b"shuffle seven\n")) == errno.EINVAL
+    shell = subprocess.run(["bash", "-c", f"echo 25 > {dataset / 'order'}"], capture_output=True, text=True)
+    assert shell.returncode != 0
+    assert "Invalid argument" in shell.stderr
+    assert np.load(io.BytesIO(client.read_all(dataset / "order"))).tolist() == [3, 1]
+    assert "out of range" in str(stats(dataset)["errors"])
+
+
+def _read_shard(path: str, queue: multiprocessing.Queue[list[int]]) -> None:
+    queue.put([i for i, _w, _b in decode_blob_batch(client.read_all(path))])
+
+
+def test_shards_split_the_epoch_between_processes(dataset: Path) -> None:
+    client.append(dataset, [blob(i) for i in range(1000)])
+    (dataset / "state").write_text("seal\n")
+    (dataset / "order").write_text("shuffle 3\n")
+    queue: multiprocessing.Queue[list[int]] = multiprocessing.Queue()
+    procs = [
+        multiprocessing.Process(target=_read_shard, args=(str(dataset / f"stream-{r}-of-4"), queue)) for r in range(4)
+    ]
+    for p in procs:
+        p.start()
+    shards = [queue.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    order = shuffled(3, 1000).tolist()
+    assert sorted(map(tuple, shards)) == sorted(tuple(order[r::4]) for r in range(4))
+    assert sorted(i for shard in shards for i in shard) == list(range(1000))
+
+
+def test_schema_stream_loads_with_numpy(dataset: Path) -> None:
+    (dataset / "config").write_text(json.dumps({"schema": SCHEMA}))
+    records = schema_records(5000)
+    with open(dataset / "append", "wb") as f:
+        np.save(f, records)
+    (dataset / "state").write_text("seal\n")
+    (dataset / "order").write_text("shuffle 9\n")
+    with open(dataset / "stream-1-of-2", "rb") as f:
+        got = np.load(f)
+    expected = shuffled(9, 5000)[1::2]
+    assert got["_index"].tolist() == expected.tolist()
+    assert np.array_equal(got["x"], records["x"][expected])
+    assert np.all(got["_weight"] == 1.0)
+
+
+def test_bad_input_gets_clear_errnos(dataset: Path) -> None:
+    (dataset / "config").write_text(json.dumps({"schema": SCHEMA}))
+    assert errno_of(lambda: (dataset / "append").write_bytes(b"x" * 19)) == errno.EINVAL
+    assert (dataset / "len").read_text() == "0\n"
+    assert errno_of(lambda: (dataset / "config").write_text('{"prefetch_window_bytes": 5}')) == errno.EINVAL
+    assert errno_of(lambda: (dataset / "config").write_text('{"color": 1}')) == errno.EINVAL
+    assert errno_of(lambda: (dataset / "state").write_text("unseal\n")) == errno.EINVAL
+    client.append(dataset, schema_records(3))
+    assert errno_of(lambda: (dataset / "config").write_text('{"schema": {"a": "int8"}}')) == errno.EBUSY
+    assert errno_of(lambda: os.stat(dataset / "records" / "3")) == errno.ENOENT
+    assert errno_of(lambda: open(dataset / "records" / "1", "wb")) == errno.EROFS
+    assert errno_of(lambda: os.stat(dataset / "stream-4-of-4")) == errno.ENOENT
+    assert errno_of(lambda: (dataset / "stream").write_bytes(b"x")) == errno.EROFS
+    assert errno_of(lambda: os.mkdir(dataset.parent / dataset.name)) == errno.EEXIST
+
+
+def test_rm_r_removes_a_dataset(mounted: Mount) -> None:
+    path = mounted.path / "datasets" / "doomed"
+    path.mkdir()
+    client.append(path, [blob(i) for i in range(50)])
+    subprocess.run(["rm", "-r", str(path)], check=True)
+    assert not path.exists()
+    assert "doomed" not in os.listdir(mounted.path / "datasets")
+
+
+def test_remount_and_kill9_keep_acknowledged_records_seal_and_order(mount_factory: MountFactory) -> None:
+    mount = mount_factory()
+    path = mount.path / "datasets" / "d"
+    path.mkdir()
+    items = [blob(i) for i in range(500)]
+    client.append(path, items[:400])
+    write_order(path, npy_bytes(np.arange(399, -1, -1)))
+    mount.kill9()
+    mount = mount_factory()
+    assert (path / "len").read_text() == "400\n"
+    assert (path / "records" / "399").read_bytes() == items[399]
+    client.append(path, items[400:])
+    (path / "state").write_text("seal\n")
+    assert mount.unmount() == 0
+    mount = mount_factory()
+    assert (path / "state").read_text() == "sealed\n"
+    assert read_stream(path / "stream") == [(i, items[i]) for i in range(399, -1, -1)]
+    assert mount.unmount() == 0
+
+
+def test_a_dataset_3x_the_dram_budget_streams_a_random_order_exactly(mount_factory: MountFactory) -> None:
+    budget = 32 << 20
+    mount = mount_factory("--dram-budget", "32MiB", "--prefetch-window", "8MiB")
+    path = mount.path / "datasets" / "big"
+    path.mkdir()
+    count, size = 10_000, 10_000  # 100 MB of records
+    for start in range(0, count, 500):
+        client.append(path, [blob(i, size) for i in range(start, start + 500)])
+    (path / "state").write_text("seal\n")
+    (path / "order").write_text("shuffle 2026\n")
+    assert mount.unmount() == 0
+    mount = mount_factory("--dram-budget", "32MiB", "--prefetch-window", "8MiB")  # cold: nothing in DRAM
+    seen = 0
+    order = shuffled(2026, count).tolist()
+    peak = 0
+    with open(path / "stream", "rb") as f:
+        head = f.read(20)
+        assert head[:8] == b"DSBATCH1"
+        for expected in order:
+            index, _weight, length = np.frombuffer(f.read(20), dtype=np.uint8).view("<i8,<f4,<u8")[0].tolist()
+            assert (index, length) == (expected, size)
+            assert f.read(length) == blob(expected, size)
+            seen += 1
+            if seen % 2000 == 0:
+                peak = max(peak, int(mount.status()["dram_used_bytes"]))  # type: ignore[call-overload]
+        assert f.read(1) == b""
+    assert seen == count
+    assert 0 < peak <= budget
+    status = mount.status()
+    assert status["blocks"]["gathered_log_parts"] + status["blocks"]["gathered_log_spans"] > 0  # type: ignore[index]
+    assert status["blocks"]["dram_reserved_bytes"] == 0  # type: ignore[index]
+    assert mount.unmount() == 0
