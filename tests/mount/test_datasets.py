@@ -39,7 +39,7 @@ def dataset(mounted: Mount, request: pytest.FixtureRequest) -> Iterator[Path]:
 def blob(i: int, size: int | None = None) -> bytes:
     """Record i's bytes: its index, then a pattern of a length that depends on i."""
     size = size if size is not None else 8 + (i * 37) % 3000
-    return i.to_bytes(8, "little") + bytes((i + k) % 251 for k in range(size - 8))
+    return i.to_bytes(8, "little") + ((np.arange(size - 8) + i) % 251).astype(np.uint8).tobytes()
 
 
 def schema_records(n: int) -> np.ndarray:
