@@ -367,7 +367,7 @@ class BlockStore:
                 self._loading[key] = done
             try:
                 payloads = await trio.to_thread.run_sync(
-                    lambda: [self._log.read(loc, key) for key, loc in cold.items()], limiter=self._io_limiter
+                    self._log.read_many, list(cold.items()), limiter=self._io_limiter
                 )
             finally:
                 for key in cold:

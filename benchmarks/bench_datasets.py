@@ -1,0 +1,237 @@
+"""Dataset benchmarks: a cold dataset read in a random order, against per-record reads and
+the local disk, in one run.
+
+    sudo .venv/bin/python benchmarks/bench_datasets.py [--gib 4] [--record-bytes 10000]
+        [--windows 256MiB 4GiB] [--seconds 20] [--listing-records 10000000]
+
+One dataset of `--gib` GiB of `--record-bytes` records is appended and sealed, with the
+order `shuffle 1`. Then, each cold (remounted and the kernel's caches dropped):
+- `stream` read to the end with 1 MiB reads, once per prefetch window (`--windows`; the
+  DRAM budget is set to hold the window);
+- `records/<i>` opened and read one by one in the same order (for `--seconds`);
+- the same records as one file each on the local disk, read in the same order (for
+  `--seconds`), and one file of the dataset's size read sequentially (the disk's speed).
+`--listing-records N` also times `ls -U records/ | wc -l` of an N-record dataset.
+
+Needs root to drop the page cache (else "cold" only means not in distorefs' DRAM).
+Prints a Markdown table and writes JSON (--json PATH). No thresholds: docs/benchmarks.md
+keeps the results and the aims.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from distorefs.stores.datasets.formats import shuffled
+from distorefs.units import parse_size
+
+CHUNK_BYTES = 64 << 20
+
+
+def distore(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "distorefs", *args], check=True, stdout=subprocess.DEVNULL)
+
+
+def drop_caches() -> bool:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w", encoding="ascii") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def record_chunks(count: int, size: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(first index, a (n, size) uint8 array of records): random bytes, each record's index
+    in its first 8 bytes so a reader can tell them apart."""
+    rng = np.random.default_rng(0)
+    per_chunk = max(1, CHUNK_BYTES // size)
+    for first in range(0, count, per_chunk):
+        n = min(per_chunk, count - first)
+        chunk = rng.integers(0, 256, (n, size), dtype=np.uint8)
+        chunk[:, :8] = np.arange(first, first + n, dtype="<u8").view(np.uint8).reshape(n, 8)
+        yield first, chunk
+
+
+class Daemon:
+    def __init__(self, mnt: Path, data: Path) -> None:
+        self.mnt = mnt
+        self.data = data
+
+    def mount(self, budget: str, window: str) -> None:
+        distore("mount", str(self.mnt), "--data-dir", str(self.data), "--dram-budget", budget, "--prefetch-window", window)
+
+    def umount(self) -> None:
+        distore("umount", str(self.mnt))
+
+
+def read_sequential(path: Path, buf: bytearray) -> int:
+    total = 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while n := os.readv(fd, [buf]):
+            total += n
+    finally:
+        os.close(fd)
+    return total
+
+
+def read_per_file(paths: Iterator[Path], seconds: float) -> tuple[int, int, float]:
+    """Open, read, close each path until `seconds` pass: (files, bytes, elapsed)."""
+    files = nbytes = 0
+    started = time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            nbytes += len(f.read())
+        files += 1
+        if files % 64 == 0 and time.perf_counter() - started > seconds:
+            break
+    return files, nbytes, time.perf_counter() - started
+
+
+def bench_listing(daemon: Daemon, records: int) -> dict[str, float]:
+    path = daemon.mnt / "datasets" / "listing"
+    path.mkdir()
+    (path / "config").write_text(json.dumps({"schema": {"id": "int64"}}))
+    with open(path / "append", "wb") as f:
+        np.save(f, np.zeros(records, dtype=[("id", "<i8")]))
+    (path / "state").write_text("seal\n")
+    started = time.perf_counter()
+    out = subprocess.run(f"ls -U {path / 'records'} | wc -l", shell=True, check=True, capture_output=True, text=True)
+    elapsed = time.perf_counter() - started
+    listed = int(out.stdout)
+    assert listed == records, f"ls listed {listed} of {records}"
+    subprocess.run(["rmdir", str(path)], check=True)
+    return {"records": records, "ls_s": elapsed, "entries_per_s": records / elapsed}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gib", type=float, default=4.0)
+    parser.add_argument("--record-bytes", type=int, default=10_000)
+    parser.add_argument("--windows", nargs="+", default=["256MiB", "4GiB"])
+    parser.add_argument("--seconds", type=float, default=20.0, help="time limit of each per-record read")
+    parser.add_argument("--listing-records", type=int, default=0)
+    parser.add_argument("--dir", default="/var/tmp", help="local disk for the data dir and the baselines")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    size = args.record_bytes
+    count = int(args.gib * (1 << 30)) // size
+    order = shuffled(1, count)
+    base = Path(tempfile.mkdtemp(prefix="bench-datasets-", dir=args.dir))
+    daemon = Daemon(base / "mnt", base / "data")
+    (base / "mnt").mkdir()
+    results: dict[str, object] = {"records": count, "record_bytes": size, "bytes": count * size}
+    can_drop = drop_caches()
+    results["caches_dropped"] = can_drop
+    buf = bytearray(1 << 20)
+    try:
+        # --- the local disk: one file, and one file per record ---------------------------
+        disk_file = base / "disk.bin"
+        per_record = base / "per-record"
+        per_record.mkdir()
+        with open(disk_file, "wb") as whole:
+            for first, chunk in record_chunks(count, size):
+                whole.write(chunk.tobytes())
+                for k in range(len(chunk)):
+                    (per_record / str(first + k)).write_bytes(chunk[k].tobytes())
+        drop_caches()
+        started = time.perf_counter()
+        total = read_sequential(disk_file, buf)
+        results["disk_sequential_gbps"] = total / (time.perf_counter() - started) / 1e9
+        disk_file.unlink()
+        drop_caches()
+        files, nbytes, elapsed = read_per_file((per_record / str(i) for i in order.tolist()), args.seconds)
+        results["disk_per_file"] = {"files": files, "files_per_s": files / elapsed, "gbps": nbytes / elapsed / 1e9}
+        shutil.rmtree(per_record)
+
+        # --- distorefs: append, seal, order ----------------------------------------------
+        daemon.mount("2GiB", "256MiB")
+        ds = daemon.mnt / "datasets" / "bench"
+        ds.mkdir()
+        started = time.perf_counter()
+        with open(ds / "append", "wb", buffering=0) as f:
+            f.write(b"DSITEMS1")
+            frame = np.full((1, 8), 0, np.uint8)
+            frame[0] = np.frombuffer(np.uint64(size).tobytes(), np.uint8)
+            for _first, chunk in record_chunks(count, size):
+                f.write(np.hstack([np.repeat(frame, len(chunk), axis=0), chunk]).tobytes())
+        (ds / "state").write_text("seal\n")
+        results["append_gbps"] = count * size / (time.perf_counter() - started) / 1e9
+        (ds / "order").write_text("shuffle 1\n")
+        daemon.umount()
+
+        # --- records/<i> in the order, cold ------------------------------------------------
+        daemon.mount("2GiB", "256MiB")
+        drop_caches()
+        files, nbytes, elapsed = read_per_file((ds / "records" / str(i) for i in order.tolist()), args.seconds)
+        results["records_per_file"] = {"files": files, "files_per_s": files / elapsed, "gbps": nbytes / elapsed / 1e9}
+        daemon.umount()
+
+        # --- stream, cold, per window ------------------------------------------------------
+        streams = {}
+        for window in args.windows:
+            budget = f"{max(parse_size(window) + (256 << 20), 1 << 30) >> 20}MiB"
+            daemon.mount(budget, window)
+            drop_caches()
+            started = time.perf_counter()
+            total = read_sequential(ds / "stream", buf)
+            elapsed = time.perf_counter() - started
+            status = json.loads((daemon.mnt / ".distore" / "status").read_text())
+            streams[window] = {
+                "budget": budget,
+                "seconds": elapsed,
+                "gbps": total / elapsed / 1e9,
+                "log_parts": status["blocks"]["gathered_log_parts"],
+                "log_spans": status["blocks"]["gathered_log_spans"],
+            }
+            daemon.umount()
+        results["stream"] = streams
+
+        if args.listing_records:
+            daemon.mount("2GiB", "256MiB")
+            results["listing"] = bench_listing(daemon, args.listing_records)
+            daemon.umount()
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(daemon.mnt)], check=False, capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+    disk = float(results["disk_sequential_gbps"])  # type: ignore[arg-type]
+    per_rec = results["records_per_file"]["gbps"]  # type: ignore[index]
+    print(f"\n{count} records of {size} bytes ({count * size / 1e9:.2f} GB), order `shuffle 1`, cold")
+    print(f"caches dropped: {can_drop}\n")
+    print("| reader | rate | GB/s | vs disk sequential | vs records/<i> |")
+    print("| --- | --- | --- | --- | --- |")
+    print(f"| local disk, one file, sequential | | {disk:.2f} | 1.00x | |")
+    for label, key in (("local disk, a file per record", "disk_per_file"), ("records/<i>", "records_per_file")):
+        r = results[key]
+        print(f"| {label} | {r['files_per_s']:.0f} files/s | {r['gbps']:.3f} | {r['gbps'] / disk:.2f}x | |")  # type: ignore[index]
+    for window, s in streams.items():
+        print(
+            f"| stream, window {window} (DRAM {s['budget']}) | | {s['gbps']:.2f} | {s['gbps'] / disk:.2f}x "
+            f"| {s['gbps'] / per_rec:.1f}x |"
+        )
+    print(f"\nappend (framed, one open): {results['append_gbps']:.2f} GB/s")
+    if "listing" in results:
+        lst = results["listing"]
+        print(f"ls -U records/ | wc -l of {lst['records']} records: {lst['ls_s']:.1f} s")  # type: ignore[index]
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
