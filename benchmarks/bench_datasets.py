@@ -71,7 +71,9 @@ class Daemon:
         self.data = data
 
     def mount(self, budget: str, window: str) -> None:
-        distore("mount", str(self.mnt), "--data-dir", str(self.data), "--dram-budget", budget, "--prefetch-window", window)
+        distore(
+            "mount", str(self.mnt), "--data-dir", str(self.data), "--dram-budget", budget, "--prefetch-window", window
+        )
 
     def umount(self) -> None:
         distore("umount", str(self.mnt))

@@ -80,7 +80,9 @@ def test_framed_appends_read_back_as_records_with_cat_and_ls(dataset: Path) -> N
     client.append(dataset, items[:100])
     client.append(dataset, items[100:])
     assert (dataset / "len").read_text() == "300\n"
-    assert subprocess.run(["cat", str(dataset / "records" / "123")], capture_output=True, check=True).stdout == items[123]
+    assert (
+        subprocess.run(["cat", str(dataset / "records" / "123")], capture_output=True, check=True).stdout == items[123]
+    )
     assert os.stat(dataset / "records" / "299").st_size == len(items[299])
     listed = subprocess.run(["ls", str(dataset / "records")], capture_output=True, check=True, text=True).stdout.split()
     assert sorted(int(n) for n in listed) == list(range(300))

@@ -68,6 +68,10 @@ class Stream:
         # block cache; a bigger one record by record (a block would be evicted before most
         # of its records are read).
         self.whole_blocks = dataset.data_bytes <= window_bytes
+        # Laid-out batches held ahead of the reader: the window, except when whole blocks
+        # are the prefetched data (then batches are only a copy of cached blocks, and
+        # holding a window of them would evict the blocks they come from).
+        self.ahead_bytes = BATCHES_IN_FLIGHT * MAX_BATCH_BYTES if self.whole_blocks else window_bytes
         self._batches: dict[int, _Batch] = {}  # by first position, in position order
         self._cursor = 0  # the next position to fetch
         self._batch_bytes = FIRST_BATCH_BYTES
@@ -96,7 +100,7 @@ class Stream:
         layout = self.layout
         first = self._cursor
         last = max(first + 1, min(len(layout), layout.position_at(layout.start(first) + self._batch_bytes)))
-        self._batch_bytes = min(2 * self._batch_bytes, MAX_BATCH_BYTES, max(FIRST_BATCH_BYTES, self.window_bytes // 4))
+        self._batch_bytes = min(2 * self._batch_bytes, MAX_BATCH_BYTES, max(FIRST_BATCH_BYTES, self.ahead_bytes // 4))
         batch = _Batch(first, last)
         self._batches[first] = batch
         self._cursor = last
@@ -180,7 +184,7 @@ class Stream:
                 if (
                     self._cursor < len(self.layout)
                     and self._in_flight < BATCHES_IN_FLIGHT
-                    and self._held_bytes + self._batch_bytes <= self.window_bytes
+                    and self._held_bytes + self._batch_bytes <= self.ahead_bytes
                 ):
                     need = min(self._batch_bytes, self.layout.start(len(self.layout)) - self.layout.start(self._cursor))
                     if not self._blocks.reserve(need):
