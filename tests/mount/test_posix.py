@@ -54,12 +54,6 @@ def test_reserved_directories_cannot_be_removed_or_renamed(mounted: Mount) -> No
     assert excinfo.value.errno == errno.EEXIST
 
 
-def test_planned_kinds_refuse_writes_with_erofs(mounted: Mount) -> None:
-    with pytest.raises(OSError) as excinfo:
-        os.mkdir(mounted.path / "datasets" / "x")
-    assert excinfo.value.errno == errno.EROFS
-
-
 def test_checkpoints_is_an_ordinary_tree(mounted: Mount) -> None:
     path = mounted.path / "checkpoints" / "run1"
     path.mkdir()

@@ -265,12 +265,14 @@ def test_versions_survive_remount_and_kill_9(mount_factory: MountFactory, tmp_pa
 
 
 READER = textwrap.dedent("""
-    import json, sys, time
+    import json, os, sys, time
     import numpy as np
-    path, seconds = sys.argv[1], float(sys.argv[2])
+    path, seconds, stop = sys.argv[1], float(sys.argv[2]), sys.argv[4]
     reads, bad, versions = 0, [], set()
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    # Read until the writer is done (the stop file) or the deadline: on a loaded 2-core
+    # machine, 32 readers may spend seconds just starting, so a fixed span saw no publish.
+    while time.monotonic() < deadline and not (reads and os.path.exists(stop)):
         with open(path, "rb") as f:
             data = f.read()
         words = np.frombuffer(data, dtype=np.uint64)
@@ -299,9 +301,10 @@ def test_32_readers_always_read_a_whole_published_version(mount_factory: MountFa
         (base + np.uint64(seq << 32)).tofile(path)
 
     publish(1)
+    stop = mount.data_dir.parent / "readers-stop"
     readers = [
         subprocess.Popen(
-            [sys.executable, "-c", READER, str(path), "6", str(size)],
+            [sys.executable, "-c", READER, str(path), "60", str(size), str(stop)],
             stdout=subprocess.PIPE,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
@@ -311,6 +314,7 @@ def test_32_readers_always_read_a_whole_published_version(mount_factory: MountFa
         for seq in range(2, 8):
             time.sleep(1.0)
             publish(seq)
+        stop.touch()
         results = []
         for proc in readers:
             out, _ = proc.communicate(timeout=120)
