@@ -57,6 +57,12 @@ def _label(ds: Dataset, file: str) -> str:
     return f"datasets/{ds.name}/{file}"
 
 
+def _recorded(ds: Dataset, exc: DistorefsError) -> DistorefsError:
+    """Keep the refusal in the dataset's `stats` (errors) on its way to the caller."""
+    ds.record_error(exc.message)
+    return exc
+
+
 # --- handles ----------------------------------------------------------------------------
 
 
@@ -93,17 +99,13 @@ class AppendHandle(VirtualHandle):
         self._ds = ds
         self._stream: RecordStream | BlobStream = RecordStream(ds.dtype) if ds.dtype is not None else BlobStream()
 
-    def _recorded(self, exc: DistorefsError) -> DistorefsError:
-        self._ds.record_error(exc.message)
-        return exc
-
     async def write(self, offset: int, data: bytes) -> int:
         try:
             records = self._stream.feed(offset, data)
             await self._ds.append(records)
         except InvalidArgument as exc:
             self._stream.reset()  # the bad input is dropped; later writes start afresh
-            raise self._recorded(exc) from None
+            raise _recorded(self._ds, exc) from None
         return len(data)
 
     async def flush(self) -> None:
@@ -111,7 +113,7 @@ class AppendHandle(VirtualHandle):
             tail = self._stream.finish()
             await self._ds.append(tail)
         except InvalidArgument as exc:
-            raise self._recorded(exc) from None
+            raise _recorded(self._ds, exc) from None
         await self._ds.persist()
 
     async def fsync(self) -> None:
@@ -131,9 +133,7 @@ class StateHandle(RenderedHandle):
         if word == b"seal":
             await self._ds.seal()
         elif word:
-            exc = InvalidArgument(f"{_label(self._ds, 'state')}: write `seal`, got {word[:40]!r}")
-            self._ds.record_error(exc.message)
-            raise exc
+            raise _recorded(self._ds, InvalidArgument(f"{_label(self._ds, 'state')}: write `seal`, got {word[:40]!r}"))
         else:
             await trio.lowlevel.checkpoint()
 
@@ -159,10 +159,6 @@ class OrderHandle(VirtualHandle):
         self._input = OrderInput(ds.name, ds.count)
         self._content: bytes | None = None
 
-    def _recorded(self, exc: DistorefsError) -> DistorefsError:
-        self._ds.record_error(exc.message)
-        return exc
-
     async def read(self, offset: int, size: int) -> bytes | memoryview:
         if self._content is None:
             out = io.BytesIO()
@@ -176,7 +172,7 @@ class OrderHandle(VirtualHandle):
         try:
             done = self._input.feed(data)
         except InvalidArgument as exc:
-            raise self._recorded(exc) from None
+            raise _recorded(self._ds, exc) from None
         if done is not None:
             await self._ds.set_order(*done)
         else:
@@ -187,7 +183,7 @@ class OrderHandle(VirtualHandle):
         try:
             done = self._input.finish()
         except InvalidArgument as exc:
-            raise self._recorded(exc) from None
+            raise _recorded(self._ds, exc) from None
         if done is not None:
             await self._ds.set_order(*done)
         else:
