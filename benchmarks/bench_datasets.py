@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+from bench_posix import drop_caches  # the script's own directory is on sys.path
 
 from distorefs.stores.datasets.formats import shuffled
 from distorefs.units import parse_size
@@ -41,16 +42,6 @@ CHUNK_BYTES = 64 << 20
 
 def distore(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "distorefs", *args], check=True, stdout=subprocess.DEVNULL)
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w", encoding="ascii") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def record_chunks(count: int, size: int) -> Iterator[tuple[int, np.ndarray]]:

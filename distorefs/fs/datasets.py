@@ -37,7 +37,7 @@ from distorefs.fs.control import (
     WholeInputHandle,
 )
 from distorefs.stores.datasets.dataset import Dataset
-from distorefs.stores.datasets.formats import OrderInput
+from distorefs.stores.datasets.formats import OrderInput, OrderSpec
 from distorefs.stores.datasets.store import DATASET_OWNER_BASE, OWNERS_PER_DATASET, DatasetStore
 from distorefs.stores.datasets.stream import Stream
 from distorefs.stores.replay.formats import BlobStream, RecordStream
@@ -168,26 +168,23 @@ class OrderHandle(VirtualHandle):
             await trio.lowlevel.checkpoint()
         return memoryview(self._content)[offset : offset + size]
 
-    async def write(self, offset: int, data: bytes) -> int:
+    async def _apply(self, take: Callable[[], tuple[OrderSpec, np.ndarray | None] | None]) -> None:
+        """Run the parser step `take`; apply the order it completes, if any."""
         try:
-            done = self._input.feed(data)
+            done = take()
         except InvalidArgument as exc:
             raise _recorded(self._ds, exc) from None
         if done is not None:
             await self._ds.set_order(*done)
         else:
             await trio.lowlevel.checkpoint()
+
+    async def write(self, offset: int, data: bytes) -> int:
+        await self._apply(lambda: self._input.feed(data))
         return len(data)
 
     async def flush(self) -> None:
-        try:
-            done = self._input.finish()
-        except InvalidArgument as exc:
-            raise _recorded(self._ds, exc) from None
-        if done is not None:
-            await self._ds.set_order(*done)
-        else:
-            await trio.lowlevel.checkpoint()
+        await self._apply(self._input.finish)
 
 
 class StreamHandle(VirtualHandle):
