@@ -14,6 +14,7 @@ import logging
 import os
 import select
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -81,6 +82,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefetch-window", default=None, metavar="SIZE",
         help="how far a dataset stream reads ahead, e.g. 512MiB (default: 256MiB or a quarter of the DRAM budget)",
     )  # fmt: skip
+    cluster = mount.add_argument_group("cluster (multi-node; without --cluster the daemon is single-node)")
+    cluster.add_argument("--cluster", default=None, metavar="URL", help="etcd endpoint, e.g. http://10.0.0.1:2379")
+    cluster.add_argument("--node", default=None, metavar="NAME", help="this node's name (default: the host name)")
+    cluster.add_argument(
+        "--listen", default="127.0.0.1:0", metavar="HOST:PORT",
+        help="where peers reach this daemon (default 127.0.0.1 and a free port)",
+    )  # fmt: skip
+    cluster.add_argument(
+        "--peer-timeout", type=_positive_float, default=5.0, metavar="S",
+        help="longest one operation on another node takes before EIO/EAGAIN (default 5 s)",
+    )  # fmt: skip
+    cluster.add_argument(
+        "--lease-ttl", type=int, default=3, metavar="S",
+        help="etcd lease of this node: a dead node leaves the cluster after this long (default 3 s)",
+    )  # fmt: skip
+    cluster.add_argument("--transport", choices=("auto", "tcp", "rdma"), default="auto", help="peer data transport")
     mount.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
 
     umount = sub.add_parser("umount", help="persist everything, unmount, wait for the daemon to exit")
@@ -122,6 +139,31 @@ def _is_mount(path: str) -> bool:
         return any(line.split()[4].replace("\\040", " ") == target for line in f)
 
 
+def _cluster_config(args: argparse.Namespace) -> Any:
+    from distorefs.errors import ConfigError
+    from distorefs.node import ClusterConfig
+
+    if args.cluster is None:
+        for flag in ("node",):
+            if getattr(args, flag) is not None:
+                raise ConfigError(f"--{flag} needs --cluster")
+        return None
+    host, sep, port = args.listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"--listen must be HOST:PORT, got {args.listen!r}")
+    config = ClusterConfig(
+        url=args.cluster,
+        node=args.node or socket.gethostname(),
+        listen_host=host,
+        listen_port=int(port),
+        peer_timeout_s=args.peer_timeout,
+        lease_ttl_s=args.lease_ttl,
+        transport=args.transport,
+    )
+    config.validate()
+    return config
+
+
 def _daemon_config(args: argparse.Namespace) -> Any:
     from distorefs.daemon import DaemonConfig
 
@@ -138,6 +180,7 @@ def _daemon_config(args: argparse.Namespace) -> Any:
         wait_timeout_s=args.wait_timeout,
         checkpoint_sync_close=args.checkpoint_sync_close,
         prefetch_window_bytes=None if args.prefetch_window is None else parse_size(args.prefetch_window),
+        cluster=_cluster_config(args),
     )
     config.validate()
     return config

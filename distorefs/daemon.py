@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pyfuse3
 import trio
@@ -27,6 +29,7 @@ from distorefs.fs.control import MountInfo, VirtualTree
 from distorefs.fs.datasets import DatasetsDir
 from distorefs.fs.ops import FsOperations
 from distorefs.fs.weights import WeightsDir
+from distorefs.node import ClusterConfig, ClusterNode
 from distorefs.stores.checkpoints import CheckpointStore
 from distorefs.stores.datasets.dataset import MIN_WINDOW_BYTES
 from distorefs.stores.datasets.store import DatasetStore
@@ -61,6 +64,7 @@ class DaemonConfig:
     wait_timeout_s: float = 60.0
     checkpoint_sync_close: bool = False
     prefetch_window_bytes: int | None = None  # None: min(256 MiB, a quarter of the DRAM budget)
+    cluster: ClusterConfig | None = None  # None: the single-node embedded default
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mountpoint", os.path.abspath(self.mountpoint))
@@ -161,6 +165,12 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
             checkpoints = CheckpointStore.load(files, blocks, meta, config.checkpoint_sync_close)
             virtual.add_status(checkpoints.statistics)
             ops = FsOperations(files, virtual, checkpoints, data_dir, config.block_bytes)
+            node = None
+            if config.cluster is not None:
+                node = ClusterNode(config.cluster, buffers, weights, checkpoints)
+                virtual.add_control(b"peers", lambda: _render(node.peers_report() if node else {}))
+            else:
+                virtual.add_control(b"peers", lambda: _render(SINGLE_NODE_PEERS))
             await blocks.commit(durable=True)
             log.info(
                 "recovered %s in %.2f s (torn tail dropped: %d bytes)",
@@ -175,6 +185,8 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
                 raise ConfigError(f"cannot mount {config.mountpoint}: {exc}") from None
             try:
                 async with trio.open_nursery() as nursery:
+                    if node is not None:
+                        await node.start(nursery)
                     nursery.start_soon(blocks.run_flusher, config.flush_interval_s, name="flusher")
                     nursery.start_soon(blocks.run_syncer, config.sync_interval_s, name="syncer")
                     nursery.start_soon(
@@ -194,12 +206,21 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
                 pyfuse3.close(unmount=True)
                 log.info("unmounted %s; persisting", config.mountpoint)
                 with trio.CancelScope(shield=True):
+                    if node is not None:
+                        await node.stop()
                     buffers.snapshot()
                     checkpoints.persisted_all()
                     await blocks.close()
         finally:
             meta.close()
     log.info("daemon exits cleanly")
+
+
+SINGLE_NODE_PEERS: dict[str, Any] = {"mode": "single-node", "transport": None, "live_nodes": []}
+
+
+def _render(report: dict[str, Any]) -> bytes:
+    return (json.dumps(report, indent=2) + "\n").encode()
 
 
 async def _tune_after_init(mountpoint: str) -> None:

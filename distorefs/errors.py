@@ -111,3 +111,17 @@ class Corrupted(DistorefsError):
 
 class ConfigError(Exception):
     """Bad command-line or configuration input; the CLI prints it as one line and exits 2."""
+
+
+class PeerUnavailable(DistorefsError):
+    """A peer daemon (or etcd) did not answer within its deadline, or is known dead."""
+
+    errno = _errno.EIO
+
+
+class RemoteError(DistorefsError):
+    """A peer answered with an error: its errno and message, passed on unchanged."""
+
+    def __init__(self, errno: int, message: str) -> None:
+        super().__init__(message)
+        self.errno = errno

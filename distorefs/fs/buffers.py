@@ -132,7 +132,7 @@ class ConfigHandle(WholeInputHandle):
         super().__init__(f"buffers/{buffer.name}", buffer.record_error, content)
         self._buffer = buffer
 
-    def _apply_if_complete(self, pending: bytearray) -> bool:
+    async def _apply_if_complete(self, pending: bytearray) -> bool:
         try:
             changes = json.loads(pending)
         except ValueError:
@@ -159,6 +159,10 @@ class AppendHandle(VirtualHandle):
         buffer = self._buffer
         if buffer.deleted:
             raise NotFound(f"buffers/{buffer.name} was removed")
+        router = buffer.router
+        if router is not None:
+            await run_waiting(self._pid, self._nonblocking, False, lambda nb: router.append(items, nonblocking=nb))
+            return
         ready = buffer.can_append(len(items))
         await run_waiting(self._pid, self._nonblocking, ready, lambda nb: buffer.append(items, nonblocking=nb))
 
@@ -200,10 +204,16 @@ class SampleHandle(VirtualHandle):
     async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
         if self._data is None:
             buffer, count = self._buffer, self._count
-            ready = buffer.can_sample(count)
-            batch = await run_waiting(
-                self._pid, self._nonblocking, ready, lambda nb: buffer.sample(count, nonblocking=nb)
-            )
+            router = buffer.router
+            if router is not None:
+                batch = await run_waiting(
+                    self._pid, self._nonblocking, False, lambda nb: router.sample(count, nonblocking=nb)
+                )
+            else:
+                ready = buffer.can_sample(count)
+                batch = await run_waiting(
+                    self._pid, self._nonblocking, ready, lambda nb: buffer.sample(count, nonblocking=nb)
+                )
             self._data = batch.data
         else:
             await trio.lowlevel.checkpoint()
@@ -221,11 +231,14 @@ class PriorityHandle(WholeInputHandle):
         super().__init__(f"buffers/{buffer.name}", buffer.record_error)
         self._buffer = buffer
 
-    def _apply_if_complete(self, pending: bytearray) -> bool:
+    async def _apply_if_complete(self, pending: bytearray) -> bool:
         parsed = parse_priorities(pending)
         if parsed is None:
             return False
-        self._buffer.update_priorities(*parsed)
+        if self._buffer.router is not None:
+            await self._buffer.router.update_priorities(*parsed)
+        else:
+            self._buffer.update_priorities(*parsed)
         return True
 
 

@@ -118,7 +118,7 @@ class WholeInputHandle(RenderedHandle):
         self._record(exc.message)
         return exc
 
-    def _apply_if_complete(self, pending: bytearray) -> bool:
+    async def _apply_if_complete(self, pending: bytearray) -> bool:
         """Apply `pending` if it is a complete input (raise to refuse it); False: wait."""
         raise NotImplementedError
 
@@ -126,7 +126,7 @@ class WholeInputHandle(RenderedHandle):
         await trio.lowlevel.checkpoint()
         self._pending += data
         try:
-            if self._apply_if_complete(self._pending):
+            if await self._apply_if_complete(self._pending):
                 self._pending.clear()
         except DistorefsError as exc:
             self._pending.clear()
@@ -283,6 +283,12 @@ class VirtualTree:
     def add_resolver(self, low: int, high: int, resolve: Callable[[int], VirtualNode]) -> None:
         """Inodes in [low, high) are computed by `resolve` (nodes too many to keep, like items)."""
         self._resolvers.append((low, high, resolve))
+
+    def add_control(self, name: bytes, render: Callable[[], bytes]) -> None:
+        """A read-only file under `.distore/` rendered at each open."""
+        control = self.root_nodes[b".distore"]
+        assert isinstance(control, VirtualDir)
+        self._add_child(control, ControlFile(self.new_ino(), name, render))
 
     def add_status(self, part: Callable[[], dict[str, int]]) -> None:
         """Numbers a store adds to `.distore/status`."""

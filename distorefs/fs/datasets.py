@@ -76,7 +76,7 @@ class ConfigHandle(WholeInputHandle):
         super().__init__(_label(ds, "config"), ds.record_error, content)
         self._ds = ds
 
-    def _apply_if_complete(self, pending: bytearray) -> bool:
+    async def _apply_if_complete(self, pending: bytearray) -> bool:
         try:
             changes = json.loads(pending)
         except ValueError:

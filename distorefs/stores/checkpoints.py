@@ -21,13 +21,16 @@ here, and passes `on_removed` to tell the kernel about entries retention removes
 from __future__ import annotations
 
 import logging
+import stat
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
-from distorefs.errors import DistorefsError, InvalidArgument, NotPermitted
+from distorefs.errors import DistorefsError, InvalidArgument, NotFound, NotPermitted
+from distorefs.news import Outbox
 from distorefs.stores.files import ROOT_INODE, FileStore
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.metadb import MetaDb
@@ -38,7 +41,16 @@ CHECKPOINTS = b"checkpoints"
 STATE_XATTR = b"user.distore.state"
 KEEP_XATTR = b"user.distore.keep_last"
 SYNC_CLOSE_XATTR = b"user.distore.sync_close"
+REPLICAS_XATTR = b"user.distore.replicas"
+MAX_REPLICAS = 8
 RETRY_S = 1.0
+
+
+class Replicator(Protocol):
+    """Copies a durable checkpoint file to other nodes (the daemon's cluster glue)."""
+
+    async def replicate(self, ino: int, path: bytes, copies: int) -> None:
+        """Return once `copies` other nodes hold `path` durably; PeerUnavailable if not."""
 
 
 @dataclass
@@ -74,6 +86,9 @@ class CheckpointStore:
         self.last_error = ""
         self.removed_by_retention = 0
         self.on_removed: Callable[[int, bytes, int], None] = lambda parent, name, ino: None
+        self.replicator: Replicator | None = None  # set in a cluster
+        self.replication_queue = Outbox[int]()  # closed files of replicas > 1 dirs, made durable
+        self.replicated = 0
 
     @classmethod
     def load(cls, files: FileStore, blocks: BlockStore, meta: MetaDb, sync_close: bool) -> CheckpointStore:
@@ -93,6 +108,10 @@ class CheckpointStore:
         if dropped:
             log.warning("checkpoints: removed %d files that were not durable when the daemon stopped", dropped)
         return self
+
+    @property
+    def files(self) -> FileStore:
+        return self._files
 
     # --- what the fs layer reports ------------------------------------------------------
 
@@ -144,8 +163,60 @@ class CheckpointStore:
             self._wake()
 
     async def fsync(self, ino: int) -> None:
-        """Return once `ino`'s bytes and metadata are durable."""
+        """Return once `ino`'s bytes and metadata are durable, here and, under a
+        directory with `user.distore.replicas` = R > 1, on R - 1 other nodes (EIO if
+        they cannot be reached within the peer timeout)."""
         await self._commit_durable([(ino, self._states[ino].gen)], lambda: self._files.fsync(ino))
+        await self.replicate(ino)
+
+    def replicas(self, ino: int) -> int:
+        state = self._states.get(ino)
+        found = None if state is None else self._setting(state.parent, REPLICAS_XATTR)
+        return 1 if found is None else int(found[1])
+
+    async def replicate(self, ino: int) -> None:
+        copies = self.replicas(ino) - 1
+        if copies <= 0 or self.replicator is None or ino not in self._files:
+            return
+        await self.replicator.replicate(ino, self.path_of(ino), copies)
+        self.replicated += 1
+
+    def path_of(self, ino: int) -> bytes:
+        """The file's path from the mount root, e.g. b"checkpoints/run1/step10.pt"."""
+        parts: list[bytes] = []
+        parent = self._states[ino].parent
+        child = ino
+        while True:
+            name = next(n for n, c in self._files.entries(parent) if c == child)
+            parts.append(name)
+            if parent == ROOT_INODE:
+                return b"/".join(reversed(parts))
+            child, parent = parent, self._files.parent_of(parent)
+
+    async def receive_replica(self, path: bytes, mode: int, data: memoryview) -> int:
+        """Store a replica sent by another node at `path` (directories made as needed),
+        durably. Returns its inode."""
+        names = path.split(b"/")
+        if names[0] != CHECKPOINTS or len(names) < 2 or any(n in (b"", b".", b"..") for n in names):
+            raise InvalidArgument(f"replica path must be under checkpoints/, got {path!r}")
+        parent = ROOT_INODE
+        root = self._files.get(ROOT_INODE)
+        for name in names[:-1]:
+            try:
+                parent = self._files.lookup(parent, name).ino
+            except NotFound:
+                parent = self._files.mkdir(parent, name, 0o755, root.uid, root.gid).ino
+        try:
+            ino = self._files.lookup(parent, names[-1]).ino
+        except NotFound:
+            ino = self._files.mknod(parent, names[-1], stat.S_IFREG | (mode & 0o7777), 0, root.uid, root.gid).ino
+        self.track(ino, parent)
+        await self._files.setattr(ino, size=0)
+        if len(data):
+            await self._files.write(ino, 0, data)
+        self.changed(ino)
+        await self._commit_durable([(ino, self._states[ino].gen)], lambda: self._files.fsync(ino))
+        return ino
 
     def persisted_all(self) -> None:
         """Clean shutdown: the block tier's final durable commit covers every file, so no
@@ -185,7 +256,7 @@ class CheckpointStore:
         """Refuse a bad value for one of our xattrs before it is stored."""
         if name == STATE_XATTR:
             raise NotPermitted(f"{STATE_XATTR.decode()} is computed; it cannot be set")
-        if name not in (KEEP_XATTR, SYNC_CLOSE_XATTR):
+        if name not in (KEEP_XATTR, SYNC_CLOSE_XATTR, REPLICAS_XATTR):
             return
         inode = self._files.get(ino)
         if not inode.is_dir or not self.covers(ino):
@@ -193,6 +264,13 @@ class CheckpointStore:
         text = value.decode(errors="replace").strip()
         if name == KEEP_XATTR and not (text.isdigit() and int(text) >= 1):
             raise InvalidArgument(f"{KEEP_XATTR.decode()} must be a whole number >= 1, got {text!r}")
+        if name == REPLICAS_XATTR:
+            if not (text.isdigit() and 1 <= int(text) <= MAX_REPLICAS):
+                raise InvalidArgument(
+                    f"{REPLICAS_XATTR.decode()} must be a whole number 1..{MAX_REPLICAS}, got {text!r}"
+                )
+            if int(text) > 1 and self.replicator is None:
+                raise InvalidArgument(f"{REPLICAS_XATTR.decode()} > 1 needs a cluster (distore mount --cluster ...)")
         if name == SYNC_CLOSE_XATTR and text not in ("0", "1"):
             raise InvalidArgument(f"{SYNC_CLOSE_XATTR.decode()} must be 0 or 1, got {text!r}")
 
@@ -286,6 +364,8 @@ class CheckpointStore:
                 state.durable_gen = gen
                 self._queue.pop(ino, None)
                 directories.add(state.parent)
+                if not state.writers and self.replicator is not None and self.replicas(ino) > 1:
+                    self.replication_queue.post(ino)
             else:
                 self._mark_pending(ino)
         removed = False

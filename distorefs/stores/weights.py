@@ -33,6 +33,7 @@ from distorefs.errors import (
     TimedOut,
     TryAgain,
 )
+from distorefs.news import Outbox
 from distorefs.stores.files import check_name
 from distorefs.stores.replay.store import BUFFER_OWNER_BASE
 from distorefs.tiers.blocks import BlockStore
@@ -94,6 +95,7 @@ class WeightStore:
         self._meta = meta
         self.models: dict[bytes, Model] = {}
         self._next_owner = int(meta.get_kv("next_weight_owner", WEIGHT_OWNER_BASE))
+        self.news = Outbox[tuple[str, bytes]]()  # ("created" | "published" | "deleted", model)
 
     @classmethod
     def load(cls, blocks: BlockStore, meta: MetaDb) -> WeightStore:
@@ -127,6 +129,7 @@ class WeightStore:
             raise Exists(f"weights/{name.decode(errors='replace')} exists")
         model = self.models[name] = Model(name)
         self._stage(model)
+        self.news.post(("created", name))
         return model
 
     def remove_model(self, name: bytes) -> None:
@@ -143,6 +146,7 @@ class WeightStore:
         model.deleted = True
         self._wake(model)
         self._meta.delete("weights", (model.name,))
+        self.news.post(("deleted", model.name))
 
     def _stage(
         self,
@@ -205,10 +209,18 @@ class WeightStore:
     # --- publishing ---------------------------------------------------------------------
 
     async def publish(
-        self, model: Model, added: dict[bytes, WeightFile], removed: Iterable[bytes] = (), replace_all: bool = False
+        self,
+        model: Model,
+        added: dict[bytes, WeightFile],
+        removed: Iterable[bytes] = (),
+        replace_all: bool = False,
+        at_least: int = 0,
     ) -> int:
         """Make one new version of `model`: `added` files (name -> file) replace or join
         the current ones, `removed` names leave (or all others with `replace_all`).
+
+        The new version is the next one, or `at_least` if that is higher (a version
+        fetched from a peer keeps its cluster-wide number).
 
         Returns the new version number once its bytes and row are in the log and the
         database (a killed daemon keeps it). Readers see the old version or the new one,
@@ -223,7 +235,7 @@ class WeightStore:
             for name in removed:
                 files.pop(name, None)
             files.update(added)
-            version, published_ns = model.version + 1, time.time_ns()
+            version, published_ns = max(model.version + 1, at_least), time.time_ns()
             self._stage(model, files, version, published_ns)
             try:
                 owners = [wf.owner for wf in added.values()]
@@ -246,7 +258,23 @@ class WeightStore:
                     wf.current = False
                     self._free_if_unused(wf)
             self._wake(model)
+            self.news.post(("published", model.name))
             return version
+
+    async def install(self, model: Model, version: int, files: Iterable[tuple[bytes, memoryview]]) -> int:
+        """Publish a version fetched from another node whole, under its own number
+        (every file of the version, replacing all). Returns the version now current."""
+        added: dict[bytes, WeightFile] = {}
+        try:
+            for name, data in files:
+                pending = added[name] = await self.begin_write()
+                await self.write(pending, 0, data)
+            if version <= model.version:
+                return model.version  # a newer one arrived meanwhile
+            return await self.publish(model, added, replace_all=True, at_least=version)
+        finally:
+            for pending in added.values():
+                self.release(pending)
 
     async def unlink(self, model: Model, name: bytes) -> int:
         if name not in model.files:

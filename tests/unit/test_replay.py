@@ -254,10 +254,11 @@ async def test_importance_weights_are_normalised_to_the_rarest_item(tiers: tuple
     buf = make(tiers, sampler="prioritized", alpha=1.0, beta=1.0, epsilon=0.0, batch_size=16)
     await buf.append([b"a", b"b"])
     buf.update_priorities(np.array([0, 1]), np.array([1.0, 3.0]))
-    slots, weights = buf._draw(16)
-    for slot, weight in zip(slots, weights, strict=True):
+    batch = await buf.sample(16)
+    assert set(batch.indices.tolist()) == {0, 1}
+    for index, weight in zip(batch.indices, batch.weights, strict=True):
         # w = (N P)^-beta / max_w; P = p / 4; the rarest item (p = 1) has weight 1.
-        assert weight == pytest.approx(1.0 if buf._slot_index[slot] == 0 else 1 / 3, rel=1e-6)
+        assert weight == pytest.approx(1.0 if index == 0 else 1 / 3, rel=1e-6)
 
 
 async def test_priority_update_with_one_bad_pair_applies_none(tiers: tuple[BlockStore, MetaDb]) -> None:

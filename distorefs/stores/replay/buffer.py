@@ -21,13 +21,14 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import trio
 import zstandard
 
 from distorefs.errors import InvalidArgument, NotFound, TryAgain
+from distorefs.news import Outbox
 from distorefs.stores.replay.config import BufferConfig
 from distorefs.stores.replay.formats import ScatteredBytes, encode_blob_batch, encode_npy_batch
 from distorefs.stores.replay.rate_limiter import RateLimiter
@@ -49,6 +50,60 @@ class Batch:
     data: bytearray | ScatteredBytes
     indices: np.ndarray
     weights: np.ndarray
+
+
+@dataclass
+class Drawn:
+    """Items drawn from one buffer (or shard), counted as sampled, not yet encoded."""
+
+    indices: np.ndarray  # int64
+    probabilities: np.ndarray | None  # float64 within this buffer; None: not prioritized
+    payloads: list[bytes | memoryview]
+
+
+@dataclass(frozen=True)
+class ShardState:
+    """One shard's numbers for splitting a batch: `mass` is what sampling is in
+    proportion to (total scaled priority, or the size), `min_mass` the smallest item's."""
+
+    size: int
+    mass: float
+    min_mass: float
+    can_sample: bool
+
+
+def importance_weights(
+    probabilities: np.ndarray | None, count: int, size: int, min_probability: float, beta: float
+) -> np.ndarray:
+    """(N * P)^-beta normalised by the largest possible weight, (N * P_min)^-beta, over a
+    buffer of N items; all ones where the draw was not prioritized."""
+    if probabilities is None:
+        return np.ones(count, dtype=np.float32)
+    weights: np.ndarray = np.power(size * probabilities, -beta) / math.pow(size * min_probability, -beta)
+    return weights.astype(np.float32)
+
+
+def encode_batch(
+    config: BufferConfig, payloads: list[bytes | memoryview], indices: np.ndarray, weights: np.ndarray
+) -> bytearray | ScatteredBytes:
+    """A batch in the buffer's format: a .npy with `_index`/`_weight` under a schema,
+    the framed blob format without one."""
+    if config.dtype is not None:
+        return encode_npy_batch(config.dtype, payloads, indices, weights)
+    return encode_blob_batch(payloads, indices, weights)
+
+
+class Router(Protocol):
+    """Where a buffer spread over nodes sends appends, samples and priorities
+    (stores/replay/sharded.py). A buffer with no router serves them itself."""
+
+    async def sample(self, count: int | None = None, nonblocking: bool = False) -> Batch: ...
+
+    async def append(self, items: Sequence[bytes | bytearray], nonblocking: bool = False) -> list[int]: ...
+
+    async def update_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> None: ...
+
+    def stats_now(self) -> dict[str, Any]: ...
 
 
 class ReplayBuffer:
@@ -77,6 +132,9 @@ class ReplayBuffer:
         self.blocked_writers = 0
         self.errors: list[str] = []
         self.deleted = False
+        self.shard_limit: Callable[[], int] = lambda: 1  # the store sets it: live nodes in a cluster
+        self.router: Router | None = None  # set in a cluster when the buffer spans nodes
+        self.news: Outbox[tuple[str, str]] = Outbox()  # the store's, where it follows its buffers
         self._changed = trio.Event()
         self._snapshot_dirty = False
         self._snapshot: bytes | None = None  # the last staged snapshot; every row carries it
@@ -363,23 +421,38 @@ class ReplayBuffer:
         Waits while the buffer cannot serve it (min_size_to_sample, the rate limiter), up
         to sample_timeout, then TryAgain; nothing is counted when it fails.
         """
-        count = count or self.config.batch_size
+        drawn = await self.draw(count or self.config.batch_size, nonblocking)
+        weights = importance_weights(
+            drawn.probabilities, len(drawn.indices), self.size, self._tree.min / max(self._tree.total, 1e-300),
+            self.config.beta,
+        )  # fmt: skip
+        return Batch(encode_batch(self.config, drawn.payloads, drawn.indices, weights), drawn.indices, weights)
+
+    async def draw(self, count: int, nonblocking: bool = False) -> Drawn:
+        """Draw `count` items and count them as sampled: their indices, their sampling
+        probabilities within this buffer (None where the sampler is not prioritized) and
+        their bytes. A shard of a sharded buffer answers its share of a batch with this."""
         await self._wait_until(
             lambda: self.limiter.can_sample(self.size, self.inserts, self.samples, count),
             nonblocking,
             f"sample of {count}",
             writer=False,
         )
-        slots, weights = self._draw(count)
+        slots, probabilities = self._draw(count)
         indices = self._slot_index[slots].copy()
         payloads = await self._payloads(indices)
-        data: bytearray | ScatteredBytes
-        if self.config.dtype is not None:
-            data = encode_npy_batch(self.config.dtype, payloads, indices, weights)
-        else:
-            data = encode_blob_batch(payloads, indices, weights)
         self._account_sampled(indices)
-        return Batch(data, indices, weights)
+        return Drawn(indices, probabilities, payloads)
+
+    def shard_state(self) -> ShardState:
+        """What a sharded sample needs to split a batch over shards and weigh it."""
+        prioritized = self.config.sampler == "prioritized" and self._tree.total > 0
+        return ShardState(
+            size=self.size,
+            mass=self._tree.total if prioritized else float(self.size),
+            min_mass=self._tree.min if prioritized else 1.0,
+            can_sample=self.can_sample(1),
+        )
 
     async def _payloads(self, indices: np.ndarray) -> list[bytes | memoryview]:
         """The items' bytes, cold ones read from the log in one trip to a thread.
@@ -397,29 +470,22 @@ class ReplayBuffer:
             return await trio.to_thread.run_sync(lambda: [zstandard.decompress(view) for view in out])
         return out
 
-    def _draw(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+    def _draw(self, count: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The slots drawn, and their probabilities where the draw is prioritized."""
         sampler = self.config.sampler
         if sampler in ("fifo", "lifo"):
             live = self.live_indices()
             chosen = live[:count] if sampler == "fifo" else live[::-1][:count]
-            return chosen % self.config.capacity, np.ones(len(chosen), dtype=np.float32)
-        if sampler == "uniform":
+            return chosen % self.config.capacity, None
+        total = self._tree.total
+        if sampler == "uniform" or total <= 0:  # every live priority zero: uniform too
             size = self._live.total
             prefixes = (np.arange(count) + self._rng.random(count)) * (size / count)
-            return self._live.find(prefixes), np.ones(count, dtype=np.float32)
-        total = self._tree.total
-        if total <= 0:  # every live priority is zero: fall back to uniform
-            size = self._live.total
-            return self._live.find(self._rng.random(count) * size), np.ones(count, dtype=np.float32)
+            return self._live.find(prefixes), None
         # Stratified: one draw in each of `count` equal segments of the priority mass.
         prefixes = (np.arange(count) + self._rng.random(count)) * (total / count)
         slots = self._tree.find(prefixes)
-        probabilities = self._tree.leaves()[slots] / total
-        n = self.size
-        beta = self.config.beta
-        weights = np.power(n * probabilities, -beta)
-        max_weight = math.pow(n * self._tree.min / total, -beta)
-        return slots, (weights / max_weight).astype(np.float32)
+        return slots, self._tree.leaves()[slots] / total
 
     def _account_sampled(self, indices: np.ndarray) -> None:
         self.samples += len(indices)
@@ -439,12 +505,18 @@ class ReplayBuffer:
     def reconfigure(self, changes: dict[str, Any]) -> None:
         """Apply a JSON config update whole or not at all (EINVAL / EBUSY)."""
         new = self.config.updated(f"buffers/{self.name}", changes, has_items=self.size > 0)
+        if new.shards > max(1, self.shard_limit()) and new.shards != self.config.shards:
+            raise InvalidArgument(
+                f"buffers/{self.name}.shards must be <= {max(1, self.shard_limit())} (the live nodes;"
+                f" a daemon without --cluster has 1), got {new.shards}"
+            )
         live = self.live_indices()
         slots = live % self.config.capacity
         priorities, times, sizes = self._priority[slots], self._times[slots], self._size[slots]
         self._apply_config(new, live, priorities, times, sizes)
         self.stage_row()
         self._notify()
+        self.news.post(("configured", self.name))
 
     # --- persistence ------------------------------------------------------------------
 
@@ -537,4 +609,5 @@ class ReplayBuffer:
             "rate_limiter": self.limiter.state(self.size, self.inserts, self.samples, self.config.batch_size),
             "total_priority": self._tree.total,
             "errors": self.errors,
+            **({"cluster": self.router.stats_now()} if self.router is not None else {}),
         }

@@ -18,6 +18,7 @@ from distorefs.errors import Busy, InvalidArgument
 
 SAMPLERS = ("uniform", "prioritized", "fifo", "lifo")
 MAX_CAPACITY = 1 << 28
+MAX_SHARDS = 64
 RESERVED_FIELDS = ("_index", "_weight")
 
 
@@ -86,6 +87,7 @@ class BufferConfig:
     schema: dict[str, Any] | None = None
     compression: str = "none"
     sync: bool = False
+    shards: int = 1
     dtype: np.dtype[Any] | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -138,6 +140,8 @@ class BufferConfig:
         if has_items:
             if new.schema != self.schema:
                 raise Busy(f"{name}: schema cannot change while the buffer holds items")
+            if new.shards != self.shards:
+                raise Busy(f"{name}: shards cannot change while the buffer holds items")
             if new.compression != self.compression:
                 raise Busy(f"{name}: compression cannot change while the buffer holds items")
             if new.capacity < self.capacity:
@@ -183,6 +187,8 @@ class BufferConfig:
             )
         if not is_num(self.sample_timeout) or self.sample_timeout < 0:
             raise bad("sample_timeout", "a number of seconds >= 0", self.sample_timeout)
+        if not is_int(self.shards) or not 1 <= self.shards <= MAX_SHARDS:
+            raise bad("shards", f"an integer in 1..{MAX_SHARDS}", self.shards)
         if not isinstance(self.sync, bool):
             raise bad("sync", "true or false", self.sync)
         compression = self.compression

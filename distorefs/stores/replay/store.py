@@ -8,10 +8,12 @@ periodic snapshot of priorities. No FUSE here.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import trio
 
 from distorefs.errors import Exists, NotFound
+from distorefs.news import Outbox
 from distorefs.stores.files import check_name
 from distorefs.stores.replay.buffer import ReplayBuffer
 from distorefs.stores.replay.config import BufferConfig
@@ -39,6 +41,8 @@ class BufferStore:
         self._buffers: dict[str, ReplayBuffer] = {}
         self._by_owner: dict[int, ReplayBuffer] = {}  # item inodes resolve through this
         self._next_owner = int(meta.get_kv("next_buffer_owner", BUFFER_OWNER_BASE))
+        self.shard_limit: Callable[[], int] = lambda: 1  # how many shards a buffer may have
+        self.news = Outbox[tuple[str, str]]()  # ("created" | "configured" | "deleted", name)
 
     @classmethod
     def load(cls, blocks: BlockStore, meta: MetaDb) -> BufferStore:
@@ -47,6 +51,7 @@ class BufferStore:
             owner = row[0]
             buf = ReplayBuffer.restore(name, tuple(row), blocks, meta, blocks.owner_lengths(owner))
             self._buffers[name] = self._by_owner[owner] = buf
+            buf.shard_limit, buf.news = (lambda: self.shard_limit()), self.news
             log.info("buffer %s: %d items restored (next index %d)", name, buf.size, buf.next_index)
         return self
 
@@ -74,7 +79,9 @@ class BufferStore:
         self._meta.put("kv", ("next_buffer_owner",), (self._next_owner,))
         buf = ReplayBuffer(name, owner, config or BufferConfig(), self._blocks, self._meta)
         self._buffers[name] = self._by_owner[owner] = buf
+        buf.shard_limit, buf.news = (lambda: self.shard_limit()), self.news
         buf.stage_row()
+        self.news.post(("created", name))
         return buf
 
     def delete(self, name: str) -> None:
@@ -85,6 +92,7 @@ class BufferStore:
         del self._buffers[name]
         del self._by_owner[buf.owner]
         self._meta.delete("buffers", (name,))
+        self.news.post(("deleted", name))
 
     def snapshot(self) -> int:
         """Stage the priorities of every buffer that changed; returns how many."""

@@ -1,0 +1,272 @@
+"""ShardedBuffer: one replay buffer whose items live in shards on several nodes.
+
+Owns the arithmetic that makes N shards behave as one buffer: a batch is split over the
+shards in proportion to each shard's sampling mass (total scaled priority; the size for
+the other samplers), IS weights are computed over the whole buffer, and a global index
+carries its shard: `global = local * shards + shard`, so `global % shards` is the shard
+and `global // shards` the index within it. Moving bytes to and from other nodes is the
+ShardPeer's job (the daemon's cluster glue implements it over tiers/remote.py); this
+module has no network and no FUSE.
+
+Failure rule: a shard whose node is not a live member is left out of a draw (the batch
+comes from the live shards, weights over them; `stats` counts the draw as partial); a
+live node that does not answer makes the sample fail with EAGAIN; an append or a
+priority update for an unreachable shard fails with EIO.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+import trio
+
+from distorefs.errors import InvalidArgument, PeerUnavailable, TryAgain
+from distorefs.stores.replay.buffer import Batch, Drawn, ReplayBuffer, ShardState, encode_batch, importance_weights
+from distorefs.stores.replay.config import BufferConfig
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05
+T = TypeVar("T")
+
+
+async def gather(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
+    """Run the calls concurrently; return their results in order, or raise the first
+    error as itself (not wrapped in an ExceptionGroup) once all have finished."""
+    results: list[T | None] = [None] * len(calls)
+    errors: list[Exception] = []
+
+    async def one(i: int, call: Callable[[], Awaitable[T]]) -> None:
+        try:
+            results[i] = await call()
+        except Exception as exc:
+            errors.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        for i, call in enumerate(calls):
+            nursery.start_soon(one, i, call)
+    if errors:
+        raise errors[0]
+    return results  # type: ignore[return-value]
+
+
+class ShardPeer(Protocol):
+    """What a sharded buffer needs from the nodes that hold its other shards."""
+
+    async def shard_state(self, node: str, name: str) -> ShardState: ...
+
+    async def draw(self, node: str, name: str, count: int) -> Drawn: ...
+
+    async def append(
+        self, node: str, name: str, items: Sequence[bytes | bytearray], nonblocking: bool
+    ) -> list[int]: ...
+
+    async def update_priorities(self, node: str, name: str, indices: np.ndarray, priorities: np.ndarray) -> None: ...
+
+
+@dataclass
+class ShardLayout:
+    """Which node holds each shard (position = shard number)."""
+
+    nodes: list[str]
+
+    @property
+    def shards(self) -> int:
+        return len(self.nodes)
+
+    def shard_of(self, node: str) -> int | None:
+        return self.nodes.index(node) if node in self.nodes else None
+
+
+class ShardedBuffer:
+    """A buffer spread over `layout`; `local` is this node's shard (None if it has none).
+
+    Examples:
+        >>> sharded = ShardedBuffer("atari", config, ShardLayout(["a", "b"]), "a", local, peer, alive)
+        >>> await sharded.append([b"x"])             # to this node's shard: global index 0
+        [0]
+        >>> batch = await sharded.sample(32)           # drawn over both shards
+    """
+
+    def __init__(
+        self,
+        name: str,
+        config: BufferConfig,
+        layout: ShardLayout,
+        me: str,
+        local: ReplayBuffer | None,
+        peer: ShardPeer,
+        alive: Callable[[str], bool],
+    ) -> None:
+        self.name = name
+        self.config = config
+        self.layout = layout
+        self.me = me
+        self.local = local
+        self._peer = peer
+        self._alive = alive
+        self.partial_draws = 0
+        self.remote_draws = 0
+        self.last_states: dict[int, dict[str, Any]] = {}
+
+    # --- indices --------------------------------------------------------------------
+
+    def to_global(self, shard: int, local: np.ndarray) -> np.ndarray:
+        return local.astype(np.int64) * self.layout.shards + shard
+
+    def split(self, indices: np.ndarray) -> dict[int, np.ndarray]:
+        """Positions of `indices` by shard (the caller maps them to local indices)."""
+        if (indices < 0).any():
+            raise InvalidArgument(f"buffers/{self.name}: index {int(indices[indices < 0][0])} is negative")
+        shard_of = indices % self.layout.shards
+        return {int(s): np.flatnonzero(shard_of == s) for s in np.unique(shard_of)}
+
+    # --- one shard, wherever it is ----------------------------------------------------
+
+    async def _state(self, shard: int) -> ShardState:
+        node = self.layout.nodes[shard]
+        if node == self.me and self.local is not None:
+            await trio.lowlevel.checkpoint()
+            return self.local.shard_state()
+        return await self._peer.shard_state(node, self.name)
+
+    async def _draw(self, shard: int, count: int) -> Drawn:
+        node = self.layout.nodes[shard]
+        if node == self.me and self.local is not None:
+            return await self.local.draw(count, nonblocking=True)
+        self.remote_draws += 1
+        return await self._peer.draw(node, self.name, count)
+
+    # --- sampling ---------------------------------------------------------------------
+
+    async def sample(self, count: int | None = None, nonblocking: bool = False) -> Batch:
+        """One batch over the live shards; waits (polling) up to sample_timeout while
+        none can serve, then EAGAIN (at once under O_NONBLOCK)."""
+        count = count or self.config.batch_size
+        with trio.move_on_after(self.config.sample_timeout):
+            while True:
+                batch = await self._try_sample(count)
+                if batch is not None:
+                    return batch
+                if nonblocking:
+                    break
+                await trio.sleep(POLL_S)
+        raise TryAgain(f"buffers/{self.name}: no live shard can serve a sample of {count} yet")
+
+    async def _try_sample(self, count: int) -> Batch | None:
+        live = [s for s, node in enumerate(self.layout.nodes) if node == self.me or self._alive(node)]
+        if not live:
+            raise TryAgain(
+                f"buffers/{self.name}: no shard is on a live node (shards on {', '.join(self.layout.nodes)})"
+            )
+        if len(live) < self.layout.shards:
+            self.partial_draws += 1
+        try:
+            found = await gather([partial(self._state, s) for s in live])
+        except PeerUnavailable as exc:
+            raise TryAgain(f"buffers/{self.name}: {exc}") from None
+        states = dict(zip(live, found, strict=True))
+        for shard, state in states.items():
+            self.last_states[shard] = {"size": state.size, "mass": state.mass}
+        ready = [s for s in live if states[s].can_sample and states[s].size > 0]
+        if not ready:
+            return None
+        mass = np.array([states[s].mass for s in ready], dtype=np.float64)
+        counts = np.random.default_rng().multinomial(count, mass / mass.sum())
+        chosen = [(shard, k) for shard, k in zip(ready, counts.tolist(), strict=True) if k]
+        try:
+            parts = await gather([partial(self._draw, s, k) for s, k in chosen])
+        except PeerUnavailable as exc:
+            raise TryAgain(f"buffers/{self.name}: {exc}") from None
+        except TryAgain:
+            return None  # a shard's limiter said no between its state and its draw
+        drawn = {shard: part for (shard, _k), part in zip(chosen, parts, strict=True)}
+        return self._combine(ready, states, drawn)
+
+    def _combine(self, ready: list[int], states: dict[int, ShardState], drawn: dict[int, Drawn]) -> Batch:
+        """One batch: global indices, and IS weights over the whole (live) buffer:
+        P(item) = P(item | shard) * mass(shard) / total mass."""
+        total_mass = sum(states[s].mass for s in ready)
+        size = sum(states[s].size for s in ready)
+        prioritized = any(d.probabilities is not None for d in drawn.values())
+        indices, probabilities, payloads = [], [], []
+        for shard, part in sorted(drawn.items()):
+            indices.append(self.to_global(shard, part.indices))
+            local = (
+                part.probabilities
+                if part.probabilities is not None
+                else np.full(len(part.indices), 1 / states[shard].size)
+            )
+            probabilities.append(local * states[shard].mass / total_mass)
+            payloads.extend(part.payloads)
+        all_indices = np.concatenate(indices)
+        min_probability = min(states[s].min_mass for s in ready) / total_mass
+        weights = importance_weights(
+            np.concatenate(probabilities) if prioritized else None, len(all_indices), size, min_probability,
+            self.config.beta,
+        )  # fmt: skip
+        return Batch(encode_batch(self.config, payloads, all_indices, weights), all_indices, weights)
+
+    # --- appending and priorities --------------------------------------------------------
+
+    def append_shard(self) -> int:
+        """This node's shard, or (for a node without one) a fixed shard chosen by node name."""
+        mine = self.layout.shard_of(self.me)
+        if mine is not None:
+            return mine
+        return sum(self.me.encode()) % self.layout.shards
+
+    async def append(self, items: Sequence[bytes | bytearray], nonblocking: bool = False) -> list[int]:
+        """Append to this node's shard (or forward to one); returns global indices."""
+        shard = self.append_shard()
+        node = self.layout.nodes[shard]
+        if node == self.me and self.local is not None:
+            local = await self.local.append(items, nonblocking=nonblocking)
+        else:
+            local = await self._peer.append(node, self.name, items, nonblocking)
+        indices: list[int] = self.to_global(shard, np.asarray(local, dtype=np.int64)).tolist()
+        return indices
+
+    async def update_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> None:
+        """Route each pair to the shard its index names. Every pair is checked first
+        (EINVAL applies none); each shard then applies its part whole."""
+        if len(indices) != len(priorities):
+            raise InvalidArgument(f"buffers/{self.name}: {len(indices)} indices but {len(priorities)} priorities")
+        bad = ~np.isfinite(priorities) | (priorities < 0)
+        if bad.any():
+            at = int(np.argmax(bad))
+            raise InvalidArgument(
+                f"buffers/{self.name}: priority must be finite and >= 0, got {priorities[at]} for index {indices[at]}"
+            )
+        parts = self.split(indices)
+        for shard, positions in parts.items():
+            local, values = indices[positions] // self.layout.shards, priorities[positions]
+            node = self.layout.nodes[shard]
+            if node == self.me and self.local is not None:
+                self.local.update_priorities(local, values)
+                await trio.lowlevel.checkpoint()
+            else:
+                await self._peer.update_priorities(node, self.name, local, values)
+
+    def stats_now(self) -> dict[str, Any]:
+        """Layout and counters, with each shard's numbers as of the last draw (no network:
+        `stats` is rendered at open)."""
+        return {
+            "shards": [
+                {
+                    "shard": shard,
+                    "node": node,
+                    "live": node == self.me or self._alive(node),
+                    **self.last_states.get(shard, {}),
+                }
+                for shard, node in enumerate(self.layout.nodes)
+            ],
+            "this_node_shard": self.layout.shard_of(self.me),
+            "partial_draws": self.partial_draws,
+            "remote_draws": self.remote_draws,
+        }
