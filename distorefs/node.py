@@ -440,11 +440,11 @@ class ClusterNode:
                     "address": f"{info.host}:{info.port}" if info else None,
                     "transport": info.transport if info else None,
                     "self": name == self.me,
-                    **({} if stats is None else {k: v for k, v in asdict(stats).items() if k != "idle"}),
+                    **({} if stats is None else stats.report()),
                 }
             )
         dead = [
-            {"node": name, "live": False, **{k: v for k, v in asdict(stats).items() if k != "idle"}}
+            {"node": name, "live": False, **stats.report()}
             for name, stats in self.peers.stats.items()
             if not self.alive(name)
         ]

@@ -29,6 +29,8 @@ import trio
 from distorefs.errors import PeerUnavailable
 
 log = logging.getLogger(__name__)
+# httpx logs every request at INFO: a lease renewal a second would drown the daemon log.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def _b64(data: bytes) -> str:

@@ -451,9 +451,12 @@ class BuffersDir(KindDirectory):
         tree.add_resolver(ITEM_BASE, ITEM_BASE + (1 << 60), self._resolve_item)
 
     def _dir(self, name: str) -> BufferDir:
+        buffer = self._store.get(name)  # NotFound once gone (also when another node removed it)
         node = self._dirs.get(name)
-        if node is None:
-            node = self._dirs[name] = BufferDir(self._tree, self._store.get(name))
+        if node is None or node.buffer is not buffer:
+            if node is not None:
+                node.forget_nodes()
+            node = self._dirs[name] = BufferDir(self._tree, buffer)
             self._tree.register(node)
         return node
 

@@ -166,6 +166,20 @@ class PeerStats:
     last_error_ns: int = 0
     idle: list[trio.SocketStream] = field(default_factory=list, repr=False)
 
+    def report(self) -> dict[str, Any]:
+        """The numbers, for `.distore/peers` (not the pooled connections)."""
+        return {
+            "calls": self.calls,
+            "failures": self.failures,
+            "retries": self.retries,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "rtt_ms": round(self.rtt_ms, 3),
+            "pooled_connections": len(self.idle),
+            "last_error": self.last_error,
+            "last_error_ns": self.last_error_ns,
+        }
+
 
 class PeerTransport:
     """Calls to other daemons by node name.

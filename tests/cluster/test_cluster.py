@@ -1,0 +1,189 @@
+"""Three daemons, three mounts and a real etcd on loopback: one namespace across nodes."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distorefs import client
+from tests.cluster.conftest import NodeFactory, wait_for
+from tests.conftest import Mount
+
+pytestmark = pytest.mark.mount
+
+
+def peers(mount: Mount) -> dict[str, object]:
+    result: dict[str, object] = json.loads((mount.path / ".distore" / "peers").read_text())
+    return result
+
+
+def configure(buffer: Path, **config: object) -> None:
+    (buffer / "config").write_text(json.dumps(config))
+
+
+def read_raw(path: Path) -> bytes:
+    """One os.read (a buffered read turns EAGAIN into None instead of raising)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.read(fd, 1 << 20)
+    finally:
+        os.close(fd)
+
+
+def errno_of(call: object) -> int | None:
+    try:
+        call()  # type: ignore[operator]
+    except OSError as exc:
+        return exc.errno
+    return None
+
+
+def test_nodes_see_each_other_and_peers_shows_the_transport(three: list[Mount]) -> None:
+    report = wait_for(lambda: len(peers(three[0])["live_nodes"]) == 3 and peers(three[0]), what="3 live nodes")
+    assert isinstance(report, dict)
+    assert report["mode"] == "cluster" and report["node"] == "n0"
+    assert report["transport"] == "tcp" and report["transport_reason"]
+    assert sorted(n["node"] for n in report["live_nodes"]) == ["n0", "n1", "n2"]
+
+
+def test_a_name_taken_by_a_live_node_is_refused(cluster_node: NodeFactory, tmp_path: Path) -> None:
+    first = peers(cluster_node("dup"))
+    (tmp_path / "x").mkdir()
+    other = subprocess.run(
+        [sys.executable, "-m", "distorefs", "mount", str(tmp_path / "x"), "--foreground",
+         "--data-dir", str(tmp_path / "xdata"), "--cluster", str(first["cluster"]), "--node", "dup"],
+        capture_output=True, timeout=60,
+    )  # fmt: skip
+    assert other.returncode != 0
+    assert b"node name 'dup' is taken by a live daemon" in other.stderr
+
+
+def test_a_directory_made_on_one_node_appears_on_every_node(three: list[Mount]) -> None:
+    a, b, c = three
+    (a.path / "buffers" / "replay").mkdir()
+    (b.path / "weights" / "policy").mkdir()
+    started = time.monotonic()
+    for mount in three:
+        wait_for(lambda m=mount: (m.path / "buffers" / "replay").is_dir(), what=f"buffers/replay on {mount.path}")
+        wait_for(lambda m=mount: (m.path / "weights" / "policy").is_dir(), what=f"weights/policy on {mount.path}")
+    seen_after_s = time.monotonic() - started
+    print(f"visible on all three nodes after {seen_after_s:.3f} s")
+    os.rmdir(c.path / "buffers" / "replay")
+    for mount in three:
+        wait_for(lambda m=mount: not (m.path / "buffers" / "replay").exists(), what="rmdir everywhere")
+
+
+def test_weights_published_on_one_node_wake_wait_and_are_fetched_once_per_node(three: list[Mount]) -> None:
+    a, b, c = three
+    (a.path / "weights" / "policy").mkdir()
+    for mount in (b, c):
+        wait_for(lambda m=mount: (m.path / "weights" / "policy").is_dir(), what="model dir")
+    woke: dict[str, bytes] = {}
+
+    def waiter(mount: Mount) -> None:
+        with open(mount.path / "weights" / "policy" / "wait", "rb") as f:
+            assert f.readline().split()[0] == b"0"  # the first read: the version now
+            woke[mount.path.parent.name] = f.readline()  # the next: blocks until a newer one
+
+    threads = [threading.Thread(target=waiter, args=(m,)) for m in (b, c)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # let the waiters block (a late one still sees version 1 as newer than 0)
+    tensor = np.arange(1 << 20, dtype=np.float32).tobytes()  # 4 MiB
+    with open(a.path / "weights" / "policy" / "params.bin", "wb") as f:
+        f.write(tensor)
+    for t in threads:
+        t.join(timeout=30)
+    assert {k: v.split()[0] for k, v in woke.items()} == {"n1": b"1", "n2": b"1"}
+    for mount in (b, c):
+        for _ in range(5):  # many readers on a node: still one fetch
+            assert (mount.path / "weights" / "policy" / "params.bin").read_bytes() == tensor
+        assert peers(mount)["weights_fetched"] == 1
+    with open(a.path / "weights" / "policy" / "params.bin", "wb") as f:
+        f.write(tensor[::-1])
+    for mount in (b, c):
+        wait_for(lambda m=mount: client.model_version(m.path / "weights" / "policy") == 2, what="version 2")
+        assert (mount.path / "weights" / "policy" / "params.bin").read_bytes() == tensor[::-1]
+
+
+def test_a_sharded_buffer_samples_across_nodes_by_priority_with_global_weights(three: list[Mount]) -> None:
+    a, b, c = three
+    buf = a.path / "buffers" / "sh"
+    buf.mkdir()
+    configure(buf, schema={"x": "int64"}, sampler="prioritized", alpha=1.0, beta=1.0, epsilon=0.0, shards=3,
+              capacity=1000, batch_size=100)  # fmt: skip
+    for mount in three:
+        wait_for(lambda m=mount: json.loads((m.path / "buffers" / "sh" / "config").read_text())["shards"] == 3,
+                 what="sharded config")  # fmt: skip
+    stats = json.loads((buf / "stats").read_text())
+    layout = [s["node"] for s in stats["cluster"]["shards"]]
+    assert sorted(layout) == ["n0", "n1", "n2"]
+    # each node appends to its own shard: 100, 200 and 100 items, valued by node
+    sizes = {"n0": 100, "n1": 200, "n2": 100}
+    for k, mount in enumerate(three):
+        name = mount.path.parent.name
+        values = np.arange(sizes[name], dtype=np.int64) + 1000 * k
+        client.append(mount.path / "buffers" / "sh", values.astype([("x", "<i8")]))
+    # raise every item of n2's shard to priority 3, written on n1 with global indices
+    shard_of_n2 = layout.index("n2")
+    indices = np.arange(100) * 3 + shard_of_n2
+    client.update_priorities(b.path / "buffers" / "sh", indices.tolist(), [3.0] * 100)
+    counts = np.zeros(3)
+    for _ in range(30):
+        array = np.load(io.BytesIO((c.path / "buffers" / "sh" / "sample").read_bytes()))
+        shard = array["_index"] % 3
+        counts += np.bincount(shard, minlength=3)
+        node_of = np.array([int(layout[s][1]) for s in shard])
+        assert (array["x"] // 1000 == node_of).all()  # the index names the shard that holds the item
+        assert np.allclose(array["_weight"], np.where(shard == shard_of_n2, 1 / 3, 1.0), rtol=1e-5)
+    fractions = counts / counts.sum()
+    expected = np.array([{"n0": 100, "n1": 200, "n2": 300}[n] for n in layout]) / 600
+    assert np.allclose(fractions, expected, atol=0.04), (fractions, expected)
+
+
+def test_kill9_keeps_replicated_checkpoints_and_fails_fast_on_unreplicated_data(three: list[Mount]) -> None:
+    a, b, c = three
+    run = a.path / "checkpoints" / "run1"
+    run.mkdir()
+    os.setxattr(run, "user.distore.replicas", b"2")
+    data = os.urandom(3 << 20)
+    fd = os.open(run / "step10.pt", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)  # returns once a second node holds it durably
+    finally:
+        os.close(fd)
+    holders = [m for m in (b, c) if (m.path / "checkpoints" / "run1" / "step10.pt").exists()]
+    assert len(holders) == 1
+    holder = holders[0]
+    other = c if holder is b else b
+    # a buffer that lives on n0 only
+    (a.path / "buffers" / "solo").mkdir()
+    client.append(a.path / "buffers" / "solo", [b"x" * 100] * 10)
+    wait_for(lambda: (other.path / "buffers" / "solo").is_dir(), what="solo visible")
+    assert len(client.sample(other.path / "buffers" / "solo", 4)) == 4  # served by n0 over the network
+
+    a.kill9()
+
+    assert (holder.path / "checkpoints" / "run1" / "step10.pt").read_bytes() == data
+    started = time.monotonic()
+    assert errno_of(lambda: read_raw(other.path / "buffers" / "solo" / "sample")) == errno.EAGAIN
+    with open(other.path / "buffers" / "solo" / "append", "wb") as f:
+        f.write(b"y" * 10)
+        assert errno_of(f.close) == errno.EIO
+    took = time.monotonic() - started
+    assert took < 2 * (2 + 2) + 2, took  # bounded by peer timeout and lease TTL (docs/cluster.md)
+    # the cluster goes on without n0
+    wait_for(lambda: len(peers(holder)["live_nodes"]) == 2, what="n0 leaves the member list")
+    (holder.path / "buffers" / "after").mkdir()
+    wait_for(lambda: (other.path / "buffers" / "after").is_dir(), what="new dir visible after the kill")

@@ -1,0 +1,127 @@
+"""ShardedBuffer without a network: three real ReplayBuffers as shards, reached through an
+in-memory ShardPeer (the real one is tested over loopback in tests/cluster)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distorefs.errors import InvalidArgument, TryAgain
+from distorefs.stores.replay.buffer import Drawn, ReplayBuffer, ShardState
+from distorefs.stores.replay.config import BufferConfig
+from distorefs.stores.replay.sharded import ShardedBuffer, ShardLayout
+from distorefs.tiers.blocks import BlockStore
+from distorefs.tiers.metadb import MetaDb
+from tests.unit.tiers import open_tiers
+
+NODES = ["a", "b", "c"]
+SCHEMA = {"x": "int64"}
+
+
+class InMemoryPeer:
+    """Answers for the shards on other 'nodes' by calling their buffers directly."""
+
+    def __init__(self, shards: dict[str, ReplayBuffer]) -> None:
+        self.shards = shards
+        self.calls = 0
+
+    async def shard_state(self, node: str, name: str) -> ShardState:
+        self.calls += 1
+        return self.shards[node].shard_state()
+
+    async def draw(self, node: str, name: str, count: int) -> Drawn:
+        self.calls += 1
+        return await self.shards[node].draw(count, nonblocking=True)
+
+    async def append(self, node: str, name: str, items: Sequence[bytes | bytearray], nonblocking: bool) -> list[int]:
+        return await self.shards[node].append(items, nonblocking=nonblocking)
+
+    async def update_priorities(self, node: str, name: str, indices: np.ndarray, priorities: np.ndarray) -> None:
+        self.shards[node].update_priorities(indices, priorities)
+
+
+@pytest.fixture
+async def shards(tmp_path: Path) -> AsyncIterator[dict[str, ReplayBuffer]]:
+    tiers: list[tuple[BlockStore, MetaDb]] = []
+    out = {}
+    for i, node in enumerate(NODES):
+        path = tmp_path / node
+        path.mkdir()
+        tiers.append(open_tiers(path, 1 << 16, 256))
+        config = BufferConfig().updated(
+            "t", {"sampler": "prioritized", "alpha": 1.0, "beta": 1.0, "epsilon": 0.0, "schema": SCHEMA,
+                  "capacity": 1000, "shards": 3}, has_items=False,
+        )  # fmt: skip
+        out[node] = ReplayBuffer("t", (1 << 48) + i, config, *tiers[-1])
+    yield out
+    for blocks, _meta in tiers:
+        await blocks.close()
+
+
+def view(shards: dict[str, ReplayBuffer], me: str, alive: set[str] | None = None) -> ShardedBuffer:
+    live = set(NODES) if alive is None else alive
+    return ShardedBuffer(
+        "t", shards[me].config, ShardLayout(NODES), me, shards[me], InMemoryPeer(shards), lambda n: n in live
+    )
+
+
+def records(values: range) -> list[bytes]:
+    return [np.int64(v).tobytes() for v in values]
+
+
+async def test_appends_go_to_the_local_shard_and_indices_carry_it(shards: dict[str, ReplayBuffer]) -> None:
+    assert await view(shards, "b").append(records(range(3))) == [1, 4, 7]  # local 0..2, shard 1
+    assert shards["b"].size == 3 and shards["a"].size == 0
+
+
+async def test_sample_splits_by_shard_priority_and_weighs_over_the_whole_buffer(
+    shards: dict[str, ReplayBuffer],
+) -> None:
+    # 100 items on a (value 0..99), 200 on b (100..299), 100 on c (300..399)
+    for node, values in zip(NODES, (range(0, 100), range(100, 300), range(300, 400)), strict=True):
+        await view(shards, node).append(records(values))
+    sharded = view(shards, "a")
+    c_indices = np.arange(100) * 3 + 2
+    await sharded.update_priorities(c_indices, np.full(100, 3.0))  # routed to c: mass 100:200:300
+    counts = np.zeros(3)
+    for _ in range(60):
+        batch = await sharded.sample(100)
+        array = np.load(io.BytesIO(bytes(batch.data)))
+        shard = array["_index"] % 3
+        counts += np.bincount(shard, minlength=3)
+        # the value tells which node stored it; the global index says the same shard
+        assert (np.searchsorted([100, 300], array["x"], side="right") == shard).all()
+        # P = p / 600 for p in {1, 3}; w = (N P)^-1 / (N * 1/600)^-1 = 1/p
+        assert np.allclose(array["_weight"], np.where(shard == 2, 1 / 3, 1.0), rtol=1e-5)
+    fractions = counts / counts.sum()
+    assert np.allclose(fractions, [1 / 6, 2 / 6, 3 / 6], atol=0.03), fractions
+
+
+async def test_a_shard_on_a_dead_node_is_left_out_of_draws(shards: dict[str, ReplayBuffer]) -> None:
+    for node in NODES:
+        await view(shards, node).append(records(range(10)))
+    sharded = view(shards, "a", alive={"a", "b"})
+    batch = await sharded.sample(64)
+    assert set((batch.indices % 3).tolist()) <= {0, 1}
+    assert sharded.partial_draws == 1
+
+
+async def test_no_live_shard_is_eagain_at_once(shards: dict[str, ReplayBuffer]) -> None:
+    sharded = ShardedBuffer(
+        "t", shards["a"].config, ShardLayout(["b", "c"]), "a", None, InMemoryPeer(shards), lambda n: False
+    )
+    with pytest.raises(TryAgain, match="no shard is on a live node"):
+        await sharded.sample(4)
+
+
+async def test_bad_priority_applies_to_no_shard(shards: dict[str, ReplayBuffer]) -> None:
+    for node in NODES:
+        await view(shards, node).append(records(range(2)))
+    sharded = view(shards, "a")
+    with pytest.raises(InvalidArgument, match="finite and >= 0"):
+        await sharded.update_priorities(np.array([0, 1, 2]), np.array([2.0, 2.0, -1.0]))
+    assert all(s.shard_state().mass == 2.0 for s in shards.values())  # still the default 1.0 each
