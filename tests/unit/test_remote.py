@@ -44,7 +44,8 @@ async def test_a_call_carries_meta_and_a_large_payload_both_ways() -> None:
         reply, body = await peers.call("b", "echo", {"tag": "x"}, [payload[:100], memoryview(payload)[100:]])
         assert reply == {"ok": True, "got": len(payload), "tag": "x"}
         assert bytes(body) == payload + b"!"
-        assert peers.stats["b"].calls == 1 and peers.stats["b"].bytes_received == len(payload) + 1
+        assert peers.stats["b"].calls == 1
+        assert peers.stats["b"].bytes_received == len(payload) + 1
         peers.close()
         nursery.cancel_scope.cancel()
 
@@ -88,7 +89,8 @@ async def test_an_unknown_or_closed_peer_is_eio_after_bounded_retries() -> None:
     peers = PeerTransport(lambda node: ("127.0.0.1", port), retries=2)
     with pytest.raises(PeerUnavailable, match="unreachable"):
         await peers.call("b", "echo")
-    assert peers.stats["b"].retries == 2 and peers.stats["b"].failures == 1
+    assert peers.stats["b"].retries == 2
+    assert peers.stats["b"].failures == 1
 
 
 async def test_the_client_reconnects_after_the_peer_restarts() -> None:

@@ -75,7 +75,8 @@ def records(values: range) -> list[bytes]:
 
 async def test_appends_go_to_the_local_shard_and_indices_carry_it(shards: dict[str, ReplayBuffer]) -> None:
     assert await view(shards, "b").append(records(range(3))) == [1, 4, 7]  # local 0..2, shard 1
-    assert shards["b"].size == 3 and shards["a"].size == 0
+    assert shards["b"].size == 3
+    assert shards["a"].size == 0
 
 
 async def test_sample_splits_by_shard_priority_and_weighs_over_the_whole_buffer(
