@@ -88,6 +88,9 @@ class ClusterNode:
         send, self._events = trio.open_memory_channel[WatchEvent](256)
         self.ns = PrefixMirror(self.etcd, self.root + b"ns/", send)
         self._fetching: set[bytes] = set()
+        # Buffer news that applying another node's change will post: not announced back
+        # (announcing them would race with that node's later changes).
+        self._echoes: dict[str, int] = {}
         self.weights_fetched = 0
         self.weights_fetch_errors = 0
         self.replication_errors = 0
@@ -149,6 +152,9 @@ class ClusterNode:
     async def _announce_buffers(self) -> None:
         while True:
             what, name = await self.buffers.news.next()
+            if self._echoes.get(name, 0) > 0:
+                self._echoes[name] -= 1
+                continue
             try:
                 await self._announce_buffer(what, name)
             except (DistorefsError, ValueError) as exc:
@@ -209,20 +215,28 @@ class ClusterNode:
 
     def _apply_buffer(self, name: str, event: WatchEvent) -> None:
         if event.kind == "delete":
-            try:
+            if name in self.buffers.names():
+                self._echo(name)
                 self.buffers.delete(name)
-            except NotFound:
-                pass
             return
         shared = json.loads(event.value)
         config = BufferConfig.from_json(f"buffers/{name}", shared["config"])
-        try:
+        if name in self.buffers.names():
             buffer = self.buffers.get(name)
             if buffer.config.to_json() != config.to_json():
-                buffer.reconfigure(shared["config"])
-        except NotFound:
+                self._echo(name)
+                try:
+                    buffer.reconfigure(shared["config"])
+                except DistorefsError:
+                    self._echoes[name] -= 1
+                    raise
+        else:
+            self._echo(name)
             self.buffers.create(name, config)
         self._route(name, shared["config"], shared["layout"])
+
+    def _echo(self, name: str) -> None:
+        self._echoes[name] = self._echoes.get(name, 0) + 1
 
     def _route(self, name: str, config_json: dict[str, Any], layout: list[str]) -> None:
         """Give the local buffer a router unless it is a whole buffer of this node."""

@@ -19,7 +19,12 @@ pytestmark = pytest.mark.mount
 def test_root_holds_the_reserved_directories(mounted: Mount) -> None:
     names = set(os.listdir(mounted.path))
     assert {"buffers", "weights", "checkpoints", "datasets", ".distore"} <= names
-    assert sorted(os.listdir(mounted.path / ".distore")) == ["status", "version"]
+    assert sorted(os.listdir(mounted.path / ".distore")) == ["peers", "status", "version"]
+
+
+def test_peers_of_a_single_node_daemon_says_so(mounted: Mount) -> None:
+    peers = json.loads((mounted.path / ".distore" / "peers").read_text())
+    assert peers == {"mode": "single-node", "transport": None, "live_nodes": []}
 
 
 def test_status_is_json_with_the_daemon_facts(mounted: Mount) -> None:

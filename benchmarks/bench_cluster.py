@@ -1,0 +1,179 @@
+"""Cluster benchmarks: a real etcd and two daemons on loopback, each measurement taken on
+the node that owns the data and on the other node in the same run.
+
+    .venv/bin/python benchmarks/bench_cluster.py [--seconds 3] [--readers 8] [--model-mib 64]
+
+- Remote sample throughput: a DQN-like buffer (110 KB items, prioritized, batch 32) owned by
+  node n0, sampled through n0's mount (local) and through n1's mount (every batch drawn by
+  n0 and sent over the peer protocol).
+- Weights fan-out: a model published on n0; R reader processes wait on `wait`, then read
+  the whole new version, on n0 (local) and on n1 (n1 fetches the version once and its
+  readers read the local copy). Reported: publish-to-last-reader-done latency.
+Prints a Markdown table; docs/benchmarks.md keeps the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from distorefs import client  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_etcd(base: Path) -> tuple[subprocess.Popen[bytes], str]:
+    client_port, peer_port = free_port(), free_port()
+    url = f"http://127.0.0.1:{client_port}"
+    proc = subprocess.Popen(
+        ["etcd", "--data-dir", str(base / "etcd"), "--listen-client-urls", url, "--advertise-client-urls", url,
+         "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+         "--initial-cluster", f"default=http://127.0.0.1:{peer_port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1):
+                return proc, url
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("etcd did not start")
+
+
+def mount(base: Path, name: str, url: str) -> Path:
+    mnt = base / name / "mnt"
+    mnt.mkdir(parents=True)
+    subprocess.run(
+        [sys.executable, "-m", "distorefs", "mount", str(mnt), "--data-dir", str(base / name / "data"),
+         "--dram-budget", "4GiB", "--cluster", url, "--node", name, "--listen", "127.0.0.1:0"],
+        check=True, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    return mnt
+
+
+def wait_for(check: object, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise SystemExit("timed out waiting for the cluster")
+        time.sleep(0.02)
+
+
+def sample_rate(buffer: Path, seconds: float) -> float:
+    """Batches of 32 per second through `sample`, one reader."""
+    path = buffer / "sample"
+    count = 0
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        client.read_batch(path)
+        count += 1
+    return count / (time.perf_counter() - started)
+
+
+def reader(model: Path, versions: int, done: multiprocessing.Queue[tuple[int, float]]) -> None:
+    with open(model / "wait", "rb") as wait:
+        wait.readline()
+        for _ in range(versions):
+            version = int(wait.readline().split()[0])
+            size = len((model / "params.bin").read_bytes())
+            done.put((version, time.time()))
+            del size
+
+
+def fan_out(publisher: Path, readers_on: Path, readers: int, versions: int, tensor: bytes) -> list[float]:
+    """Latency from the start of each publish to the last reader having read it."""
+    done: multiprocessing.Queue[tuple[int, float]] = multiprocessing.Queue()
+    procs = [multiprocessing.Process(target=reader, args=(readers_on, versions, done)) for _ in range(readers)]
+    for p in procs:
+        p.start()
+    time.sleep(1.0)  # readers are waiting
+    latencies = []
+    for _ in range(versions):
+        started = time.time()
+        with open(publisher / "params.bin", "wb") as f:
+            f.write(tensor)
+        finished = [done.get(timeout=120)[1] for _ in range(readers)]
+        latencies.append(max(finished) - started)
+    for p in procs:
+        p.join(timeout=60)
+    return latencies
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--readers", type=int, default=8)
+    parser.add_argument("--model-mib", type=int, default=64)
+    parser.add_argument("--versions", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="distore-bench-cluster-", dir="/var/tmp"))
+    etcd, url = start_etcd(base)
+    mounts: list[Path] = []
+    results: dict[str, float] = {}
+    try:
+        n0, n1 = mount(base, "n0", url), mount(base, "n1", url)
+        mounts = [n0, n1]
+        # --- remote sample throughput
+        (n0 / "buffers" / "dqn").mkdir()
+        config = {"sampler": "prioritized", "batch_size": 32, "capacity": 20_000}
+        (n0 / "buffers" / "dqn" / "config").write_text(json.dumps(config))
+        payload = os.urandom(110_000)
+        for _ in range(125):
+            client.append(n0 / "buffers" / "dqn", [payload] * 16)
+        wait_for(lambda: (n1 / "buffers" / "dqn").is_dir())
+        results["sample_local_batches_s"] = sample_rate(n0 / "buffers" / "dqn", args.seconds)
+        results["sample_remote_batches_s"] = sample_rate(n1 / "buffers" / "dqn", args.seconds)
+        # --- weights fan-out
+        (n0 / "weights" / "policy").mkdir()
+        wait_for(lambda: (n1 / "weights" / "policy").is_dir())
+        tensor = np.random.default_rng(0).bytes(args.model_mib << 20)
+        local = fan_out(n0 / "weights" / "policy", n0 / "weights" / "policy", args.readers, args.versions, tensor)
+        remote = fan_out(n0 / "weights" / "policy", n1 / "weights" / "policy", args.readers, args.versions, tensor)
+        results["fanout_local_s"] = float(np.median(local))
+        results["fanout_remote_s"] = float(np.median(remote))
+        peers = json.loads((n1 / ".distore" / "peers").read_text())
+        results["fanout_remote_fetches"] = peers["weights_fetched"]
+    finally:
+        for mnt in mounts:
+            subprocess.run([sys.executable, "-m", "distorefs", "umount", str(mnt)], check=False)
+        etcd.terminate()
+        etcd.wait(timeout=20)
+        shutil.rmtree(base, ignore_errors=True)
+    mb = 32 * 110_000 / 1e6
+    print("| measurement | on the owning node | on another node | ratio |")
+    print("| --- | --- | --- | --- |")
+    s_l, s_r = results["sample_local_batches_s"], results["sample_remote_batches_s"]
+    print(f"| DQN sample, batch 32 x 110 KB | {s_l:.0f} batches/s ({s_l * mb:.0f} MB/s) |"
+          f" {s_r:.0f} batches/s ({s_r * mb:.0f} MB/s) | {s_r / s_l:.2f}x |")  # fmt: skip
+    f_l, f_r = results["fanout_local_s"], results["fanout_remote_s"]
+    print(f"| weights fan-out, {args.model_mib} MiB to {args.readers} readers (publish to last read) |"
+          f" {f_l:.3f} s | {f_r:.3f} s ({results['fanout_remote_fetches']} fetches for {args.versions + 0} versions)"
+          f" | {f_l / f_r:.2f}x |")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
