@@ -91,6 +91,10 @@ class ClusterNode:
         # Buffer news that applying another node's change will post: not announced back
         # (announcing them would race with that node's later changes).
         self._echoes: dict[str, int] = {}
+        # The revision of this node's last write of each ns key: the watch brings our own
+        # writes back, and those (or older ones) must not be applied over newer local state.
+        self._own: dict[bytes, int] = {}
+        self._own_value: dict[bytes, bytes] = {}
         self.weights_fetched = 0
         self.weights_fetch_errors = 0
         self.replication_errors = 0
@@ -149,6 +153,13 @@ class ClusterNode:
         kv = self.ns.items.get(self._key(kind, name)[len(self.ns.prefix) :])
         return None if kv is None else kv.json()
 
+    async def _put(self, key: bytes, value: bytes) -> None:
+        self._own_value[key] = value  # set before the await: the watch may bring it back first
+        self._own[key] = await self.etcd.put(key, value)
+
+    async def _delete(self, key: bytes) -> None:
+        self._own[key] = await self.etcd.delete(key)
+
     async def _announce_buffers(self) -> None:
         while True:
             what, name = await self.buffers.news.next()
@@ -164,7 +175,7 @@ class ClusterNode:
         shared = self._shared("buffers", name)
         if what == "deleted":
             if shared is not None:
-                await self.etcd.delete(self._key("buffers", name))
+                await self._delete(self._key("buffers", name))
             return
         try:
             buffer = self.buffers.get(name)
@@ -177,7 +188,7 @@ class ClusterNode:
             layout = (layout + others)[: buffer.config.shards]
         if shared is not None and shared["config"] == config and shared["layout"] == layout:
             return
-        await self.etcd.put(self._key("buffers", name), json.dumps({"config": config, "layout": layout}).encode())
+        await self._put(self._key("buffers", name), json.dumps({"config": config, "layout": layout}).encode())
         self._route(name, config, layout)
 
     async def _announce_weights(self) -> None:
@@ -187,14 +198,14 @@ class ClusterNode:
                 shared = self._shared("weights", name)
                 if what == "deleted":
                     if shared is not None:
-                        await self.etcd.delete(self._key("weights", name))
+                        await self._delete(self._key("weights", name))
                     continue
                 model = self.weights.models.get(name)
                 if model is None:
                     continue
                 if shared is None or model.version > int(shared["version"]):
                     value = {"version": model.version, "node": self.me}
-                    await self.etcd.put(self._key("weights", name), json.dumps(value).encode())
+                    await self._put(self._key("weights", name), json.dumps(value).encode())
             except DistorefsError as exc:
                 log.warning("cluster: could not announce weights/%s (%s): %s", name.decode(errors="replace"), what, exc)
 
@@ -203,6 +214,10 @@ class ClusterNode:
     async def _apply_events(self) -> None:
         async with trio.open_nursery() as fetches:
             async for event in self._events:
+                if event.mod_revision <= self._own.get(event.key, 0) or (
+                    event.kind == "put" and self._own_value.get(event.key) == event.value
+                ):
+                    continue  # our own write (or one older than it) coming back
                 key = event.key[len(self.ns.prefix) :]
                 kind, _, name = key.partition(b"/")
                 try:
@@ -214,6 +229,7 @@ class ClusterNode:
                     log.warning("cluster: cannot apply %s of %r: %s", event.kind, key, exc)
 
     def _apply_buffer(self, name: str, event: WatchEvent) -> None:
+        log.info("cluster: buffers/%s %s by another node", name, "removed" if event.kind == "delete" else "changed")
         if event.kind == "delete":
             if name in self.buffers.names():
                 self._echo(name)

@@ -133,11 +133,12 @@ class EtcdClient:
         return bool(answer.get("succeeded"))
 
     async def delete(self, key: bytes, prefix: bool = False) -> int:
+        """Delete the key (or every key under it); returns the store's revision after."""
         body = {"key": _b64(key)}
         if prefix:
             body["range_end"] = _b64(prefix_end(key))
         answer = await self._call("/v3/kv/deleterange", body)
-        return int(answer.get("deleted", 0))
+        return int(answer["header"]["revision"])
 
     # --- leases -------------------------------------------------------------------------
 
