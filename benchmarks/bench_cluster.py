@@ -71,11 +71,11 @@ def mount(base: Path, name: str, url: str) -> Path:
     return mnt
 
 
-def wait_for(check: object, timeout_s: float = 20.0) -> None:
+def wait_for(check: object, what: str, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():  # type: ignore[operator]
         if time.monotonic() > deadline:
-            raise SystemExit("timed out waiting for the cluster")
+            raise SystemExit(f"timed out waiting for {what}")
         time.sleep(0.02)
 
 
@@ -141,12 +141,12 @@ def main() -> int:
         payload = os.urandom(110_000)
         for _ in range(125):
             client.append(n0 / "buffers" / "dqn", [payload] * 16)
-        wait_for(lambda: (n1 / "buffers" / "dqn").is_dir())
+        wait_for(lambda: (n1 / "buffers" / "dqn").is_dir(), "buffers/dqn on n1")
         results["sample_local_batches_s"] = sample_rate(n0 / "buffers" / "dqn", args.seconds)
         results["sample_remote_batches_s"] = sample_rate(n1 / "buffers" / "dqn", args.seconds)
         # --- weights fan-out
         (n0 / "weights" / "policy").mkdir()
-        wait_for(lambda: (n1 / "weights" / "policy").is_dir())
+        wait_for(lambda: (n1 / "weights" / "policy").is_dir(), "weights/policy on n1")
         tensor = np.random.default_rng(0).bytes(args.model_mib << 20)
         local = fan_out(n0 / "weights" / "policy", n0 / "weights" / "policy", args.readers, args.versions, tensor)
         remote = fan_out(n0 / "weights" / "policy", n1 / "weights" / "policy", args.readers, args.versions, tensor)
@@ -159,7 +159,10 @@ def main() -> int:
             subprocess.run([sys.executable, "-m", "distorefs", "umount", str(mnt)], check=False)
         etcd.terminate()
         etcd.wait(timeout=20)
-        shutil.rmtree(base, ignore_errors=True)
+        if os.environ.get("KEEP"):
+            print("kept", base)
+        else:
+            shutil.rmtree(base, ignore_errors=True)
     mb = 32 * 110_000 / 1e6
     print("| measurement | on the owning node | on another node | ratio |")
     print("| --- | --- | --- | --- |")
@@ -168,7 +171,8 @@ def main() -> int:
           f" {s_r:.0f} batches/s ({s_r * mb:.0f} MB/s) | {s_r / s_l:.2f}x |")  # fmt: skip
     f_l, f_r = results["fanout_local_s"], results["fanout_remote_s"]
     print(f"| weights fan-out, {args.model_mib} MiB to {args.readers} readers (publish to last read) |"
-          f" {f_l:.3f} s | {f_r:.3f} s ({results['fanout_remote_fetches']} fetches for {args.versions + 0} versions)"
+          f" {f_l:.3f} s | {f_r:.3f} s (n1 fetched {results['fanout_remote_fetches']} times for"
+          f" {2 * args.versions} versions)"
           f" | {f_l / f_r:.2f}x |")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

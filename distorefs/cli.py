@@ -236,6 +236,18 @@ def start_background(config: Any, args: argparse.Namespace) -> int:
         "--compact-interval", str(config.compact_interval_s),
         "--snapshot-interval", str(config.snapshot_interval_s), "--ready-fd", str(write_fd),
     ]  # fmt: skip
+    argv += ["--wait-timeout", str(config.wait_timeout_s)]
+    if config.checkpoint_sync_close:
+        argv.append("--checkpoint-sync-close")
+    if config.prefetch_window_bytes is not None:
+        argv += ["--prefetch-window", str(config.prefetch_window_bytes)]
+    cluster = config.cluster
+    if cluster is not None:
+        argv += [
+            "--cluster", cluster.url, "--node", cluster.node, "--listen", f"{cluster.listen_host}:{cluster.listen_port}",
+            "--peer-timeout", str(cluster.peer_timeout_s), "--lease-ttl", str(cluster.lease_ttl_s),
+            "--transport", cluster.transport,
+        ]  # fmt: skip
     if config.allow_other:
         argv.append("--allow-other")
     if args.debug:
