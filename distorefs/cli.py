@@ -244,7 +244,8 @@ def start_background(config: Any, args: argparse.Namespace) -> int:
     cluster = config.cluster
     if cluster is not None:
         argv += [
-            "--cluster", cluster.url, "--node", cluster.node, "--listen", f"{cluster.listen_host}:{cluster.listen_port}",
+            "--cluster", cluster.url, "--node", cluster.node,
+            "--listen", f"{cluster.listen_host}:{cluster.listen_port}",
             "--peer-timeout", str(cluster.peer_timeout_s), "--lease-ttl", str(cluster.lease_ttl_s),
             "--transport", cluster.transport,
         ]  # fmt: skip
