@@ -12,6 +12,7 @@ It sits beside the daemon, above the stores, and never touches FUSE.
 Shared namespace keys (docs/cluster.md):
     ns/buffers/<name>   {"config": {...}, "layout": [node per shard]}
     ns/weights/<name>   {"version": N, "node": publisher}
+    ns/checkpoints/<path>   {} for a directory made under checkpoints/
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ class ClusterNode:
         nursery.start_soon(self._announce_buffers, name="cluster buffer news")
         nursery.start_soon(self._announce_weights, name="cluster weights news")
         nursery.start_soon(self._replicate_closed, name="cluster checkpoint replication")
+        nursery.start_soon(self._announce_checkpoint_dirs, name="cluster checkpoint dirs news")
 
     async def stop(self) -> None:
         """Leave the cluster at once (the lease is revoked) and close connections."""
@@ -191,6 +193,17 @@ class ClusterNode:
         await self._put(self._key("buffers", name), json.dumps({"config": config, "layout": layout}).encode())
         self._route(name, config, layout)
 
+    async def _announce_checkpoint_dirs(self) -> None:
+        """A directory made under checkpoints/ here is made on every node (the key is
+        the path; removal is not propagated: docs/cluster.md)."""
+        while True:
+            path = await self.checkpoints.news.next()
+            if self._shared("checkpoints", path) is None:
+                try:
+                    await self._put(self._key("checkpoints", path), b"{}")
+                except DistorefsError as exc:
+                    log.warning("cluster: could not announce %s: %s", path.decode(errors="replace"), exc)
+
     async def _announce_weights(self) -> None:
         while True:
             what, name = await self.weights.news.next()
@@ -225,6 +238,8 @@ class ClusterNode:
                         self._apply_buffer(name.decode(errors="surrogateescape"), event)
                     elif kind == b"weights":
                         self._apply_weights(name, event, fetches)
+                    elif kind == b"checkpoints" and event.kind == "put":
+                        self.checkpoints.make_dirs(name)
                 except DistorefsError as exc:
                     log.warning("cluster: cannot apply %s of %r: %s", event.kind, key, exc)
 

@@ -289,7 +289,9 @@ class FsOperations(pyfuse3.Operations):
             return self._virtual_attrs(await vdir.mkdir(name, mode))
         if self._is_reserved(parent_inode, name):
             raise Exists(f"{name.decode()}/ exists (reserved)")
-        return self._entry(self.files.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
+        inode = self.files.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid)
+        self.ckpt.dir_made(inode.ino)
+        return self._entry(inode)
 
     @_translate(mutates=True)
     async def symlink(

@@ -89,6 +89,7 @@ class CheckpointStore:
         self.replicator: Replicator | None = None  # set in a cluster
         self.replication_queue = Outbox[int]()  # closed files of replicas > 1 dirs, made durable
         self.replicated = 0
+        self.news = Outbox[bytes]()  # paths of directories made under checkpoints/ (cluster)
 
     @classmethod
     def load(cls, files: FileStore, blocks: BlockStore, meta: MetaDb, sync_close: bool) -> CheckpointStore:
@@ -181,10 +182,35 @@ class CheckpointStore:
         await self.replicator.replicate(ino, self.path_of(ino), copies)
         self.replicated += 1
 
-    def path_of(self, ino: int) -> bytes:
-        """The file's path from the mount root, e.g. b"checkpoints/run1/step10.pt"."""
+    def dir_made(self, directory: int) -> None:
+        """A directory was made in the tree: one under checkpoints/ is news for a cluster."""
+        if self.replicator is not None and self.covers(directory):
+            self.news.post(self.path_of(directory, self._files.parent_of(directory)))
+
+    def make_dirs(self, path: bytes) -> None:
+        """Make `path` (under checkpoints/) and its parents where missing: a directory
+        another node made. No news: it is not announced back."""
+        self._resolve_parent(path + b"/x", create=True)
+
+    def _resolve_parent(self, path: bytes, create: bool) -> tuple[int, bytes]:
+        names = path.split(b"/")
+        if names[0] != CHECKPOINTS or len(names) < 2 or any(n in (b"", b".", b"..") for n in names):
+            raise InvalidArgument(f"path must be under checkpoints/, got {path!r}")
+        parent = ROOT_INODE
+        root = self._files.get(ROOT_INODE)
+        for name in names[:-1]:
+            try:
+                parent = self._files.lookup(parent, name).ino
+            except NotFound:
+                if not create:
+                    raise
+                parent = self._files.mkdir(parent, name, 0o755, root.uid, root.gid).ino
+        return parent, names[-1]
+
+    def path_of(self, ino: int, parent: int | None = None) -> bytes:
+        """The path from the mount root, e.g. b"checkpoints/run1/step10.pt"."""
         parts: list[bytes] = []
-        parent = self._states[ino].parent
+        parent = self._states[ino].parent if parent is None else parent
         child = ino
         while True:
             name = next(n for n, c in self._files.entries(parent) if c == child)
@@ -196,20 +222,12 @@ class CheckpointStore:
     async def receive_replica(self, path: bytes, mode: int, data: memoryview) -> int:
         """Store a replica sent by another node at `path` (directories made as needed),
         durably. Returns its inode."""
-        names = path.split(b"/")
-        if names[0] != CHECKPOINTS or len(names) < 2 or any(n in (b"", b".", b"..") for n in names):
-            raise InvalidArgument(f"replica path must be under checkpoints/, got {path!r}")
-        parent = ROOT_INODE
+        parent, name = self._resolve_parent(path, create=True)
         root = self._files.get(ROOT_INODE)
-        for name in names[:-1]:
-            try:
-                parent = self._files.lookup(parent, name).ino
-            except NotFound:
-                parent = self._files.mkdir(parent, name, 0o755, root.uid, root.gid).ino
         try:
-            ino = self._files.lookup(parent, names[-1]).ino
+            ino = self._files.lookup(parent, name).ino
         except NotFound:
-            ino = self._files.mknod(parent, names[-1], stat.S_IFREG | (mode & 0o7777), 0, root.uid, root.gid).ino
+            ino = self._files.mknod(parent, name, stat.S_IFREG | (mode & 0o7777), 0, root.uid, root.gid).ino
         self.track(ino, parent)
         await self._files.setattr(ino, size=0)
         if len(data):

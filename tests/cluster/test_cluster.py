@@ -74,10 +74,14 @@ def test_a_directory_made_on_one_node_appears_on_every_node(three: list[Mount]) 
     a, b, c = three
     (a.path / "buffers" / "replay").mkdir()
     (b.path / "weights" / "policy").mkdir()
+    (c.path / "checkpoints" / "run7" / "stage2").mkdir(parents=True)
     started = time.monotonic()
     for mount in three:
         wait_for(lambda m=mount: (m.path / "buffers" / "replay").is_dir(), what=f"buffers/replay on {mount.path}")
         wait_for(lambda m=mount: (m.path / "weights" / "policy").is_dir(), what=f"weights/policy on {mount.path}")
+        wait_for(
+            lambda m=mount: (m.path / "checkpoints" / "run7" / "stage2").is_dir(), what=f"checkpoints on {mount.path}"
+        )
     seen_after_s = time.monotonic() - started
     print(f"visible on all three nodes after {seen_after_s:.3f} s")
     os.rmdir(c.path / "buffers" / "replay")
