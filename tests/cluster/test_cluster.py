@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from distorefs import client
-from tests.cluster.conftest import NodeFactory, wait_for
-from tests.conftest import Mount
+from tests.cluster.conftest import Etcd, NodeFactory, wait_for
+from tests.conftest import Mount, fuse_missing
 
 pytestmark = pytest.mark.mount
 
@@ -193,3 +193,28 @@ def test_kill9_keeps_replicated_checkpoints_and_fails_fast_on_unreplicated_data(
     wait_for(lambda: len(peers(holder)["live_nodes"]) == 2, what="n0 leaves the member list")
     (holder.path / "buffers" / "after").mkdir()
     wait_for(lambda: (other.path / "buffers" / "after").is_dir(), what="new dir visible after the kill")
+
+
+def test_a_background_mount_keeps_its_cluster_flags(etcd: Etcd, tmp_path: Path) -> None:
+    missing = fuse_missing()
+    if missing:
+        pytest.skip(missing)
+    mnt = tmp_path / "bg"
+    mnt.mkdir()
+    command = [sys.executable, "-m", "distorefs"]
+    subprocess.run(
+        [*command, "mount", str(mnt), "--data-dir", str(tmp_path / "bgdata"), "--cluster", etcd.url,
+         "--node", "bg", "--peer-timeout", "3", "--lease-ttl", "4"],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    try:
+        report = json.loads((mnt / ".distore" / "peers").read_text())
+        assert report["node"] == "bg"
+        assert report["peer_timeout_s"] == 3.0
+        assert report["lease_ttl_s"] == 4
+    finally:
+        done = subprocess.run([*command, "umount", str(mnt)], capture_output=True, timeout=120)
+        if done.returncode != 0:
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
+        etcd.wipe()
+    assert done.returncode == 0, done.stderr
