@@ -45,6 +45,14 @@ log = logging.getLogger(__name__)
 EAGAIN = 11
 
 
+def split_payload(payload: memoryview, sizes: Sequence[int]) -> list[memoryview]:
+    """The parts of a payload that carries several items back to back (views, no copy)."""
+    ends = np.cumsum([0, *sizes]).tolist()
+    if ends[-1] != len(payload):
+        raise PeerUnavailable(f"peer payload of {len(payload)} bytes does not match its sizes ({ends[-1]})")
+    return [payload[start:end] for start, end in zip(ends, ends[1:], strict=False)]
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     url: str
@@ -320,10 +328,8 @@ class ClusterNode:
                         "cluster: fetching weights/%s from %s failed: %s", name.decode(errors="replace"), node, exc
                     )
                     return
-                files, at = [], 0
-                for file_name, size in reply["files"]:
-                    files.append((bytes(file_name), payload[at : at + size]))
-                    at += size
+                parts = split_payload(payload, [size for _name, size in reply["files"]])
+                files = [(bytes(name), part) for (name, _size), part in zip(reply["files"], parts, strict=True)]
                 await self.weights.install(model, int(reply["version"]), files)
                 self.weights_fetched += 1
         finally:
@@ -344,11 +350,7 @@ class ClusterNode:
             raise
         indices = np.frombuffer(reply["indices"], dtype=np.int64)
         probabilities = None if reply["probabilities"] is None else np.frombuffer(reply["probabilities"], np.float64)
-        payloads: list[bytes | memoryview] = []
-        at = 0
-        for size in reply["sizes"]:
-            payloads.append(payload[at : at + size])
-            at += size
+        payloads: list[bytes | memoryview] = list(split_payload(payload, reply["sizes"]))
         return Drawn(indices, probabilities, payloads)
 
     async def append(self, node: str, name: str, items: Sequence[bytes | bytearray], nonblocking: bool) -> list[int]:
@@ -449,10 +451,7 @@ class ClusterNode:
     async def _on_buffer_append(
         self, meta: dict[str, Any], body: memoryview
     ) -> tuple[dict[str, Any], Sequence[Payload]]:
-        items, at = [], 0
-        for size in meta["sizes"]:
-            items.append(bytes(body[at : at + size]))
-            at += size
+        items = [bytes(part) for part in split_payload(body, meta["sizes"])]
         buffer = self._shard(meta)
         indices = await buffer.append(items, nonblocking=bool(meta.get("nonblocking")))
         await buffer.persist()

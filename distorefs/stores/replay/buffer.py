@@ -83,6 +83,19 @@ def importance_weights(
     return weights.astype(np.float32)
 
 
+def check_priorities(name: str, indices: np.ndarray, priorities: np.ndarray) -> None:
+    """EINVAL, naming the first bad pair, unless every priority is finite and >= 0 and
+    there is one per index."""
+    if len(indices) != len(priorities):
+        raise InvalidArgument(f"buffers/{name}: {len(indices)} indices but {len(priorities)} priorities")
+    bad = ~np.isfinite(priorities) | (priorities < 0)
+    if bad.any():
+        at = int(np.argmax(bad))
+        raise InvalidArgument(
+            f"buffers/{name}: priority must be finite and >= 0, got {priorities[at]} for index {indices[at]}"
+        )
+
+
 def encode_batch(
     config: BufferConfig, payloads: list[bytes | memoryview], indices: np.ndarray, weights: np.ndarray
 ) -> bytearray | ScatteredBytes:
@@ -392,16 +405,9 @@ class ReplayBuffer:
 
     def update_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> None:
         """Set priorities; all are checked first, so a bad pair applies none of them."""
-        if len(indices) != len(priorities):
-            raise InvalidArgument(f"buffers/{self.name}: {len(indices)} indices but {len(priorities)} priorities")
+        check_priorities(self.name, indices, priorities)
         if len(indices) == 0:
             return
-        bad = ~np.isfinite(priorities) | (priorities < 0)
-        if bad.any():
-            at = int(np.argmax(bad))
-            raise InvalidArgument(
-                f"buffers/{self.name}: priority must be finite and >= 0, got {priorities[at]} for index {indices[at]}"
-            )
         slots = indices % self.config.capacity
         dead = (indices < 0) | (self._slot_index[slots] != indices)
         if dead.any():

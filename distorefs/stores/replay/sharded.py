@@ -26,7 +26,15 @@ import numpy as np
 import trio
 
 from distorefs.errors import InvalidArgument, PeerUnavailable, TryAgain
-from distorefs.stores.replay.buffer import Batch, Drawn, ReplayBuffer, ShardState, encode_batch, importance_weights
+from distorefs.stores.replay.buffer import (
+    Batch,
+    Drawn,
+    ReplayBuffer,
+    ShardState,
+    check_priorities,
+    encode_batch,
+    importance_weights,
+)
 from distorefs.stores.replay.config import BufferConfig
 
 log = logging.getLogger(__name__)
@@ -235,14 +243,7 @@ class ShardedBuffer:
     async def update_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> None:
         """Route each pair to the shard its index names. Every pair is checked first
         (EINVAL applies none); each shard then applies its part whole."""
-        if len(indices) != len(priorities):
-            raise InvalidArgument(f"buffers/{self.name}: {len(indices)} indices but {len(priorities)} priorities")
-        bad = ~np.isfinite(priorities) | (priorities < 0)
-        if bad.any():
-            at = int(np.argmax(bad))
-            raise InvalidArgument(
-                f"buffers/{self.name}: priority must be finite and >= 0, got {priorities[at]} for index {indices[at]}"
-            )
+        check_priorities(self.name, indices, priorities)
         parts = self.split(indices)
         for shard, positions in parts.items():
             local, values = indices[positions] // self.layout.shards, priorities[positions]
