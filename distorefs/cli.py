@@ -144,9 +144,8 @@ def _cluster_config(args: argparse.Namespace) -> Any:
     from distorefs.node import ClusterConfig
 
     if args.cluster is None:
-        for flag in ("node",):
-            if getattr(args, flag) is not None:
-                raise ConfigError(f"--{flag} needs --cluster")
+        if args.node is not None:
+            raise ConfigError("--node needs --cluster")
         return None
     host, sep, port = args.listen.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:

@@ -190,22 +190,25 @@ class CheckpointStore:
     def make_dirs(self, path: bytes) -> None:
         """Make `path` (under checkpoints/) and its parents where missing: a directory
         another node made. No news: it is not announced back."""
-        self._resolve_parent(path + b"/x", create=True)
+        self._make_dirs(self._checked_names(path))
 
-    def _resolve_parent(self, path: bytes, create: bool) -> tuple[int, bytes]:
+    def _checked_names(self, path: bytes) -> list[bytes]:
         names = path.split(b"/")
         if names[0] != CHECKPOINTS or len(names) < 2 or any(n in (b"", b".", b"..") for n in names):
             raise InvalidArgument(f"path must be under checkpoints/, got {path!r}")
+        return names
+
+    def _make_dirs(self, names: list[bytes]) -> int:
+        """Walk `names` from the root, making the directories that are missing; returns
+        the last one's inode."""
         parent = ROOT_INODE
         root = self._files.get(ROOT_INODE)
-        for name in names[:-1]:
+        for name in names:
             try:
                 parent = self._files.lookup(parent, name).ino
             except NotFound:
-                if not create:
-                    raise
                 parent = self._files.mkdir(parent, name, 0o755, root.uid, root.gid).ino
-        return parent, names[-1]
+        return parent
 
     def path_of(self, ino: int, parent: int | None = None) -> bytes:
         """The path from the mount root, e.g. b"checkpoints/run1/step10.pt"."""
@@ -222,7 +225,8 @@ class CheckpointStore:
     async def receive_replica(self, path: bytes, mode: int, data: memoryview) -> int:
         """Store a replica sent by another node at `path` (directories made as needed),
         durably. Returns its inode."""
-        parent, name = self._resolve_parent(path, create=True)
+        names = self._checked_names(path)
+        parent, name = self._make_dirs(names[:-1]), names[-1]
         root = self._files.get(ROOT_INODE)
         try:
             ino = self._files.lookup(parent, name).ino
