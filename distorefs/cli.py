@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="etcd lease of this node: a dead node leaves the cluster after this long (default 3 s)",
     )  # fmt: skip
     cluster.add_argument("--transport", choices=("auto", "tcp", "rdma"), default="auto", help="peer data transport")
+    cluster.add_argument(
+        "--lend-memory", default="0", metavar="SIZE",
+        help="DRAM this node keeps for other nodes' cold buffer items, e.g. 8GiB (default 0: lends none)",
+    )  # fmt: skip
     mount.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
 
     umount = sub.add_parser("umount", help="persist everything, unmount, wait for the daemon to exit")
@@ -158,6 +162,7 @@ def _cluster_config(args: argparse.Namespace) -> Any:
         peer_timeout_s=args.peer_timeout,
         lease_ttl_s=args.lease_ttl,
         transport=args.transport,
+        lend_bytes=parse_size(args.lend_memory),
     )
     config.validate()
     return config
@@ -246,7 +251,7 @@ def start_background(config: Any, args: argparse.Namespace) -> int:
             "--cluster", cluster.url, "--node", cluster.node,
             "--listen", f"{cluster.listen_host}:{cluster.listen_port}",
             "--peer-timeout", str(cluster.peer_timeout_s), "--lease-ttl", str(cluster.lease_ttl_s),
-            "--transport", cluster.transport,
+            "--transport", cluster.transport, "--lend-memory", str(cluster.lend_bytes),
         ]  # fmt: skip
     if config.allow_other:
         argv.append("--allow-other")

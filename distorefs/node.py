@@ -38,19 +38,13 @@ from distorefs.stores.replay.config import BufferConfig
 from distorefs.stores.replay.sharded import ShardedBuffer, ShardLayout, gather
 from distorefs.stores.replay.store import BufferStore
 from distorefs.stores.weights import WeightStore
-from distorefs.tiers.remote import Payload, PeerServer, PeerTransport, choose_transport
+from distorefs.tiers.blocks import BlockStore
+from distorefs.tiers.remote import Payload, PeerServer, PeerTransport, choose_transport, split_payload
+from distorefs.tiers.remote_memory import LentMemory, RemoteMemory
 
 log = logging.getLogger(__name__)
 
 EAGAIN = 11
-
-
-def split_payload(payload: memoryview, sizes: Sequence[int]) -> list[memoryview]:
-    """The parts of a payload that carries several items back to back (views, no copy)."""
-    ends = np.cumsum([0, *sizes]).tolist()
-    if ends[-1] != len(payload):
-        raise PeerUnavailable(f"peer payload of {len(payload)} bytes does not match its sizes ({ends[-1]})")
-    return [payload[start:end] for start, end in zip(ends, ends[1:], strict=False)]
 
 
 @dataclass(frozen=True)
@@ -62,6 +56,7 @@ class ClusterConfig:
     peer_timeout_s: float = 5.0
     lease_ttl_s: int = 3
     transport: str = "auto"
+    lend_bytes: int = 0
     root: str = "/distore/"
 
     def validate(self) -> None:
@@ -73,6 +68,8 @@ class ClusterConfig:
             raise ConfigError(f"--peer-timeout must be in (0, 600] seconds, got {self.peer_timeout_s}")
         if not 1 <= self.lease_ttl_s <= 600:
             raise ConfigError(f"--lease-ttl must be 1..600 seconds, got {self.lease_ttl_s}")
+        if self.lend_bytes < 0:
+            raise ConfigError(f"--lend-memory must not be negative, got {self.lend_bytes}")
         if self.transport not in ("auto", "tcp", "rdma"):
             raise ConfigError(f"--transport must be auto, tcp or rdma, got {self.transport!r}")
 
@@ -81,10 +78,16 @@ class ClusterNode:
     """One daemon's membership, peer server and client, and namespace sync."""
 
     def __init__(
-        self, config: ClusterConfig, buffers: BufferStore, weights: WeightStore, checkpoints: CheckpointStore
+        self,
+        config: ClusterConfig,
+        blocks: BlockStore,
+        buffers: BufferStore,
+        weights: WeightStore,
+        checkpoints: CheckpointStore,
     ) -> None:
         self.config = config
         self.me = config.node
+        self.blocks = blocks
         self.buffers = buffers
         self.weights = weights
         self.checkpoints = checkpoints
@@ -92,6 +95,8 @@ class ClusterNode:
         self.root = config.root.encode()
         self.server = PeerServer()
         self.peers = PeerTransport(self._address, timeout_s=config.peer_timeout_s)
+        self.lent = LentMemory(config.lend_bytes) if config.lend_bytes else None
+        self.remote_memory = RemoteMemory(self.me, self.peers, self._lenders)
         self.transport, self.transport_reason = "tcp", ""
         self.members: Membership | None = None
         send, self._events = trio.open_memory_channel[WatchEvent](256)
@@ -121,7 +126,9 @@ class ClusterNode:
         log.info("cluster: data transport %s (%s)", self.transport, self.transport_reason)
         self._register_handlers()
         port = await nursery.start(self.server.serve, self.config.listen_host, self.config.listen_port)
-        info = NodeInfo(self.me, self.config.listen_host, port, self.transport, pid=os.getpid())
+        info = NodeInfo(
+            self.me, self.config.listen_host, port, self.transport, pid=os.getpid(), lend_bytes=self.config.lend_bytes
+        )
         self.members = Membership(self.etcd, self.root, info, self.config.lease_ttl_s)
         try:
             await self.members.join()
@@ -129,7 +136,10 @@ class ClusterNode:
             raise ConfigError(f"cannot join the cluster at {self.config.url}: {exc}") from None
         self.buffers.shard_limit = lambda: len(self.members.alive()) if self.members else 1
         self.checkpoints.replicator = self
+        self.blocks.attach_remote(self.remote_memory)
         nursery.start_soon(self.members.run, name="cluster membership")
+        nursery.start_soon(self.remote_memory.run, name="remote memory spiller")
+        nursery.start_soon(self._follow_members, name="cluster members follow")
         nursery.start_soon(self._apply_events, name="cluster namespace apply")
         await self.ns.load()
         nursery.start_soon(self.ns.run, name="cluster namespace watch")
@@ -140,6 +150,8 @@ class ClusterNode:
 
     async def stop(self) -> None:
         """Leave the cluster at once (the lease is revoked) and close connections."""
+        with trio.move_on_after(self.config.peer_timeout_s):
+            await self.remote_memory.release_all()
         self.peers.close()
         if self.members is not None:
             with trio.move_on_after(self.etcd.timeout_s):
@@ -152,6 +164,30 @@ class ClusterNode:
 
     def alive(self, node: str) -> bool:
         return self.members is not None and node.encode() in self.members.nodes.items
+
+    def _lenders(self) -> list[str]:
+        """Live nodes, other than this one, that lend memory for cold buffer items."""
+        members = self.members
+        if members is None:
+            return []
+        infos = (members.info(name) for name in members.alive() if name != self.me)
+        return [info.name for info in infos if info is not None and info.lend_bytes > 0]
+
+    async def _follow_members(self) -> None:
+        """When a node leaves: its borrowed items are dropped here, and what it held for
+        this node is read from the log again."""
+        assert self.members is not None
+        known = set(self.members.alive())
+        while True:
+            await self.members.nodes.changed.wait()
+            now = set(self.members.alive())
+            for gone in known - now:
+                log.info("cluster: node %s left", gone)
+                self.remote_memory.forget_node(gone)
+                self.peers.forget(gone)
+                if self.lent is not None:
+                    self.lent.drop(gone)
+            known = now
 
     # --- namespace: announce ---------------------------------------------------------------
 
@@ -408,6 +444,8 @@ class ClusterNode:
         server.register("buffer.append", self._on_buffer_append)
         server.register("buffer.priority", self._on_buffer_priority)
         server.register("ckpt.put", self._on_ckpt_put)
+        if self.lent is not None:
+            self.lent.register(server)
 
     async def _on_ping(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
         await trio.lowlevel.checkpoint()
@@ -509,4 +547,9 @@ class ClusterNode:
             "weights_fetch_errors": self.weights_fetch_errors,
             "checkpoint_replicated": self.checkpoints.replicated,
             "checkpoint_replication_errors": self.replication_errors,
+            "remote_memory": {
+                "lenders": self._lenders(),
+                "borrowed": asdict(self.remote_memory.statistics()),
+                "lent": None if self.lent is None else asdict(self.lent.statistics()),
+            },
         }

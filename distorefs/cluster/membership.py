@@ -37,6 +37,7 @@ class NodeInfo:
     port: int
     transport: str = "tcp"
     pid: int = 0
+    lend_bytes: int = 0  # DRAM this node keeps for peers' cold buffer items (--lend-memory)
     started_ns: int = field(default_factory=time.time_ns)
 
     def encode(self) -> bytes:

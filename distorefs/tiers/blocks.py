@@ -25,6 +25,7 @@ from distorefs.errors import DistorefsError, InvalidArgument, StoreFull
 from distorefs.tiers.dram import Block, DramCache, capacity_for
 from distorefs.tiers.metadb import Changes, MetaDb
 from distorefs.tiers.nvme_log import HEADER, NvmeLog
+from distorefs.tiers.remote_memory import RemoteMemory
 from distorefs.types import BlockKey, LogLocation
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class BlockStatistics:
     gathered_dram_bytes: int
     gathered_log_parts: int
     gathered_log_spans: int
+    remote_loaded_blocks: int
 
 
 class BlockStore:
@@ -114,8 +116,36 @@ class BlockStore:
         self._gathered_dram_bytes = 0
         self._gathered_parts = 0
         self._gathered_spans = 0
+        # The remote memory tier (cluster mode with lenders): clean blocks of `_spillable`
+        # owners evicted from DRAM are copied to peers, and looked for there before the log.
+        self._remote: RemoteMemory | None = None
+        self._spillable: set[int] = set()
+        self._remote_loads = 0
         for owner, index, segment, offset, length in meta.rows("blocks"):
             self._add_location(BlockKey(owner, index), LogLocation(segment, offset, length))
+
+    # --- the remote memory tier ---------------------------------------------------------
+
+    def attach_remote(self, remote: RemoteMemory) -> None:
+        """Spill evicted clean blocks of spillable owners to `remote`, and read them back."""
+        self._remote = remote
+        self._dram.evicted = self._evicted
+
+    def spill(self, owner: int) -> None:
+        """Let `owner`'s blocks go to the remote memory tier (buffer items: small and read
+        at random; files stay local, their sequential reads prefetch from the log)."""
+        self._spillable.add(owner)
+
+    def _evicted(self, key: BlockKey, block: Block) -> None:
+        if self._remote is None or key.owner not in self._spillable:
+            return
+        location = self._index.get(key)
+        if location is not None and location.length == block.length:
+            self._remote.offer(key, location, block.buf)
+
+    def remote_bytes(self, owner: int) -> int:
+        """Bytes of `owner`'s blocks kept by peers (statistics only)."""
+        return 0 if self._remote is None else self._remote.owner_bytes(owner)
 
     # --- index bookkeeping (sync) -----------------------------------------------------
 
@@ -128,6 +158,8 @@ class BlockStore:
     def _drop_location(self, key: BlockKey) -> None:
         old = self._index.pop(key, None)
         if old is not None:
+            if self._remote is not None and key.owner in self._spillable:
+                self._remote.forget(key)
             self._seg_live[old.segment] -= _record_bytes(old)
             self._seg_keys[old.segment].discard(key)
             owned = self._owned[key.owner]
@@ -162,6 +194,7 @@ class BlockStore:
         for key in self.owner_keys(owner):
             self.delete(key)
         self._read_end.pop(owner, None)
+        self._spillable.discard(owner)
 
     def owner_dirty_bytes(self, owner: int) -> int:
         """Bytes of `owner` in DRAM that the log does not have yet."""
@@ -366,9 +399,11 @@ class BlockStore:
             for key in cold:
                 self._loading[key] = done
             try:
-                payloads = await trio.to_thread.run_sync(
-                    self._log.read_many, list(cold.items()), limiter=self._io_limiter
-                )
+                loaded = await self._read_remote(cold)
+                from_log = [(k, loc) for k, loc in cold.items() if k not in loaded]
+                if from_log:
+                    payloads = await trio.to_thread.run_sync(self._log.read_many, from_log, limiter=self._io_limiter)
+                    loaded.update(zip((k for k, _loc in from_log), payloads, strict=True))
             finally:
                 for key in cold:
                     del self._loading[key]
@@ -376,8 +411,8 @@ class BlockStore:
             positions: dict[BlockKey, list[int]] = {}
             for i, key in enumerate(keys):
                 positions.setdefault(key, []).append(i)
-            for (key, location), payload in zip(cold.items(), payloads, strict=True):
-                block = self._cache_loaded(key, location, payload)
+            for key, location in cold.items():
+                block = self._cache_loaded(key, location, loaded[key])
                 if block is not None:
                     for i in positions[key]:
                         out[i] = block
@@ -394,11 +429,25 @@ class BlockStore:
             return None
         done = self._loading[key] = trio.Event()
         try:
-            payload = await trio.to_thread.run_sync(self._log.read, location, key, limiter=self._io_limiter)
+            payload = (await self._read_remote({key: location})).get(key)
+            if payload is None:
+                payload = await trio.to_thread.run_sync(self._log.read, location, key, limiter=self._io_limiter)
         finally:
             del self._loading[key]
             done.set()
         return self._cache_loaded(key, location, payload)
+
+    async def _read_remote(self, cold: dict[BlockKey, LogLocation]) -> dict[BlockKey, bytearray]:
+        """The blocks of `cold` that the remote memory tier has as those records."""
+        remote = self._remote
+        if remote is None:
+            return {}
+        wanted = {k: loc for k, loc in cold.items() if remote.has(k, loc)}
+        if not wanted:
+            return {}
+        got = await remote.fetch(wanted)
+        self._remote_loads += len(got)
+        return got
 
     def _cache_loaded(self, key: BlockKey, location: LogLocation, payload: bytearray) -> Block | None:
         """A payload read from `location` came back: the clean block for it (kept in DRAM
@@ -808,6 +857,7 @@ class BlockStore:
             gathered_dram_bytes=self._gathered_dram_bytes,
             gathered_log_parts=self._gathered_parts,
             gathered_log_spans=self._gathered_spans,
+            remote_loaded_blocks=self._remote_loads,
         )
 
 

@@ -12,6 +12,7 @@ in place, so a memoryview handed to the kernel reply never sees a resize.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from distorefs.types import BlockKey
@@ -78,6 +79,9 @@ class DramCache:
         self._hits = 0
         self._misses = 0
         self._evictions = 0
+        # Told of each clean block that make_room evicts (the remote memory tier's chance
+        # to keep a copy); it must not touch the cache.
+        self.evicted: Callable[[BlockKey, Block], None] | None = None
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -144,6 +148,8 @@ class DramCache:
                 continue
             self.remove(key)
             self._evictions += 1
+            if self.evicted is not None:
+                self.evicted(key, block)
             if self.used_bytes + need_bytes <= self.budget_bytes:
                 return True
         return self.used_bytes + need_bytes <= self.budget_bytes

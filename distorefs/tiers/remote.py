@@ -25,6 +25,7 @@ choice and its reason are logged and shown in `.distore/peers` (docs/cluster.md)
 
 from __future__ import annotations
 
+import itertools
 import logging
 import struct
 import time
@@ -90,6 +91,14 @@ async def recv_frame(stream: trio.SocketStream) -> tuple[int, dict[str, Any], me
     if not isinstance(meta, dict):
         raise ProtocolError("frame meta is not a map")
     return rid, meta, body
+
+
+def split_payload(payload: memoryview, sizes: Sequence[int]) -> list[memoryview]:
+    """The parts of a payload that carries several items back to back (views, no copy)."""
+    ends = list(itertools.accumulate(sizes, initial=0))
+    if ends[-1] != len(payload):
+        raise PeerUnavailable(f"peer payload of {len(payload)} bytes does not match its sizes ({ends[-1]})")
+    return [payload[start:end] for start, end in zip(ends, ends[1:], strict=False)]
 
 
 # --- server -----------------------------------------------------------------------------

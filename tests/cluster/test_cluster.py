@@ -218,3 +218,47 @@ def test_a_background_mount_keeps_its_cluster_flags(etcd: Etcd, tmp_path: Path) 
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
         etcd.wipe()
     assert done.returncode == 0, done.stderr
+
+
+def test_a_full_node_spills_cold_items_to_a_peers_memory_and_reads_them_back(cluster_node: NodeFactory) -> None:
+    """n0 has 8 MiB of DRAM for 20 MB of items; n1 lends it 64 MiB. Samples on n0 get the
+    right items from n1's memory, and after kill -9 of n1 from n0's own log."""
+    a = cluster_node("n0", "--dram-budget", "8MiB")
+    b = cluster_node("n1", "--lend-memory", "64MiB")
+    wait_for(lambda: peers(a)["remote_memory"]["lenders"] == ["n1"], what="n1 lends")  # type: ignore[index]
+    buf = a.path / "buffers" / "big"
+    buf.mkdir()
+    configure(buf, schema={"x": "int64", "pad": {"dtype": "uint8", "shape": [50_000]}}, capacity=1000,
+              batch_size=32)  # fmt: skip
+    items = np.zeros(400, dtype=[("x", "<i8"), ("pad", "u1", (50_000,))])
+    items["x"] = np.arange(400)
+    items["pad"] = (np.arange(400) % 251)[:, None]
+    for chunk in np.array_split(items, 20):
+        client.append(buf, chunk)
+
+    def sample_checked() -> np.ndarray:
+        array = np.load(io.BytesIO((buf / "sample").read_bytes()))
+        assert (array["x"] == array["_index"]).all()
+        assert (array["pad"] == (array["x"] % 251)[:, None]).all()  # each item is the one it names
+        return array
+
+    def borrowed() -> dict[str, int]:
+        return peers(a)["remote_memory"]["borrowed"]  # type: ignore[index,no-any-return]
+
+    wait_for(lambda: borrowed()["remote_items"] > 100, what="cold items spilled to n1")
+    lent = peers(b)["remote_memory"]["lent"]  # type: ignore[index]
+    assert lent["items"] > 100
+    assert lent["borrowers"] == 1
+    before = borrowed()["hits"]
+    for _ in range(20):
+        sample_checked()
+    assert borrowed()["hits"] > before  # cold items came back from n1's memory
+    stats = json.loads((buf / "stats").read_text())
+    assert stats["bytes_remote_memory"] > 100 * 50_000
+
+    b.kill9()
+    started = time.monotonic()
+    for _ in range(20):
+        sample_checked()  # from the log now: no item lost, no error
+    assert time.monotonic() - started < 2 + 10  # one peer timeout at most, then the log
+    wait_for(lambda: borrowed()["remote_items"] == 0, what="n1's items forgotten")

@@ -134,6 +134,7 @@ class ReplayBuffer:
         self.name = name
         self.owner = owner
         self._blocks = blocks
+        blocks.spill(owner)  # cold items may go to peers' lent memory (cluster mode)
         self._meta = meta
         self._rng = np.random.default_rng()
         self.next_index = 0
@@ -610,6 +611,7 @@ class ReplayBuffer:
             "removed": self.removed,
             "bytes_stored": self.stored_bytes,
             "bytes_dram": self._blocks.dram_bytes(self.owner),
+            "bytes_remote_memory": self._blocks.remote_bytes(self.owner),
             "blocked_readers": self.blocked_readers,
             "blocked_writers": self.blocked_writers,
             "rate_limiter": self.limiter.state(self.size, self.inserts, self.samples, self.config.batch_size),
