@@ -9,6 +9,10 @@ the node that owns the data and on the other node in the same run.
 - Weights fan-out: a model published on n0; R reader processes wait on `wait`, then read
   the whole new version, on n0 (local) and on n1 (n1 fetches the version once and its
   readers read the local copy). Reported: publish-to-last-reader-done latency.
+- Remote memory tier: node n2 with 64 MiB of DRAM holds a buffer of N x 110 KB items
+  (220 MB by default). Every item is read once, in random order, through `items/<i>`:
+  from the log with the page cache dropped (the device), from the log again (page cache
+  warm), then, after n3 joins with `--lend-memory`, from n3's memory.
 Prints a Markdown table; docs/benchmarks.md keeps the results.
 """
 
@@ -60,15 +64,34 @@ def start_etcd(base: Path) -> tuple[subprocess.Popen[bytes], str]:
     raise SystemExit("etcd did not start")
 
 
-def mount(base: Path, name: str, url: str) -> Path:
+def mount(base: Path, name: str, url: str, *extra: str) -> Path:
     mnt = base / name / "mnt"
     mnt.mkdir(parents=True)
     subprocess.run(
         [sys.executable, "-m", "distorefs", "mount", str(mnt), "--data-dir", str(base / name / "data"),
-         "--dram-budget", "4GiB", "--cluster", url, "--node", name, "--listen", "127.0.0.1:0"],
+         "--dram-budget", "4GiB", "--cluster", url, "--node", name, "--listen", "127.0.0.1:0", *extra],
         check=True, stdout=subprocess.DEVNULL,
     )  # fmt: skip
     return mnt
+
+
+def drop_page_cache() -> bool:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1")
+        return True
+    except OSError:
+        return False
+
+
+def read_pass(buffer: Path, count: int, seed: int) -> float:
+    """Seconds to read every item once, in a random order, one file each."""
+    order = np.random.default_rng(seed).permutation(count)
+    started = time.perf_counter()
+    for i in order.tolist():
+        with open(buffer / "items" / str(i), "rb") as f:
+            f.read()
+    return time.perf_counter() - started
 
 
 def wait_for(check: object, what: str, timeout_s: float = 20.0) -> None:
@@ -125,6 +148,7 @@ def main() -> int:
     parser.add_argument("--readers", type=int, default=8)
     parser.add_argument("--model-mib", type=int, default=64)
     parser.add_argument("--versions", type=int, default=3)
+    parser.add_argument("--spill-items", type=int, default=2000)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="distore-bench-cluster-", dir="/var/tmp"))
@@ -154,6 +178,33 @@ def main() -> int:
         results["fanout_remote_s"] = float(np.median(remote))
         peers = json.loads((n1 / ".distore" / "peers").read_text())
         results["fanout_remote_fetches"] = peers["weights_fetched"]
+        # --- remote memory tier
+        n2 = mount(base, "n2", url, "--dram-budget", "64MiB")
+        mounts.append(n2)
+        spill = n2 / "buffers" / "spill"
+        spill.mkdir()
+        (spill / "config").write_text(json.dumps({"capacity": args.spill_items}))
+        for start in range(0, args.spill_items, 16):
+            client.append(spill, [payload] * min(16, args.spill_items - start))
+        time.sleep(2.0)  # flushed to the log
+        results["cache_dropped"] = drop_page_cache()
+        results["pass_log_cold_s"] = read_pass(spill, args.spill_items, 1)
+        results["pass_log_warm_s"] = read_pass(spill, args.spill_items, 2)
+        (spill / "config").write_text(json.dumps({"capacity": args.spill_items, "batch_size": 32}))
+        results["spill_sample_log_batches_s"] = sample_rate(spill, args.seconds)
+        n3 = mount(base, "n3", url, "--lend-memory", "1GiB")
+        mounts.append(n3)
+        wait_for(lambda: json.loads((n2 / ".distore" / "peers").read_text())["remote_memory"]["lenders"], "n3 lends")
+        read_pass(spill, args.spill_items, 3)  # loads evict: the evicted items go to n3
+        wait_for(
+            lambda: json.loads((n2 / ".distore" / "peers").read_text())["remote_memory"]["borrowed"]["queued_items"]
+            == 0, "spills sent")  # fmt: skip
+        before = json.loads((n2 / ".distore" / "peers").read_text())["remote_memory"]["borrowed"]
+        results["pass_peer_memory_s"] = read_pass(spill, args.spill_items, 4)
+        after = json.loads((n2 / ".distore" / "peers").read_text())["remote_memory"]["borrowed"]
+        results["pass_peer_memory_hits"] = after["hits"] - before["hits"]
+        results["spill_sample_peer_batches_s"] = sample_rate(spill, args.seconds)
+        results["spilled_items"] = after["remote_items"]
     finally:
         for mnt in mounts:
             subprocess.run([sys.executable, "-m", "distorefs", "umount", str(mnt)], check=False)
@@ -174,6 +225,25 @@ def main() -> int:
           f" {f_l:.3f} s | {f_r:.3f} s (n1 fetched {results['fanout_remote_fetches']} times for"
           f" {2 * args.versions} versions)"
           f" | {f_l / f_r:.2f}x |")  # fmt: skip
+    n, item_mb = args.spill_items, 0.110
+    print()
+    print(f"| remote memory tier: each of {n} x 110 KB items read once at random (n2: 64 MiB DRAM) |"
+          " items/s | MB/s | vs log (device) |")  # fmt: skip
+    print("| --- | --- | --- | --- |")
+    cold = results["pass_log_cold_s"]
+    rows = [
+        ("log, page cache dropped" if results["cache_dropped"] else "log (page cache could not be dropped)", cold),
+        ("log, page cache warm", results["pass_log_warm_s"]),
+        (f"n3's lent memory ({results['pass_peer_memory_hits']} of {n} from the peer)", results["pass_peer_memory_s"]),
+    ]
+    for name, seconds in rows:
+        print(f"| {name} | {n / seconds:.0f} | {n * item_mb / seconds:.0f} | {cold / seconds:.2f}x |")
+    s_log, s_peer = results["spill_sample_log_batches_s"], results["spill_sample_peer_batches_s"]
+    print()
+    print("| remote memory tier: sample, batch 32 x 110 KB on n2 | batches/s | MB/s | ratio |")
+    print("| --- | --- | --- | --- |")
+    print(f"| misses from the log (page cache warm) | {s_log:.0f} | {s_log * mb:.0f} | 1.00x |")
+    print(f"| misses from n3's lent memory | {s_peer:.0f} | {s_peer * mb:.0f} | {s_peer / s_log:.2f}x |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
