@@ -167,7 +167,7 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
             ops = FsOperations(files, virtual, checkpoints, data_dir, config.block_bytes)
             node = None
             if config.cluster is not None:
-                node = ClusterNode(config.cluster, blocks, buffers, weights, checkpoints)
+                node = ClusterNode(config.cluster, blocks, buffers, weights, checkpoints, datasets)
                 virtual.add_control(b"peers", lambda: _render(node.peers_report() if node else {}))
             else:
                 virtual.add_control(b"peers", lambda: _render(SINGLE_NODE_PEERS))

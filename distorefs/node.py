@@ -13,6 +13,8 @@ Shared namespace keys (docs/cluster.md):
     ns/buffers/<name>   {"config": {...}, "layout": [node per shard]}
     ns/weights/<name>   {"version": N, "node": publisher}
     ns/checkpoints/<path>   {} for a directory made under checkpoints/
+    ns/datasets/<name>  {"node": writer, "config": {...}, "sealed": bool, "count": N}
+                        (node_datasets.py)
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ import trio
 from distorefs.cluster.etcd import EtcdClient, WatchEvent
 from distorefs.cluster.membership import Membership, NodeInfo, PrefixMirror
 from distorefs.errors import ConfigError, DistorefsError, NotFound, PeerUnavailable, RemoteError, TryAgain
+from distorefs.node_datasets import DatasetSync
 from distorefs.stores.checkpoints import CheckpointStore
+from distorefs.stores.datasets.store import DatasetStore
 from distorefs.stores.replay.buffer import Drawn, ShardState
 from distorefs.stores.replay.config import BufferConfig
 from distorefs.stores.replay.sharded import ShardedBuffer, ShardLayout, gather
@@ -84,6 +88,7 @@ class ClusterNode:
         buffers: BufferStore,
         weights: WeightStore,
         checkpoints: CheckpointStore,
+        datasets: DatasetStore,
     ) -> None:
         self.config = config
         self.me = config.node
@@ -95,6 +100,7 @@ class ClusterNode:
         self.root = config.root.encode()
         self.server = PeerServer()
         self.peers = PeerTransport(self._address, timeout_s=config.peer_timeout_s)
+        self.dataset_sync = DatasetSync(self, datasets)
         self.lent = LentMemory(config.lend_bytes) if config.lend_bytes else None
         self.remote_memory = RemoteMemory(self.me, self.peers, self._lenders)
         self.transport, self.transport_reason = "tcp", ""
@@ -145,6 +151,7 @@ class ClusterNode:
         nursery.start_soon(self.ns.run, name="cluster namespace watch")
         nursery.start_soon(self._announce_buffers, name="cluster buffer news")
         nursery.start_soon(self._announce_weights, name="cluster weights news")
+        nursery.start_soon(self.dataset_sync.announce, name="cluster dataset news")
         nursery.start_soon(self._replicate_closed, name="cluster checkpoint replication")
         nursery.start_soon(self._announce_checkpoint_dirs, name="cluster checkpoint dirs news")
 
@@ -191,19 +198,19 @@ class ClusterNode:
 
     # --- namespace: announce ---------------------------------------------------------------
 
-    def _key(self, kind: str, name: str | bytes) -> bytes:
+    def ns_key(self, kind: str, name: str | bytes) -> bytes:
         raw = name.encode() if isinstance(name, str) else name
         return self.root + b"ns/" + kind.encode() + b"/" + raw
 
-    def _shared(self, kind: str, name: str | bytes) -> Any:
-        kv = self.ns.items.get(self._key(kind, name)[len(self.ns.prefix) :])
+    def shared(self, kind: str, name: str | bytes) -> Any:
+        kv = self.ns.items.get(self.ns_key(kind, name)[len(self.ns.prefix) :])
         return None if kv is None else kv.json()
 
-    async def _put(self, key: bytes, value: bytes) -> None:
+    async def put_shared(self, key: bytes, value: bytes) -> None:
         self._own_value[key] = value  # set before the await: the watch may bring it back first
         self._own[key] = await self.etcd.put(key, value)
 
-    async def _delete(self, key: bytes) -> None:
+    async def delete_shared(self, key: bytes) -> None:
         self._own[key] = await self.etcd.delete(key)
 
     async def _announce_buffers(self) -> None:
@@ -218,10 +225,10 @@ class ClusterNode:
                 log.warning("cluster: could not announce buffer %s (%s): %s", name, what, exc)
 
     async def _announce_buffer(self, what: str, name: str) -> None:
-        shared = self._shared("buffers", name)
+        shared = self.shared("buffers", name)
         if what == "deleted":
             if shared is not None:
-                await self._delete(self._key("buffers", name))
+                await self.delete_shared(self.ns_key("buffers", name))
             return
         try:
             buffer = self.buffers.get(name)
@@ -234,7 +241,7 @@ class ClusterNode:
             layout = (layout + others)[: buffer.config.shards]
         if shared is not None and shared["config"] == config and shared["layout"] == layout:
             return
-        await self._put(self._key("buffers", name), json.dumps({"config": config, "layout": layout}).encode())
+        await self.put_shared(self.ns_key("buffers", name), json.dumps({"config": config, "layout": layout}).encode())
         self._route(name, config, layout)
 
     async def _announce_checkpoint_dirs(self) -> None:
@@ -242,9 +249,9 @@ class ClusterNode:
         the path; removal is not propagated: docs/cluster.md)."""
         while True:
             path = await self.checkpoints.news.next()
-            if self._shared("checkpoints", path) is None:
+            if self.shared("checkpoints", path) is None:
                 try:
-                    await self._put(self._key("checkpoints", path), b"{}")
+                    await self.put_shared(self.ns_key("checkpoints", path), b"{}")
                 except DistorefsError as exc:
                     log.warning("cluster: could not announce %s: %s", path.decode(errors="replace"), exc)
 
@@ -252,17 +259,17 @@ class ClusterNode:
         while True:
             what, name = await self.weights.news.next()
             try:
-                shared = self._shared("weights", name)
+                shared = self.shared("weights", name)
                 if what == "deleted":
                     if shared is not None:
-                        await self._delete(self._key("weights", name))
+                        await self.delete_shared(self.ns_key("weights", name))
                     continue
                 model = self.weights.models.get(name)
                 if model is None:
                     continue
                 if shared is None or model.version > int(shared["version"]):
                     value = {"version": model.version, "node": self.me}
-                    await self._put(self._key("weights", name), json.dumps(value).encode())
+                    await self.put_shared(self.ns_key("weights", name), json.dumps(value).encode())
             except DistorefsError as exc:
                 log.warning("cluster: could not announce weights/%s (%s): %s", name.decode(errors="replace"), what, exc)
 
@@ -282,6 +289,8 @@ class ClusterNode:
                         self._apply_buffer(name.decode(errors="surrogateescape"), event)
                     elif kind == b"weights":
                         self._apply_weights(name, event, fetches)
+                    elif kind == b"datasets":
+                        self.dataset_sync.apply(name.decode(errors="surrogateescape"), event, fetches)
                     elif kind == b"checkpoints" and event.kind == "put":
                         self.checkpoints.make_dirs(name)
                 except DistorefsError as exc:
@@ -351,7 +360,7 @@ class ClusterNode:
         again while a newer version is announced than the one installed."""
         try:
             while True:
-                shared = self._shared("weights", name)
+                shared = self.shared("weights", name)
                 model = self.weights.models.get(name)
                 if shared is None or model is None or int(shared["version"]) <= model.version:
                     return
@@ -444,6 +453,7 @@ class ClusterNode:
         server.register("buffer.append", self._on_buffer_append)
         server.register("buffer.priority", self._on_buffer_priority)
         server.register("ckpt.put", self._on_ckpt_put)
+        server.register("dataset.read", self.dataset_sync.on_read)
         if self.lent is not None:
             self.lent.register(server)
 
@@ -547,6 +557,8 @@ class ClusterNode:
             "weights_fetch_errors": self.weights_fetch_errors,
             "checkpoint_replicated": self.checkpoints.replicated,
             "checkpoint_replication_errors": self.replication_errors,
+            "datasets_fetched_records": self.dataset_sync.fetched_records,
+            "datasets_fetch_errors": self.dataset_sync.fetch_errors,
             "remote_memory": {
                 "lenders": self._lenders(),
                 "borrowed": asdict(self.remote_memory.statistics()),

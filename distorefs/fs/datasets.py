@@ -401,9 +401,12 @@ class DatasetsDir(KindDirectory):
         tree.add_status(store.statistics)
 
     def _dir(self, name: str) -> DatasetDir:
+        ds = self._store.get(name)  # NotFound once gone (also when another node removed it)
         node = self._dirs.get(name)
-        if node is None:
-            node = self._dirs[name] = DatasetDir(self._tree, self._store, self._store.get(name))
+        if node is None or node.ds is not ds:
+            if node is not None:
+                node.forget_nodes()
+            node = self._dirs[name] = DatasetDir(self._tree, self._store, ds)
             self._tree.register(node)
         return node
 

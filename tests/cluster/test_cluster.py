@@ -262,3 +262,34 @@ def test_a_full_node_spills_cold_items_to_a_peers_memory_and_reads_them_back(clu
         sample_checked()  # from the log now: no item lost, no error
     assert time.monotonic() - started < 2 + 10  # one peer timeout at most, then the log
     wait_for(lambda: borrowed()["remote_items"] == 0, what="n1's items forgotten")
+
+
+def test_a_dataset_written_on_one_node_streams_on_the_others_once_sealed(cluster_node: NodeFactory) -> None:
+    a, b = cluster_node("n0"), cluster_node("n1")
+    ds_a, ds_b = a.path / "datasets" / "meta", b.path / "datasets" / "meta"
+    ds_a.mkdir()
+    (ds_a / "config").write_text(json.dumps({"schema": {"x": "int64", "pad": {"dtype": "uint8", "shape": [1000]}}}))
+    wait_for(lambda: json.loads((ds_b / "config").read_text())["schema"] is not None, what="config on n1")
+    records = np.zeros(20_000, dtype=[("x", "<i8"), ("pad", "u1", (1000,))])  # 20 MB: two fetch runs
+    records["x"] = np.arange(20_000) * 7
+    records["pad"] = (np.arange(20_000) % 253)[:, None]
+    client.append(ds_a, records)
+    assert (ds_b / "state").read_text().strip() == "open"  # records reach n1 at the seal
+    with pytest.raises(OSError) as excinfo, open(ds_b / "append", "wb") as f:
+        f.write(records[:1].tobytes())
+    assert excinfo.value.errno == errno.EROFS  # a copy is written on its writer only
+
+    (ds_a / "state").write_text("seal")
+    wait_for(lambda: (ds_b / "state").read_text().strip() == "sealed", what="sealed copy on n1", timeout_s=30)
+    assert (ds_b / "len").read_text().strip() == "20000"
+    assert (ds_b / "records" / "123").read_bytes() == records[123].tobytes()
+    (ds_b / "order").write_text("shuffle 5")
+    stream = np.load(io.BytesIO((ds_b / "stream").read_bytes()))
+    order = np.random.default_rng(5).permutation(20_000)
+    assert (stream["_index"] == order).all()
+    assert (stream["x"] == records["x"][order]).all()
+    assert (stream["pad"] == records["pad"][order]).all()
+    assert peers(b)["datasets_fetched_records"] == 20_000
+
+    os.rmdir(ds_b)  # removal on any node removes it everywhere
+    wait_for(lambda: not ds_a.exists(), what="dataset removed on n0")

@@ -190,3 +190,53 @@ async def test_unacknowledged_appends_are_gone_after_restart(tmp_path: Path) -> 
     assert bytes(await ds.read_record(1, 0, 100)) == b"next"
     await blocks.close()
     meta.close()
+
+
+async def test_a_copy_of_another_nodes_dataset_changes_only_as_its_writer_says(tmp_path: Path) -> None:
+    datasets, blocks, meta = open_store(tmp_path)
+    ds = datasets.create("meta")
+    datasets.make_copy(ds, "n0")
+    items = blobs(50)
+    for call in (ds.append(items), ds.seal()):
+        with pytest.raises(DistorefsError, match="written on node n0") as excinfo:
+            await call
+        assert excinfo.value.errno == errno.EROFS
+    with pytest.raises(DistorefsError, match="written on node n0"):
+        ds.reconfigure({"prefetch_window_bytes": 8 << 20})
+    assert ds.count == 0
+    await ds.append(items, from_writer=True)
+    await ds.seal(from_writer=True)
+    await blocks.close()
+    meta.close()
+
+    datasets, blocks, meta = open_store(tmp_path)  # the writer is kept across a restart
+    ds = datasets.get("meta")
+    assert ds.writer == "n0"
+    assert ds.sealed
+    assert [bytes(await ds.read_record(i, 0, 1 << 20)) for i in range(50)] == items
+    await datasets.delete("meta")
+    await blocks.close()
+    meta.close()
+    datasets, blocks, meta = open_store(tmp_path)
+    assert datasets.names() == []
+    assert meta.get_kv("dataset_writer/meta") is None
+    await blocks.close()
+    meta.close()
+
+
+async def test_read_run_returns_whole_records_back_to_back_within_a_byte_bound(store: DatasetStore) -> None:
+    ds = store.create("runs")
+    items = blobs(300, seed=3)
+    await ds.append(items)
+    start, got = 0, []
+    while start < ds.count:
+        entries, data = await ds.read_run(start, 20_000)
+        assert len(data) == int(entries["length"].sum())
+        assert len(data) <= 20_000 or len(entries) == 1  # one record always comes, even a big one
+        ends = np.cumsum(entries["length"]).tolist()
+        got += [bytes(data[a:b]) for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+        start += len(entries)
+    assert got == items
+    with pytest.raises(DistorefsError) as excinfo:
+        await ds.read_run(300, 20_000)
+    assert excinfo.value.errno == errno.ENOENT

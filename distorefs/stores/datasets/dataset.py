@@ -25,6 +25,7 @@ import numpy as np
 import trio
 
 from distorefs.errors import Busy, Corrupted, InvalidArgument, NotFound, ReadOnly
+from distorefs.news import Outbox
 from distorefs.stores.datasets.formats import INDEX_DTYPE, MAX_RECORD_BYTES, OrderSpec, shuffled
 from distorefs.stores.replay.config import parse_schema, schema_to_json
 from distorefs.tiers.blocks import BlockStore
@@ -106,6 +107,10 @@ class Dataset:
         self._order_cache: tuple[OrderSpec, np.ndarray] | None = None
         self._changed = False
         self.errors: list[str] = []
+        # Cluster mode: news for the other nodes, and the node that writes this dataset
+        # when it is a copy of another node's (None: written here).
+        self.news: Outbox[tuple[str, str]] = Outbox()
+        self.writer: str | None = None
         self.streams_opened = 0
         self.streamed_bytes = 0
         self.records_read = 0
@@ -164,15 +169,22 @@ class Dataset:
         if self.deleted:
             raise NotFound(f"datasets/{self.name} was removed")
 
+    def _check_writer(self, from_writer: bool) -> None:
+        """A copy of another node's dataset changes only as its writer says."""
+        if self.writer is not None and not from_writer:
+            raise ReadOnly(f"datasets/{self.name} is written on node {self.writer}: write it there")
+
     # --- config -------------------------------------------------------------------------
 
-    def reconfigure(self, changes: Any) -> None:
+    def reconfigure(self, changes: Any, from_writer: bool = False) -> None:
         self._check_live()
+        self._check_writer(from_writer)
         if self.sealed and "schema" in changes:
             raise ReadOnly(f"datasets/{self.name} is sealed: its schema cannot change")
         self.config = self.config.updated(self.name, changes, has_records=self.count > 0)
         self.dtype = self.config.dtype
         self.stage_row()
+        self.news.post(("configured", self.name))
 
     # --- the record index -----------------------------------------------------------------
 
@@ -193,12 +205,16 @@ class Dataset:
 
     # --- appends --------------------------------------------------------------------------
 
-    async def append(self, records: list[bytes] | list[bytearray]) -> None:
+    async def append(
+        self, records: list[bytes] | list[bytearray] | list[memoryview], from_writer: bool = False
+    ) -> None:
         """Add records after the last one; visible at once, acknowledged by `persist`.
 
-        Raises ReadOnly once sealed, InvalidArgument for a record of the wrong size.
+        Raises ReadOnly once sealed or on a copy of another node's dataset (unless
+        `from_writer`), InvalidArgument for a record of the wrong size.
         """
         self._check_live()
+        self._check_writer(from_writer)
         if not records:
             await trio.lowlevel.checkpoint()
             return
@@ -238,14 +254,30 @@ class Dataset:
             self.stage_row()
         await self._blocks.commit(durable=durable)
 
-    async def seal(self) -> None:
+    async def seal(self, from_writer: bool = False) -> None:
         """No more appends; the dataset is made durable. Sealing twice is a no-op."""
         self._check_live()
+        self._check_writer(from_writer)
         async with self._append_lock:
             if not self.sealed:
                 self.sealed = True
                 self._changed = True
             await self.persist(durable=True)
+        self.news.post(("sealed", self.name))
+
+    async def read_run(self, start: int, max_bytes: int) -> tuple[np.ndarray, bytes | bytearray | memoryview]:
+        """Records from `start` on, back to back, as many as fit in `max_bytes` (at least
+        one): their index entries and their bytes, in one read of the data."""
+        index = await self.index()
+        if not 0 <= start < self.count:
+            raise NotFound(f"datasets/{self.name}: no record {start} (it has {self.count})")
+        ends = index["offset"][start:] + index["length"][start:] - int(index["offset"][start])
+        stop = start + max(1, int(np.searchsorted(ends, max_bytes, side="right")))
+        entries = index[start:stop].copy()
+        first = int(entries["offset"][0])
+        size = int(entries["offset"][-1] + entries["length"][-1]) - first
+        data = await self._blocks.read_range(self.data_owner, first, size, self.data_bytes)
+        return entries, bytes(data) if isinstance(data, memoryview) else data
 
     # --- records --------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ import logging
 import trio
 
 from distorefs.errors import DistorefsError, Exists, NotFound
+from distorefs.news import Outbox
 from distorefs.stores.datasets.dataset import Dataset, DatasetConfig
 from distorefs.stores.datasets.formats import StreamLayout
 from distorefs.stores.datasets.stream import Stream
@@ -46,6 +47,7 @@ class DatasetStore:
         self._next_owner = int(meta.get_kv("next_dataset_owner", DATASET_OWNER_BASE))
         self._stream_send, self._stream_recv = trio.open_memory_channel[Stream](STREAM_QUEUE)
         self.streams: set[Stream] = set()
+        self.news = Outbox[tuple[str, str]]()  # ("created" | "configured" | "sealed" | "deleted", name)
 
     @classmethod
     def load(cls, blocks: BlockStore, meta: MetaDb, window_bytes: int) -> DatasetStore:
@@ -54,6 +56,8 @@ class DatasetStore:
         self = cls(blocks, meta, window_bytes)
         for name, *row in meta.rows("datasets"):
             ds = Dataset.restore(name.decode(errors="surrogateescape"), tuple(row), blocks, meta)
+            ds.news = self.news
+            ds.writer = meta.get_kv(_writer_key(ds.name))
             self._datasets[ds.name] = self._by_owner[ds.owner] = ds
         live = {o for ds in self._datasets.values() for o in ds.owners()}
         orphans = [o for o in blocks.owners() if DATASET_OWNER_BASE <= o < WEIGHT_OWNER_BASE and o not in live]
@@ -96,9 +100,17 @@ class DatasetStore:
         self._next_owner += OWNERS_PER_DATASET
         self._meta.put("kv", ("next_dataset_owner",), (self._next_owner,))
         ds = Dataset(name, owner, self._blocks, self._meta, config)
+        ds.news = self.news
         self._datasets[name] = self._by_owner[owner] = ds
         ds.stage_row()
+        self.news.post(("created", name))
         return ds
+
+    def make_copy(self, ds: Dataset, writer: str) -> None:
+        """Cluster mode: `ds` is another node's dataset, written only as `writer` says
+        (`Dataset.writer`); kept across restarts with the dataset's row."""
+        ds.writer = writer
+        self._meta.put("kv", (_writer_key(ds.name),), (writer,))
 
     async def delete(self, name: str) -> None:
         """Remove the dataset and its records (their log space goes at compaction)."""
@@ -111,6 +123,9 @@ class DatasetStore:
         for owner in ds.owners():
             self._blocks.delete_owner(owner)
         self._meta.delete("datasets", (name.encode(errors="surrogateescape"),))
+        if ds.writer is not None:
+            self._meta.delete("kv", (_writer_key(name),))
+        self.news.post(("deleted", name))
         await self._blocks.commit()
 
     # --- streams ----------------------------------------------------------------------------
@@ -148,3 +163,7 @@ class DatasetStore:
             "dataset_records": sum(ds.count for ds in self._datasets.values()),
             "dataset_bytes": sum(ds.data_bytes for ds in self._datasets.values()),
         }
+
+
+def _writer_key(name: str) -> str:
+    return f"dataset_writer/{name}"
