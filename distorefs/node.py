@@ -245,15 +245,18 @@ class ClusterNode:
         self._route(name, config, layout)
 
     async def _announce_checkpoint_dirs(self) -> None:
-        """A directory made under checkpoints/ here is made on every node (the key is
-        the path; removal is not propagated: docs/cluster.md)."""
+        """A directory made or removed under checkpoints/ here is made or removed on every
+        node (the key is the path; a node keeps a removed directory that holds files)."""
         while True:
-            path = await self.checkpoints.news.next()
-            if self.shared("checkpoints", path) is None:
-                try:
-                    await self.put_shared(self.ns_key("checkpoints", path), b"{}")
-                except DistorefsError as exc:
-                    log.warning("cluster: could not announce %s: %s", path.decode(errors="replace"), exc)
+            what, path = await self.checkpoints.news.next()
+            key, shared = self.ns_key("checkpoints", path), self.shared("checkpoints", path)
+            try:
+                if what == "made" and shared is None:
+                    await self.put_shared(key, b"{}")
+                elif what == "removed" and shared is not None:
+                    await self.delete_shared(key)
+            except DistorefsError as exc:
+                log.warning("cluster: could not announce %s of %s: %s", what, path.decode(errors="replace"), exc)
 
     async def _announce_weights(self) -> None:
         while True:
@@ -293,6 +296,8 @@ class ClusterNode:
                         self.dataset_sync.apply(name.decode(errors="surrogateescape"), event, fetches)
                     elif kind == b"checkpoints" and event.kind == "put":
                         self.checkpoints.make_dirs(name)
+                    elif kind == b"checkpoints":
+                        self.checkpoints.remove_dir(name)
                 except DistorefsError as exc:
                     log.warning("cluster: cannot apply %s of %r: %s", event.kind, key, exc)
 

@@ -328,6 +328,7 @@ class FsOperations(pyfuse3.Operations):
             return
         self._guard_reserved(parent_inode, name, "remove it")
         self.files.rmdir(parent_inode, name)
+        self.ckpt.dir_removed(parent_inode, name)
 
     @_translate(mutates=True)
     async def rename(

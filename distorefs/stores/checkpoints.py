@@ -29,7 +29,7 @@ from typing import Protocol
 
 import trio
 
-from distorefs.errors import DistorefsError, InvalidArgument, NotFound, NotPermitted
+from distorefs.errors import DistorefsError, InvalidArgument, NotADirectory, NotEmpty, NotFound, NotPermitted
 from distorefs.news import Outbox
 from distorefs.stores.files import ROOT_INODE, FileStore
 from distorefs.tiers.blocks import BlockStore
@@ -89,7 +89,8 @@ class CheckpointStore:
         self.replicator: Replicator | None = None  # set in a cluster
         self.replication_queue = Outbox[int]()  # closed files of replicas > 1 dirs, made durable
         self.replicated = 0
-        self.news = Outbox[bytes]()  # paths of directories made under checkpoints/ (cluster)
+        # directories made or removed under checkpoints/, for a cluster: ("made" | "removed", path)
+        self.news = Outbox[tuple[str, bytes]]()
 
     @classmethod
     def load(cls, files: FileStore, blocks: BlockStore, meta: MetaDb, sync_close: bool) -> CheckpointStore:
@@ -185,7 +186,29 @@ class CheckpointStore:
     def dir_made(self, directory: int) -> None:
         """A directory was made in the tree: one under checkpoints/ is news for a cluster."""
         if self.replicator is not None and self.covers(directory):
-            self.news.post(self.path_of(directory, self._files.parent_of(directory)))
+            self.news.post(("made", self.path_of(directory, self._files.parent_of(directory))))
+
+    def dir_removed(self, parent: int, name: bytes) -> None:
+        """Directory `name` of `parent` was removed: one under checkpoints/ is news too."""
+        if self.replicator is not None and self.covers(parent):
+            self.news.post(("removed", self.path_of(parent, self._files.parent_of(parent)) + b"/" + name))
+
+    def remove_dir(self, path: bytes) -> None:
+        """Remove `path` (under checkpoints/) where it is an empty directory: another node
+        removed it. One that holds files here (replicas) stays. No news."""
+        names = self._checked_names(path)
+        parent = ROOT_INODE
+        try:
+            for name in names[:-1]:
+                parent = self._files.lookup(parent, name).ino
+            ino = self._files.lookup(parent, names[-1]).ino
+            self._files.rmdir(parent, names[-1])
+        except NotFound:
+            return
+        except (NotEmpty, NotADirectory) as exc:
+            log.info("checkpoints: %s removed on another node stays here: %s", path.decode(errors="replace"), exc)
+            return
+        self.on_removed(parent, names[-1], ino)
 
     def make_dirs(self, path: bytes) -> None:
         """Make `path` (under checkpoints/) and its parents where missing: a directory

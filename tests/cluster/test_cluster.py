@@ -87,6 +87,12 @@ def test_a_directory_made_on_one_node_appears_on_every_node(three: list[Mount]) 
     os.rmdir(c.path / "buffers" / "replay")
     for mount in three:
         wait_for(lambda m=mount: not (m.path / "buffers" / "replay").exists(), what="rmdir everywhere")
+    # a checkpoint directory removed on one node goes everywhere, unless it holds files there
+    (b.path / "checkpoints" / "run7" / "stage2" / "notes.txt").write_text("kept")
+    os.rmdir(a.path / "checkpoints" / "run7" / "stage2")
+    wait_for(lambda: not (c.path / "checkpoints" / "run7" / "stage2").exists(), what="checkpoint rmdir on n2")
+    time.sleep(0.5)
+    assert (b.path / "checkpoints" / "run7" / "stage2" / "notes.txt").read_text() == "kept"
 
 
 def test_weights_published_on_one_node_wake_wait_and_are_fetched_once_per_node(three: list[Mount]) -> None:
