@@ -102,7 +102,8 @@ class ClusterNode:
         self.peers = PeerTransport(self._address, timeout_s=config.peer_timeout_s)
         self.dataset_sync = DatasetSync(self, datasets)
         self.lent = LentMemory(config.lend_bytes) if config.lend_bytes else None
-        self.remote_memory = RemoteMemory(self.me, self.peers, self._lenders)
+        self.lenders: list[str] = []  # kept by _follow_members: DRAM evictions ask for it
+        self.remote_memory = RemoteMemory(self.me, self.peers, lambda: self.lenders)
         self.transport, self.transport_reason = "tcp", ""
         self.members: Membership | None = None
         send, self._events = trio.open_memory_channel[WatchEvent](256)
@@ -181,12 +182,14 @@ class ClusterNode:
         return [info.name for info in infos if info is not None and info.lend_bytes > 0]
 
     async def _follow_members(self) -> None:
-        """When a node leaves: its borrowed items are dropped here, and what it held for
-        this node is read from the log again."""
+        """Keep `lenders` current. When a node leaves: its borrowed items are dropped here,
+        and what it held for this node is read from the log again."""
         assert self.members is not None
         known = set(self.members.alive())
+        self.lenders = self._lenders()
         while True:
             await self.members.nodes.changed.wait()
+            self.lenders = self._lenders()
             now = set(self.members.alive())
             for gone in known - now:
                 log.info("cluster: node %s left", gone)
@@ -565,7 +568,7 @@ class ClusterNode:
             "datasets_fetched_records": self.dataset_sync.fetched_records,
             "datasets_fetch_errors": self.dataset_sync.fetch_errors,
             "remote_memory": {
-                "lenders": self._lenders(),
+                "lenders": self.lenders,
                 "borrowed": asdict(self.remote_memory.statistics()),
                 "lent": None if self.lent is None else asdict(self.lent.statistics()),
             },
