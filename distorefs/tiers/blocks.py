@@ -5,6 +5,10 @@ per-segment live-byte accounting, and the three background tasks that `daemon.py
 the flusher (dirty DRAM blocks -> log), the syncer (periodic durable commit) and the
 compactor (rewrite live records of sparse segments, then drop those segments).
 
+In cluster mode it also consults the remote memory tier (tiers/remote_memory.py): clean
+blocks of the owners a store marked with `spill` are offered to it when DRAM evicts them,
+and looked for there before the log when a read misses DRAM.
+
 It knows nothing about files: a store above gives each block a key and reads or writes
 byte ranges inside it. What must stay atomic between awaits is listed in
 docs/concurrency.md.
