@@ -19,7 +19,7 @@ import json
 import os
 import stat
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import trio
 
@@ -27,14 +27,14 @@ from distorefs.errors import (
     DistorefsError,
     Interrupted,
     InvalidArgument,
-    IsADirectory,
     NotFound,
     ReadOnly,
 )
 from distorefs.fs.control import (
     VIRTUAL_BASE,
     ControlFile,
-    KindDirectory,
+    NamedDir,
+    NamedKindDirectory,
     VirtualDir,
     VirtualFile,
     VirtualHandle,
@@ -372,7 +372,7 @@ class ItemsDir(VirtualDir):
         self.buffer.delete_item(node.index)
 
 
-class BufferDir(VirtualDir):
+class BufferDir(NamedDir):
     """`buffers/<name>/`: the control files and `items/`."""
 
     def __init__(self, tree: VirtualTree, buffer: ReplayBuffer) -> None:
@@ -438,36 +438,22 @@ class BufferDir(VirtualDir):
             self._tree.unregister(node.ino)
 
 
-class BuffersDir(KindDirectory):
+class BuffersDir(NamedKindDirectory):
     """`buffers/`: mkdir creates a buffer, rmdir (or `rm -r`) deletes it with its data."""
 
-    child_cache_s = 1.0  # buffer directories
-
     def __init__(self, tree: VirtualTree, store: BufferStore) -> None:
-        super().__init__(tree.new_ino(), b"buffers", stat.S_IFDIR | 0o755)
-        self._tree = tree
+        super().__init__(tree, b"buffers")
         self._store = store
-        self._dirs: dict[str, BufferDir] = {}
         tree.add_resolver(ITEM_BASE, ITEM_BASE + (1 << 60), self._resolve_item)
 
-    def _dir(self, name: str) -> BufferDir:
-        buffer = self._store.get(name)  # NotFound once gone (also when another node removed it)
-        node = self._dirs.get(name)
-        if node is None or node.buffer is not buffer:
-            if node is not None:
-                node.forget_nodes()
-            node = self._dirs[name] = BufferDir(self._tree, buffer)
-            self._tree.register(node)
-        return node
+    def _names(self) -> list[str]:
+        return self._store.names()
 
-    def lookup(self, name: bytes) -> VirtualNode:
-        return self._dir(name.decode(errors="surrogateescape"))
+    def _object(self, name: str) -> ReplayBuffer:
+        return self._store.get(name)
 
-    def entries(self) -> list[tuple[bytes, int]]:
-        return [(name.encode(), self._dir(name).ino) for name in self._store.names()]
-
-    def listing(self) -> list[tuple[bytes, int, int, int]]:
-        return [(name, ino, stat.S_IFDIR | 0o755, 0) for name, ino in self.entries()]
+    def _make_dir(self, obj: Any) -> BufferDir:
+        return BufferDir(self._tree, obj)
 
     async def mkdir(self, name: bytes, mode: int) -> VirtualNode:
         await trio.lowlevel.checkpoint()
@@ -477,14 +463,8 @@ class BuffersDir(KindDirectory):
     async def rmdir(self, name: bytes) -> None:
         key = name.decode(errors="surrogateescape")
         self._store.delete(key)
-        node = self._dirs.pop(key, None)
-        if node is not None:
-            node.forget_nodes()
+        self._forget(key)
         await trio.lowlevel.checkpoint()
-
-    async def unlink(self, name: bytes) -> None:
-        await trio.lowlevel.checkpoint()
-        raise IsADirectory(f"buffers/{name.decode(errors='replace')} is a directory: use rmdir or rm -r")
 
     def _resolve_item(self, ino: int) -> VirtualNode:
         number = (ino - ITEM_BASE) >> INDEX_BITS

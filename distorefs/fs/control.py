@@ -18,11 +18,12 @@ import stat
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import trio
 
 from distorefs import __version__
-from distorefs.errors import DistorefsError, InvalidArgument, NotFound, ReadOnly
+from distorefs.errors import DistorefsError, InvalidArgument, IsADirectory, NotFound, ReadOnly
 from distorefs.stores.files import FileStore
 from distorefs.tiers.blocks import BlockStore
 
@@ -231,6 +232,69 @@ class VirtualDir(VirtualNode):
 
 class KindDirectory(VirtualDir):
     """A reserved top-level directory whose contents a store kind supplies."""
+
+
+class NamedDir(VirtualDir):
+    """The directory of one named store object (a buffer, a dataset)."""
+
+    def forget_nodes(self) -> None:
+        """Unregister this directory and every node made under it."""
+        raise NotImplementedError
+
+
+class NamedKindDirectory(KindDirectory):
+    """A kind directory of named store objects (`buffers/`, `datasets/`): a NamedDir per
+    object, made at first lookup, and made again when the store holds another object
+    under the name (another node removed and made it again). Subclasses say how to
+    list, get (NotFound once gone) and present an object, and do mkdir and rmdir."""
+
+    child_cache_s = 1.0  # the objects' directories
+
+    def __init__(self, tree: VirtualTree, name: bytes) -> None:
+        super().__init__(tree.new_ino(), name, stat.S_IFDIR | 0o755)
+        self._tree = tree
+        self._dirs: dict[str, tuple[object, NamedDir]] = {}
+
+    def _names(self) -> list[str]:
+        raise NotImplementedError
+
+    def _object(self, name: str) -> object:
+        raise NotImplementedError
+
+    def _make_dir(self, obj: Any) -> NamedDir:
+        raise NotImplementedError
+
+    def _dir(self, name: str) -> NamedDir:
+        obj = self._object(name)  # NotFound once gone (also when another node removed it)
+        held = self._dirs.get(name)
+        if held is not None and held[0] is obj:
+            return held[1]
+        if held is not None:
+            held[1].forget_nodes()
+        node = self._make_dir(obj)
+        self._dirs[name] = (obj, node)
+        self._tree.register(node)
+        return node
+
+    def _forget(self, name: str) -> None:
+        """The object `name` was removed here: drop its nodes."""
+        held = self._dirs.pop(name, None)
+        if held is not None:
+            held[1].forget_nodes()
+
+    def lookup(self, name: bytes) -> VirtualNode:
+        return self._dir(name.decode(errors="surrogateescape"))
+
+    def entries(self) -> list[tuple[bytes, int]]:
+        return [(name.encode(errors="surrogateescape"), self._dir(name).ino) for name in self._names()]
+
+    def listing(self) -> list[tuple[bytes, int, int, int]]:
+        return [(name, ino, stat.S_IFDIR | 0o755, 0) for name, ino in self.entries()]
+
+    async def unlink(self, name: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+        kind = self.name.decode()
+        raise IsADirectory(f"{kind}/{name.decode(errors='replace')} is a directory: use rmdir or rm -r")
 
 
 class PlannedKind(KindDirectory):

@@ -18,16 +18,17 @@ import os
 import stat
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import overload
+from typing import Any, overload
 
 import numpy as np
 import trio
 
-from distorefs.errors import DistorefsError, InvalidArgument, IsADirectory, NotFound, ReadOnly
+from distorefs.errors import DistorefsError, InvalidArgument, NotFound, ReadOnly
 from distorefs.fs.control import (
     VIRTUAL_BASE,
     ControlFile,
-    KindDirectory,
+    NamedDir,
+    NamedKindDirectory,
     RenderedHandle,
     VirtualDir,
     VirtualFile,
@@ -319,7 +320,7 @@ class RecordsDir(VirtualDir):
         self.lookup(name)
 
 
-class DatasetDir(VirtualDir):
+class DatasetDir(NamedDir):
     """`datasets/<name>/`: the control files and `records/`."""
 
     def __init__(self, tree: VirtualTree, store: DatasetStore, ds: Dataset) -> None:
@@ -387,37 +388,23 @@ class DatasetDir(VirtualDir):
             self._tree.unregister(node.ino)
 
 
-class DatasetsDir(KindDirectory):
+class DatasetsDir(NamedKindDirectory):
     """`datasets/`: mkdir creates a dataset, rmdir (or `rm -r`) deletes it with its records."""
 
-    child_cache_s = 1.0
-
     def __init__(self, tree: VirtualTree, store: DatasetStore) -> None:
-        super().__init__(tree.new_ino(), b"datasets", stat.S_IFDIR | 0o755)
-        self._tree = tree
+        super().__init__(tree, b"datasets")
         self._store = store
-        self._dirs: dict[str, DatasetDir] = {}
         tree.add_resolver(RECORD_BASE, RECORD_BASE + (1 << 59), self._resolve_record)
         tree.add_status(store.statistics)
 
-    def _dir(self, name: str) -> DatasetDir:
-        ds = self._store.get(name)  # NotFound once gone (also when another node removed it)
-        node = self._dirs.get(name)
-        if node is None or node.ds is not ds:
-            if node is not None:
-                node.forget_nodes()
-            node = self._dirs[name] = DatasetDir(self._tree, self._store, ds)
-            self._tree.register(node)
-        return node
+    def _names(self) -> list[str]:
+        return self._store.names()
 
-    def lookup(self, name: bytes) -> VirtualNode:
-        return self._dir(name.decode(errors="surrogateescape"))
+    def _object(self, name: str) -> Dataset:
+        return self._store.get(name)
 
-    def entries(self) -> list[tuple[bytes, int]]:
-        return [(name.encode(errors="surrogateescape"), self._dir(name).ino) for name in self._store.names()]
-
-    def listing(self) -> list[tuple[bytes, int, int, int]]:
-        return [(name, ino, stat.S_IFDIR | 0o755, 0) for name, ino in self.entries()]
+    def _make_dir(self, obj: Any) -> DatasetDir:
+        return DatasetDir(self._tree, self._store, obj)
 
     async def mkdir(self, name: bytes, mode: int) -> VirtualNode:
         key = name.decode(errors="surrogateescape")
@@ -428,13 +415,7 @@ class DatasetsDir(KindDirectory):
     async def rmdir(self, name: bytes) -> None:
         key = name.decode(errors="surrogateescape")
         await self._store.delete(key)
-        node = self._dirs.pop(key, None)
-        if node is not None:
-            node.forget_nodes()
-
-    async def unlink(self, name: bytes) -> None:
-        await trio.lowlevel.checkpoint()
-        raise IsADirectory(f"datasets/{name.decode(errors='replace')} is a directory: use rmdir or rm -r")
+        self._forget(key)
 
     def _resolve_record(self, ino: int) -> VirtualNode:
         number = (ino - RECORD_BASE) >> INDEX_BITS
