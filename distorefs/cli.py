@@ -145,7 +145,7 @@ def _is_mount(path: str) -> bool:
 
 def _cluster_config(args: argparse.Namespace) -> Any:
     from distorefs.errors import ConfigError
-    from distorefs.node import ClusterConfig
+    from distorefs.peers.core import ClusterConfig
 
     if args.cluster is None:
         if args.node is not None:

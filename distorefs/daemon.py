@@ -25,16 +25,21 @@ import trio
 
 from distorefs.errors import ConfigError
 from distorefs.fs.buffers import BuffersDir
-from distorefs.fs.control import MountInfo, VirtualTree
 from distorefs.fs.datasets import DatasetsDir
 from distorefs.fs.ops import FsOperations
+from distorefs.fs.virtual import MountInfo, VirtualTree
 from distorefs.fs.weights import WeightsDir
-from distorefs.node import ClusterConfig, ClusterNode
-from distorefs.stores.checkpoints import CheckpointStore
+from distorefs.peers.buffers import BufferPeers, BufferSync
+from distorefs.peers.checkpoints import CheckpointReplicas, CheckpointSync
+from distorefs.peers.core import ClusterConfig, ClusterNode
+from distorefs.peers.datasets import DatasetSync
+from distorefs.peers.weights import WeightSync
+from distorefs.stores.checkpoints import CheckpointPolicy
 from distorefs.stores.datasets.dataset import MIN_WINDOW_BYTES
 from distorefs.stores.datasets.store import DatasetStore
 from distorefs.stores.files import FileStore
 from distorefs.stores.replay.store import BufferStore
+from distorefs.stores.tree import PosixTree
 from distorefs.stores.weights import WeightStore
 from distorefs.tiers.blocks import DEFAULT_BLOCK_BYTES, BlockStore
 from distorefs.tiers.dram import DramCache
@@ -151,9 +156,16 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
         nvme_log = await trio.to_thread.run_sync(NvmeLog.open, os.path.join(data_dir, "log"), config.segment_bytes)
         meta = MetaDb.open(os.path.join(data_dir, "meta.sqlite"))
         try:
-            blocks = BlockStore(nvme_log, DramCache(config.dram_budget_bytes), meta, config.block_bytes)
+            # In a cluster the node comes first: the tiers and stores get what they need
+            # from it (remote memory, shard peers, replicas) at construction.
+            node = ClusterNode(config.cluster) if config.cluster is not None else None
+            replicas = CheckpointReplicas(node) if node is not None else None
+            blocks = BlockStore(
+                nvme_log, DramCache(config.dram_budget_bytes), meta, config.block_bytes,
+                remote=node.remote_memory if node is not None else None,
+            )  # fmt: skip
             files = FileStore.load(blocks, meta)
-            buffers = BufferStore.load(blocks, meta)
+            buffers = BufferStore.load(blocks, meta, BufferPeers(node) if node is not None else None)
             weights = WeightStore.load(blocks, meta)
             virtual = VirtualTree(MountInfo(os.getpid(), data_dir, config.mountpoint, time.time_ns()), files, blocks)
             virtual.install(BuffersDir(virtual, buffers))
@@ -162,13 +174,16 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
             datasets = DatasetStore.load(blocks, meta, config.window_bytes)
             await datasets.load_indexes()
             virtual.install(DatasetsDir(virtual, datasets))
-            checkpoints = CheckpointStore.load(files, blocks, meta, config.checkpoint_sync_close)
+            checkpoints = CheckpointPolicy.load(files, meta, config.checkpoint_sync_close, replicas)
             virtual.add_status(checkpoints.statistics)
-            ops = FsOperations(files, virtual, checkpoints, data_dir, config.block_bytes)
-            node = None
-            if config.cluster is not None:
-                node = ClusterNode(config.cluster, blocks, buffers, weights, checkpoints, datasets)
-                virtual.add_control(b"peers", lambda: _render(node.peers_report() if node else {}))
+            ops = FsOperations(PosixTree(files, checkpoints), virtual, data_dir, config.block_bytes)
+            if node is not None and replicas is not None:
+                node.add(BufferSync(node, buffers))
+                node.add(WeightSync(node, weights))
+                node.add(CheckpointSync(node, checkpoints, replicas))
+                node.add(DatasetSync(node, datasets))
+                cluster = node
+                virtual.add_control(b"peers", lambda: _render(cluster.peers_report()))
             else:
                 virtual.add_control(b"peers", lambda: _render(SINGLE_NODE_PEERS))
             await blocks.commit(durable=True)
@@ -195,6 +210,7 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
                     )  # fmt: skip
                     nursery.start_soon(blocks.run_prefetcher, name="prefetcher")
                     nursery.start_soon(checkpoints.run_persister, name="checkpoint persister")
+                    nursery.start_soon(ops.run_invalidations, name="kernel invalidations")
                     nursery.start_soon(buffers.run_snapshots, config.snapshot_interval_s, name="snapshots")
                     nursery.start_soon(datasets.run_streams, name="dataset streams")
                     nursery.start_soon(_stop_on_signal, name="signals")

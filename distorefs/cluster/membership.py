@@ -4,7 +4,7 @@ of them own a given piece of data.
 Owns this daemon's registration in etcd (a key under a lease that it keeps alive; when
 the daemon dies the lease runs out and the key goes), mirrors of etcd prefixes kept
 current by watches, and rendezvous placement over the live nodes. It moves no data
-(`tiers/remote.py` does) and does not know what buffers or weights are: the daemon's
+(`cluster/rpc.py` does) and does not know what buffers or weights are: the daemon's
 cluster glue turns namespace events into store calls.
 
 Keys (under the cluster root, `/distore/` by default):

@@ -30,8 +30,7 @@ from distorefs.errors import (
     NotFound,
     ReadOnly,
 )
-from distorefs.fs.control import (
-    VIRTUAL_BASE,
+from distorefs.fs.virtual import (
     ControlFile,
     NamedDir,
     NamedKindDirectory,
@@ -42,14 +41,13 @@ from distorefs.fs.control import (
     VirtualTree,
     WholeInputHandle,
 )
+from distorefs.ids import BUFFER_OWNER_BASE, INDEX_BITS, ITEM_BASE, ITEM_SPAN
 from distorefs.stores.replay.buffer import ReplayBuffer
 from distorefs.stores.replay.formats import BlobStream, RecordStream, ScatteredBytes, parse_priorities
-from distorefs.stores.replay.store import BUFFER_OWNER_BASE, BufferStore
+from distorefs.stores.replay.store import BufferStore
 
 T = TypeVar("T")
 
-ITEM_BASE = VIRTUAL_BASE | (1 << 61)
-INDEX_BITS = 36
 SIGNAL_POLL_S = 0.05
 CONTROL_NAMES = (b"config", b"append", b"sample", b"priority", b"stats")
 MAX_SAMPLE_COUNT = 1 << 20
@@ -159,10 +157,6 @@ class AppendHandle(VirtualHandle):
         buffer = self._buffer
         if buffer.deleted:
             raise NotFound(f"buffers/{buffer.name} was removed")
-        router = buffer.router
-        if router is not None:
-            await run_waiting(self._pid, self._nonblocking, False, lambda nb: router.append(items, nonblocking=nb))
-            return
         ready = buffer.can_append(len(items))
         await run_waiting(self._pid, self._nonblocking, ready, lambda nb: buffer.append(items, nonblocking=nb))
 
@@ -204,16 +198,10 @@ class SampleHandle(VirtualHandle):
     async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
         if self._data is None:
             buffer, count = self._buffer, self._count
-            router = buffer.router
-            if router is not None:
-                batch = await run_waiting(
-                    self._pid, self._nonblocking, False, lambda nb: router.sample(count, nonblocking=nb)
-                )
-            else:
-                ready = buffer.can_sample(count)
-                batch = await run_waiting(
-                    self._pid, self._nonblocking, ready, lambda nb: buffer.sample(count, nonblocking=nb)
-                )
+            ready = buffer.can_sample(count)
+            batch = await run_waiting(
+                self._pid, self._nonblocking, ready, lambda nb: buffer.sample(count, nonblocking=nb)
+            )
             self._data = batch.data
         else:
             await trio.lowlevel.checkpoint()
@@ -235,10 +223,7 @@ class PriorityHandle(WholeInputHandle):
         parsed = parse_priorities(pending)
         if parsed is None:
             return False
-        if self._buffer.router is not None:
-            await self._buffer.router.update_priorities(*parsed)
-        else:
-            self._buffer.update_priorities(*parsed)
+        await self._buffer.update_priorities(*parsed)
         return True
 
 
@@ -444,7 +429,7 @@ class BuffersDir(NamedKindDirectory):
     def __init__(self, tree: VirtualTree, store: BufferStore) -> None:
         super().__init__(tree, b"buffers")
         self._store = store
-        tree.add_resolver(ITEM_BASE, ITEM_BASE + (1 << 60), self._resolve_item)
+        tree.add_resolver(ITEM_BASE, ITEM_BASE + ITEM_SPAN, self._resolve_item)
 
     def _names(self) -> list[str]:
         return self._store.names()

@@ -24,8 +24,7 @@ import numpy as np
 import trio
 
 from distorefs.errors import DistorefsError, InvalidArgument, NotFound, ReadOnly
-from distorefs.fs.control import (
-    VIRTUAL_BASE,
+from distorefs.fs.virtual import (
     ControlFile,
     NamedDir,
     NamedKindDirectory,
@@ -37,14 +36,13 @@ from distorefs.fs.control import (
     VirtualTree,
     WholeInputHandle,
 )
+from distorefs.ids import DATASET_OWNER_BASE, INDEX_BITS, OWNERS_PER_DATASET, RECORD_BASE, RECORD_SPAN
 from distorefs.stores.datasets.dataset import Dataset
 from distorefs.stores.datasets.formats import OrderInput, OrderSpec
-from distorefs.stores.datasets.store import DATASET_OWNER_BASE, OWNERS_PER_DATASET, DatasetStore
+from distorefs.stores.datasets.store import DatasetStore
 from distorefs.stores.datasets.stream import Stream
 from distorefs.stores.replay.formats import BlobStream, RecordStream
 
-RECORD_BASE = VIRTUAL_BASE | (1 << 60)
-INDEX_BITS = 36
 RECORD_CACHE_S = 60.0  # records never change; a removed dataset's may stat this long
 CONTROL_NAMES = (b"config", b"append", b"state", b"order", b"len", b"stats", b"stream")
 MAX_WORLD = 1 << 16
@@ -394,7 +392,7 @@ class DatasetsDir(NamedKindDirectory):
     def __init__(self, tree: VirtualTree, store: DatasetStore) -> None:
         super().__init__(tree, b"datasets")
         self._store = store
-        tree.add_resolver(RECORD_BASE, RECORD_BASE + (1 << 59), self._resolve_record)
+        tree.add_resolver(RECORD_BASE, RECORD_BASE + RECORD_SPAN, self._resolve_record)
         tree.add_status(store.statistics)
 
     def _names(self) -> list[str]:

@@ -2,9 +2,11 @@
 
 Owns what is FUSE-specific: file handles, kernel lookup counts, attribute timeouts,
 cache flags per open, and the translation of DistorefsError into an errno. It routes each
-request either to the POSIX tree (FileStore) or to a virtual node (VirtualTree); the
-reserved names at the root (`.distore`, `buffers`, `weights`, `datasets`, `checkpoints`)
-cannot be created, removed or renamed.
+request either to the POSIX tree (stores/tree.py: files and the policies some of them
+follow, such as checkpoints/) or to a virtual node (fs/virtual.py); the reserved names
+at the root (`.distore`, `buffers`, `weights`, `datasets`, `checkpoints`) cannot be
+created, removed or renamed. Entries the daemon removes itself (checkpoint retention)
+reach the kernel through `run_invalidations`, a task the daemon starts.
 
 An unexpected exception is logged with its request, answered with EIO, and turns the
 mount degraded: reads go on, changes get EROFS.
@@ -24,9 +26,9 @@ from typing import Any, ParamSpec, TypeVar
 import pyfuse3
 
 from distorefs.errors import Busy, CrossDevice, DistorefsError, Exists, NotPermitted, ReadOnly
-from distorefs.fs.control import VirtualDir, VirtualFile, VirtualHandle, VirtualNode, VirtualTree
-from distorefs.stores.checkpoints import CHECKPOINTS, KEEP_XATTR, STATE_XATTR, CheckpointStore
-from distorefs.stores.files import ROOT_INODE, FileStore, Inode
+from distorefs.fs.virtual import VirtualDir, VirtualFile, VirtualHandle, VirtualNode, VirtualTree
+from distorefs.stores.files import ROOT_INODE, Inode
+from distorefs.stores.tree import PosixTree
 from distorefs.types import FileHandle
 
 log = logging.getLogger(__name__)
@@ -83,30 +85,22 @@ class FsOperations(pyfuse3.Operations):
     supports_dot_lookup = True
     enable_writeback_cache = False
 
-    def __init__(
-        self, files: FileStore, virtual: VirtualTree, checkpoints: CheckpointStore, data_dir: str, block_bytes: int
-    ) -> None:
+    def __init__(self, tree: PosixTree, virtual: VirtualTree, data_dir: str, block_bytes: int) -> None:
         super().__init__()
-        self.files = files
+        self.tree = tree
         self.virtual = virtual
-        self.ckpt = checkpoints
-        checkpoints.on_removed = self._removed_behind_the_kernel
         self.data_dir = data_dir
         self.block_bytes = block_bytes
         self.degraded = False
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
 
-    @staticmethod
-    def _removed_behind_the_kernel(parent: int, name: bytes, ino: int) -> None:
-        """The daemon removed an entry itself (retention): the kernel must drop it too."""
-        pyfuse3.invalidate_entry_async(parent, name, deleted=ino, ignore_enoent=True)
-
-    def _tracked(self, parent: int, inode: Inode) -> Inode:
-        """A regular file found in `parent`: checkpoints/ files get their policy."""
-        if inode.is_reg:
-            self.ckpt.track(inode.ino, parent)
-        return inode
+    async def run_invalidations(self) -> None:
+        """Background task: entries the daemon removed itself (retention, another node's
+        rmdir) are dropped from the kernel's cache too."""
+        while True:
+            parent, name, ino = await self.tree.removed.next()
+            pyfuse3.invalidate_entry_async(parent, name, deleted=ino, ignore_enoent=True)
 
     # --- helpers ------------------------------------------------------------------------
 
@@ -131,7 +125,7 @@ class FsOperations(pyfuse3.Operations):
 
     def _virtual_attrs(self, node: VirtualNode) -> pyfuse3.EntryAttributes:
         attr = pyfuse3.EntryAttributes()
-        root = self.files.get(ROOT_INODE)
+        root = self.tree.get(ROOT_INODE)
         attr.st_ino = node.ino
         default = 0 if isinstance(node, VirtualFile) else ATTR_TIMEOUT_S
         attr.entry_timeout = ATTR_TIMEOUT_S if node.cache_s is None else node.cache_s
@@ -154,7 +148,7 @@ class FsOperations(pyfuse3.Operations):
 
     def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
         """Attributes for a reply that hands the kernel a new lookup reference."""
-        self.files.ref(inode.ino)
+        self.tree.ref(inode.ino)
         return self._attrs(inode)
 
     def _new_fh(self, handle: Handle) -> FileHandle:
@@ -172,7 +166,7 @@ class FsOperations(pyfuse3.Operations):
         return None
 
     def _is_reserved(self, parent: int, name: bytes) -> bool:
-        return parent == ROOT_INODE and (name in self.virtual.root_nodes or name == CHECKPOINTS)
+        return parent == ROOT_INODE and (name in self.virtual.root_nodes or name in self.tree.reserved_names)
 
     def _guard_reserved(self, parent: int, name: bytes, what: str) -> None:
         if self._is_reserved(parent, name):
@@ -192,16 +186,16 @@ class FsOperations(pyfuse3.Operations):
             if name == b".":
                 return self._virtual_attrs(vdir)
             if name == b"..":
-                return self._entry(self.files.get(ROOT_INODE))
+                return self._entry(self.tree.get(ROOT_INODE))
             return self._virtual_entry(vdir.lookup(name))
         if parent_inode == ROOT_INODE and name in self.virtual.root_nodes:
             return self._virtual_attrs(self.virtual.root_nodes[name])
-        return self._entry(self._tracked(parent_inode, self.files.lookup(parent_inode, name)))
+        return self._entry(self.tree.lookup(parent_inode, name))
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for ino, nlookup in inode_list:
             if ino not in self.virtual:
-                self.files.unref(ino, nlookup)
+                self.tree.unref(ino, nlookup)
             else:
                 node = self.virtual.nodes.get(ino)
                 if node is not None:
@@ -211,7 +205,7 @@ class FsOperations(pyfuse3.Operations):
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         if inode in self.virtual:
             return self._virtual_attrs(self.virtual.get(inode))
-        return self._attrs(self.files.get(inode))
+        return self._attrs(self.tree.get(inode))
 
     @_translate(mutates=True)
     async def setattr(
@@ -233,7 +227,7 @@ class FsOperations(pyfuse3.Operations):
             if fields.update_atime or fields.update_mtime:
                 return self._virtual_attrs(node)  # touch: accepted, not kept
             raise NotPermitted("virtual nodes cannot change their owner or mode")
-        changed = await self.files.setattr(
+        changed = await self.tree.setattr(
             inode,
             mode=attr.st_mode if fields.update_mode else None,
             uid=attr.st_uid if fields.update_uid else None,
@@ -242,18 +236,16 @@ class FsOperations(pyfuse3.Operations):
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
         )
-        if fields.update_size and self.ckpt.tracks(inode):
-            self.ckpt.changed(inode)
         return self._attrs(changed)
 
     @_translate(mutates=False)
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
-        return self.files.readlink(inode)
+        return self.tree.readlink(inode)
 
     @_translate(mutates=False)
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         st = os.statvfs(self.data_dir)
-        stats = self.files.statistics()
+        stats = self.tree.statistics()
         out = pyfuse3.StatvfsData()
         out.f_bsize = 4096
         out.f_frsize = 4096
@@ -276,9 +268,7 @@ class FsOperations(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         self._guard_virtual_parent(parent_inode, "create files")
         self._guard_reserved(parent_inode, name, "create it")
-        return self._entry(
-            self._tracked(parent_inode, self.files.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
-        )
+        return self._entry(self.tree.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
 
     @_translate(mutates=True)
     async def mkdir(
@@ -289,9 +279,7 @@ class FsOperations(pyfuse3.Operations):
             return self._virtual_attrs(await vdir.mkdir(name, mode))
         if self._is_reserved(parent_inode, name):
             raise Exists(f"{name.decode()}/ exists (reserved)")
-        inode = self.files.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid)
-        self.ckpt.dir_made(inode.ino)
-        return self._entry(inode)
+        return self._entry(self.tree.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
 
     @_translate(mutates=True)
     async def symlink(
@@ -299,7 +287,7 @@ class FsOperations(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         self._guard_virtual_parent(parent_inode, "create symlinks")
         self._guard_reserved(parent_inode, name, "create it")
-        return self._entry(self.files.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+        return self._entry(self.tree.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
 
     @_translate(mutates=True)
     async def link(
@@ -309,7 +297,7 @@ class FsOperations(pyfuse3.Operations):
             raise NotPermitted("cannot hard-link a virtual node")
         self._guard_virtual_parent(new_parent_inode, "create links")
         self._guard_reserved(new_parent_inode, new_name, "create it")
-        return self._entry(self.files.link(inode, new_parent_inode, new_name))
+        return self._entry(self.tree.link(inode, new_parent_inode, new_name))
 
     @_translate(mutates=True)
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
@@ -318,7 +306,7 @@ class FsOperations(pyfuse3.Operations):
             await vdir.unlink(name)
             return
         self._guard_reserved(parent_inode, name, "remove it")
-        self.files.unlink(parent_inode, name)
+        self.tree.unlink(parent_inode, name)
 
     @_translate(mutates=True)
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
@@ -327,8 +315,7 @@ class FsOperations(pyfuse3.Operations):
             await vdir.rmdir(name)
             return
         self._guard_reserved(parent_inode, name, "remove it")
-        self.files.rmdir(parent_inode, name)
-        self.ckpt.dir_removed(parent_inode, name)
+        self.tree.rmdir(parent_inode, name)
 
     @_translate(mutates=True)
     async def rename(
@@ -348,8 +335,7 @@ class FsOperations(pyfuse3.Operations):
             raise CrossDevice("rename between a kind directory and the POSIX tree: copy instead")
         self._guard_reserved(parent_inode_old, name_old, "rename it")
         self._guard_reserved(parent_inode_new, name_new, "replace it")
-        self.files.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
-        self._tracked(parent_inode_new, self.files.lookup(parent_inode_new, name_new))
+        self.tree.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
 
     # --- files --------------------------------------------------------------------------
 
@@ -364,15 +350,7 @@ class FsOperations(pyfuse3.Operations):
             return pyfuse3.FileInfo(fh=fh, direct_io=vhandle.direct_io, keep_cache=vhandle.keep_cache)
         if flags & os.O_TRUNC and self.degraded:
             raise ReadOnly("the mount is degraded (read-only) after an internal error")
-        inode_obj = self.files.get(inode)
-        tracked = self.ckpt.tracks(inode)
-        if flags & os.O_TRUNC and inode_obj.size:
-            await self.files.setattr(inode, size=0)
-            if tracked:
-                self.ckpt.changed(inode)
-        self.files.ref(inode)
-        writable = flags & os.O_ACCMODE != os.O_RDONLY
-        self.ckpt.opened(inode, writable)
+        writable = await self.tree.open(inode, flags)
         fh = self._new_fh(Handle(inode, virtual=False, writable=writable))
         # The kernel page cache stays valid across opens: every change to a tree file
         # passes through this kernel, which updates or drops its pages itself.
@@ -389,10 +367,7 @@ class FsOperations(pyfuse3.Operations):
             info = pyfuse3.FileInfo(fh=fh, direct_io=vhandle.direct_io, keep_cache=vhandle.keep_cache)
             return info, self._virtual_entry(node)
         self._guard_reserved(parent_inode, name, "create it")
-        inode = self.files.mknod(parent_inode, name, stat.S_IFREG | stat.S_IMODE(mode), 0, ctx.uid, ctx.gid)
-        self.files.ref(inode.ino)
-        self._tracked(parent_inode, inode)
-        self.ckpt.opened(inode.ino, True)
+        inode = self.tree.create(parent_inode, name, mode, ctx.uid, ctx.gid)
         fh = self._new_fh(Handle(inode.ino, virtual=False, writable=True))
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._entry(inode)
 
@@ -401,40 +376,30 @@ class FsOperations(pyfuse3.Operations):
         handle = self._handles[fh]
         if handle.vhandle is not None:
             return await handle.vhandle.read(off, size)
-        return await self.files.read(handle.ino, off, size)
+        return await self.tree.read(handle.ino, off, size)
 
     @_translate(mutates=True)
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         handle = self._handles[fh]
         if handle.vhandle is not None:
             return await handle.vhandle.write(off, buf)
-        written = await self.files.write(handle.ino, off, buf)
-        if self.ckpt.tracks(handle.ino):
-            self.ckpt.changed(handle.ino)
-        return written
+        return await self.tree.write(handle.ino, off, buf)
 
     @_translate(mutates=False)
     async def flush(self, fh: int) -> None:
         handle = self._handles[fh]
         if handle.vhandle is not None:
             await handle.vhandle.flush()
-        elif self.degraded:
-            return
-        elif self.ckpt.tracks(handle.ino):
-            if handle.writable:
-                await self.ckpt.close(handle.ino)  # persisted in the background
-        else:
-            await self.files.flush(handle.ino)
+        elif not self.degraded:
+            await self.tree.close(handle.ino, handle.writable)
 
     @_translate(mutates=False)
     async def fsync(self, fh: int, datasync: bool) -> None:
         handle = self._handles[fh]
         if handle.vhandle is not None:
             await handle.vhandle.fsync()
-        elif self.ckpt.tracks(handle.ino):
-            await self.ckpt.fsync(handle.ino)
         elif not handle.virtual:
-            await self.files.fsync(handle.ino)
+            await self.tree.fsync(handle.ino)
 
     @_translate(mutates=False)
     async def release(self, fh: int) -> None:
@@ -442,8 +407,7 @@ class FsOperations(pyfuse3.Operations):
         if handle.vhandle is not None:
             await handle.vhandle.release()
         else:
-            self.ckpt.released(handle.ino, handle.writable)
-            self.files.unref(handle.ino)
+            self.tree.release(handle.ino, handle.writable)
 
     # --- directories --------------------------------------------------------------------
 
@@ -452,7 +416,7 @@ class FsOperations(pyfuse3.Operations):
         vdir = self._virtual_dir(inode)
         if vdir is not None:
             return self._new_fh(Handle(inode, virtual=True, listing=vdir.listing()))
-        entries = self.files.entries(inode)
+        entries = self.tree.entries(inode)
         if inode == ROOT_INODE:
             entries = [(name, node.ino) for name, node in self.virtual.root_nodes.items()] + [
                 (name, ino) for name, ino in entries if name not in self.virtual.root_nodes
@@ -476,11 +440,11 @@ class FsOperations(pyfuse3.Operations):
                 if not pyfuse3.readdir_reply(token, name, attrs, position + 1):
                     return
                 continue
-            if ino not in self.files:
+            if ino not in self.tree:
                 continue  # removed since opendir
-            if not pyfuse3.readdir_reply(token, name, self._attrs(self.files.get(ino)), position + 1):
+            if not pyfuse3.readdir_reply(token, name, self._attrs(self.tree.get(ino)), position + 1):
                 return
-            self.files.ref(ino)  # readdirplus hands the kernel a lookup reference
+            self.tree.ref(ino)  # readdirplus hands the kernel a lookup reference
 
     def _readdir_virtual(
         self, dir_ino: int, listing: Sequence[tuple[bytes, int, int, int]], start_id: int, token: pyfuse3.ReaddirToken
@@ -513,7 +477,7 @@ class FsOperations(pyfuse3.Operations):
 
     @_translate(mutates=False)
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
-        await self.files.sync_all()
+        await self.tree.sync_all()
 
     # --- xattrs -------------------------------------------------------------------------
 
@@ -521,30 +485,22 @@ class FsOperations(pyfuse3.Operations):
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
         if inode in self.virtual:
             raise ReadOnly("virtual nodes take no attributes")
-        self.ckpt.check_setting(inode, name, value)
-        self.files.setxattr(inode, name, value)
-        if name == KEEP_XATTR and self.ckpt.apply_retention(inode):
-            await self.files.sync_all()
+        await self.tree.setxattr(inode, name, value)
 
     @_translate(mutates=False)
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         if inode in self.virtual:
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
-        if name == STATE_XATTR and self.ckpt.tracks(inode):
-            return self.ckpt.state(inode).encode()
-        return self.files.getxattr(inode, name)
+        return self.tree.getxattr(inode, name)
 
     @_translate(mutates=False)
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
         if inode in self.virtual:
             return []
-        names = self.files.listxattr(inode)
-        return [*names, STATE_XATTR] if self.ckpt.tracks(inode) else names
+        return self.tree.listxattr(inode)
 
     @_translate(mutates=True)
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         if inode in self.virtual:
             raise ReadOnly("virtual nodes take no attributes")
-        if name == STATE_XATTR:
-            raise NotPermitted(f"{STATE_XATTR.decode()} is computed; it cannot be removed")
-        self.files.removexattr(inode, name)
+        self.tree.removexattr(inode, name)

@@ -26,7 +26,7 @@ import trio
 
 from distorefs.errors import CrossDevice, NotFound, NotPermitted, ReadOnly
 from distorefs.fs.buffers import run_waiting
-from distorefs.fs.control import (
+from distorefs.fs.virtual import (
     ControlFile,
     KindDirectory,
     VirtualDir,

@@ -1,4 +1,4 @@
-"""CheckpointStore: the policy of files under `checkpoints/` (CheckFreq's two phases).
+"""CheckpointPolicy: the policy of files under `checkpoints/` (CheckFreq's two phases).
 
 Owns what makes a checkpoint file differ from any other file of the tree: a write
 returns once its bytes are in DRAM (as for every file), but a close does not wait for
@@ -14,8 +14,15 @@ table, removed in the same durable commit that makes it durable. At start-up the
 still listed there died half-persisted (never acknowledged as durable): they are removed,
 so no half-written file can claim to be durable.
 
-Plain Python with no FUSE: the fs layer reports opens, writes and closes of tree files
-here, and passes `on_removed` to tell the kernel about entries retention removes.
+Plain Python with no FUSE, and it sits behind the POSIX tree (stores/tree.py), which
+reports opens, writes and closes of tree files here; it works on files only through the
+FileStore, never on blocks. Entries that retention (or another node) removes are posted
+to the `removed` outbox as (parent, name, inode): the fs layer follows it to tell the
+kernel. In a cluster the Replicator given at construction copies files to other nodes.
+
+Settings are xattrs on directories under checkpoints/ and apply to everything below;
+the nearest directory that sets one wins. A setting is resolved once per directory and
+cached until any setting or the shape of the tree under checkpoints/ changes.
 """
 
 from __future__ import annotations
@@ -32,7 +39,6 @@ import trio
 from distorefs.errors import DistorefsError, InvalidArgument, NotADirectory, NotEmpty, NotFound, NotPermitted
 from distorefs.news import Outbox
 from distorefs.stores.files import ROOT_INODE, FileStore
-from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.metadb import MetaDb
 
 log = logging.getLogger(__name__)
@@ -42,6 +48,7 @@ STATE_XATTR = b"user.distore.state"
 KEEP_XATTR = b"user.distore.keep_last"
 SYNC_CLOSE_XATTR = b"user.distore.sync_close"
 REPLICAS_XATTR = b"user.distore.replicas"
+SETTING_XATTRS = frozenset({KEEP_XATTR, SYNC_CLOSE_XATTR, REPLICAS_XATTR})  # settings on directories
 MAX_REPLICAS = 8
 RETRY_S = 1.0
 
@@ -49,8 +56,9 @@ RETRY_S = 1.0
 class Replicator(Protocol):
     """Copies a durable checkpoint file to other nodes (the daemon's cluster glue)."""
 
-    async def replicate(self, ino: int, path: bytes, copies: int) -> None:
-        """Return once `copies` other nodes hold `path` durably; PeerUnavailable if not."""
+    async def replicate(self, path: bytes, mode: int, data: bytes | bytearray | memoryview, copies: int) -> None:
+        """Return once `copies` other nodes hold `path` (with these bytes and mode)
+        durably; PeerUnavailable if not."""
 
 
 @dataclass
@@ -61,11 +69,11 @@ class _State:
     writers: int = 0
 
 
-class CheckpointStore:
+class CheckpointPolicy:
     """Background persistence, states and retention of the files under `checkpoints/`.
 
     Examples:
-        >>> ckpt = CheckpointStore.load(files, blocks, meta, sync_close=False)
+        >>> ckpt = CheckpointPolicy.load(files, meta, sync_close=False)
         >>> ckpt.track(ino, parent)          # a file under checkpoints/ was looked up
         >>> ckpt.changed(ino)                # after each write
         >>> await ckpt.close(ino)            # returns at once; the persister takes over
@@ -73,9 +81,8 @@ class CheckpointStore:
         'persisting'
     """
 
-    def __init__(self, files: FileStore, blocks: BlockStore, meta: MetaDb, sync_close: bool) -> None:
+    def __init__(self, files: FileStore, meta: MetaDb, sync_close: bool, replicator: Replicator | None = None) -> None:
         self._files = files
-        self._blocks = blocks
         self._meta = meta
         self.sync_close = sync_close
         self.root = files.lookup(ROOT_INODE, CHECKPOINTS).ino
@@ -85,22 +92,25 @@ class CheckpointStore:
         self.errors = 0
         self.last_error = ""
         self.removed_by_retention = 0
-        self.on_removed: Callable[[int, bytes, int], None] = lambda parent, name, ino: None
-        self.replicator: Replicator | None = None  # set in a cluster
+        self.removed = Outbox[tuple[int, bytes, int]]()  # (parent, name, ino) the daemon removed itself
+        self.replicator = replicator
+        self._settings: dict[tuple[int, bytes], tuple[int, str] | None] = {}  # resolved, see _setting
         self.replication_queue = Outbox[int]()  # closed files of replicas > 1 dirs, made durable
         self.replicated = 0
         # directories made or removed under checkpoints/, for a cluster: ("made" | "removed", path)
         self.news = Outbox[tuple[str, bytes]]()
 
     @classmethod
-    def load(cls, files: FileStore, blocks: BlockStore, meta: MetaDb, sync_close: bool) -> CheckpointStore:
+    def load(
+        cls, files: FileStore, meta: MetaDb, sync_close: bool, replicator: Replicator | None = None
+    ) -> CheckpointPolicy:
         """Remove the checkpoint files that were not durable when the last daemon died."""
         try:
             files.lookup(ROOT_INODE, CHECKPOINTS)
         except DistorefsError:
             root = files.get(ROOT_INODE)
             files.mkdir(ROOT_INODE, CHECKPOINTS, 0o755, root.uid, root.gid)
-        self = cls(files, blocks, meta, sync_close)
+        self = cls(files, meta, sync_close, replicator)
         dropped = 0
         for ino, _since in list(meta.rows("ckpt_pending")):
             meta.delete("ckpt_pending", (ino,))
@@ -180,7 +190,9 @@ class CheckpointStore:
         copies = self.replicas(ino) - 1
         if copies <= 0 or self.replicator is None or ino not in self._files:
             return
-        await self.replicator.replicate(ino, self.path_of(ino), copies)
+        inode = self._files.get(ino)
+        data = await self._files.read(ino, 0, inode.size)
+        await self.replicator.replicate(self.path_of(ino), inode.mode, data, copies)
         self.replicated += 1
 
     def dir_made(self, directory: int) -> None:
@@ -208,7 +220,8 @@ class CheckpointStore:
         except (NotEmpty, NotADirectory) as exc:
             log.info("checkpoints: %s removed on another node stays here: %s", path.decode(errors="replace"), exc)
             return
-        self.on_removed(parent, names[-1], ino)
+        self.settings_changed()
+        self.removed.post((parent, names[-1], ino))
 
     def make_dirs(self, path: bytes) -> None:
         """Make `path` (under checkpoints/) and its parents where missing: a directory
@@ -288,7 +301,7 @@ class CheckpointStore:
     def statistics(self) -> dict[str, int]:
         waiting = [ino for ino, s in self._states.items() if s.gen != s.durable_gen]
         return {
-            "checkpoint_bytes_waiting": sum(self._blocks.owner_dirty_bytes(ino) for ino in waiting),
+            "checkpoint_bytes_waiting": sum(self._files.dirty_bytes(ino) for ino in waiting),
             "checkpoint_files_waiting": len(waiting),
             "checkpoint_files_tracked": len(self._states),
             "checkpoint_persist_errors": self.errors,
@@ -301,7 +314,7 @@ class CheckpointStore:
         """Refuse a bad value for one of our xattrs before it is stored."""
         if name == STATE_XATTR:
             raise NotPermitted(f"{STATE_XATTR.decode()} is computed; it cannot be set")
-        if name not in (KEEP_XATTR, SYNC_CLOSE_XATTR, REPLICAS_XATTR):
+        if name not in SETTING_XATTRS:
             return
         inode = self._files.get(ino)
         if not inode.is_dir or not self.covers(ino):
@@ -319,17 +332,23 @@ class CheckpointStore:
         if name == SYNC_CLOSE_XATTR and text not in ("0", "1"):
             raise InvalidArgument(f"{SYNC_CLOSE_XATTR.decode()} must be 0 or 1, got {text!r}")
 
+    def settings_changed(self) -> None:
+        """A setting was set or removed, or a directory moved or went: resolve afresh."""
+        self._settings.clear()
+
     def _setting(self, directory: int, name: bytes) -> tuple[int, str] | None:
-        """The nearest directory from `directory` up to checkpoints/ that sets `name`."""
-        walk = directory
-        while True:
-            try:
-                return walk, self._files.getxattr(walk, name).decode().strip()
-            except DistorefsError:
-                pass
-            if walk == self.root or walk == ROOT_INODE:
-                return None
-            walk = self._files.parent_of(walk)
+        """The nearest directory from `directory` up to checkpoints/ that sets `name`, and
+        its value (cached per directory until `settings_changed`)."""
+        key = (directory, name)
+        if key in self._settings:
+            return self._settings[key]
+        try:
+            found: tuple[int, str] | None = directory, self._files.getxattr(directory, name).decode().strip()
+        except DistorefsError:
+            top = directory in (self.root, ROOT_INODE)
+            found = None if top else self._setting(self._files.parent_of(directory), name)
+        self._settings[key] = found
+        return found
 
     def _sync_close_set(self, directory: int) -> bool:
         found = self._setting(directory, SYNC_CLOSE_XATTR)
@@ -364,12 +383,12 @@ class CheckpointStore:
                 self._forget(ino)
                 continue
             if state.writers:
-                await self._blocks.flush(ino, full_only=True)
+                await self._files.write_back(ino, full_only=True)
             else:
-                await self._blocks.flush(ino)
+                await self._files.write_back(ino)
                 closed.append((ino, state.gen))
         if closed:
-            await self._commit_durable(closed, lambda: self._blocks.commit(durable=True))
+            await self._commit_durable(closed, lambda: self._files.commit(durable=True))
 
     async def _commit_durable(self, done: list[tuple[int, int]], commit: Callable[[], Awaitable[None]]) -> None:
         """Run the durable `commit` with the pending rows of these (file, change) pairs
@@ -405,7 +424,7 @@ class CheckpointStore:
             state = self._states.get(ino)
             if state is None:
                 continue
-            if state.gen == gen and not self._blocks.owner_dirty_bytes(ino):
+            if state.gen == gen and not self._files.dirty_bytes(ino):
                 state.durable_gen = gen
                 self._queue.pop(ino, None)
                 directories.add(state.parent)
@@ -417,7 +436,7 @@ class CheckpointStore:
         for directory in directories:
             removed |= self.apply_retention(directory)
         if removed:
-            await self._blocks.commit()
+            await self._files.commit()
 
     # --- retention ------------------------------------------------------------------------
 
@@ -445,7 +464,10 @@ class CheckpointStore:
             if ino < cutoff:
                 for file_ino in self._files.remove_tree(run_dir, name):
                     self._forget(file_ino)
-                self.on_removed(run_dir, name, ino)
+                self.removed.post((run_dir, name, ino))
                 self.removed_by_retention += 1
                 log.info("checkpoints: retention removed %s (keep_last=%d)", name.decode(errors="replace"), keep)
-        return any(ino < cutoff for _name, ino in entries)
+        removed = any(ino < cutoff for _name, ino in entries)
+        if removed:
+            self.settings_changed()
+        return removed

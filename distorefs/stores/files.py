@@ -505,6 +505,19 @@ class FileStore:
         """The file's data and all metadata are on the device when this returns."""
         await self._blocks.persist(ino, durable=True)
 
+    async def write_back(self, ino: int, full_only: bool = False) -> None:
+        """Hand the file's dirty blocks to the log (all, or only full ones while it is
+        still being written): *logged* once the next commit stages their rows."""
+        await self._blocks.flush(ino, full_only=full_only)
+
+    def dirty_bytes(self, ino: int) -> int:
+        """Bytes of the file held in DRAM that the log does not have yet."""
+        return self._blocks.owner_dirty_bytes(ino)
+
+    async def commit(self, durable: bool = False) -> None:
+        """Commit staged metadata (durable: the log is fsync'ed first)."""
+        await self._blocks.commit(durable=durable)
+
     async def sync_all(self) -> None:
         await self._blocks.flush()
         await self._blocks.commit(durable=True)

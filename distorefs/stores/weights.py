@@ -33,15 +33,14 @@ from distorefs.errors import (
     TimedOut,
     TryAgain,
 )
+from distorefs.ids import WEIGHT_OWNER_BASE, is_weight_owner
 from distorefs.news import Outbox
 from distorefs.stores.files import check_name
-from distorefs.stores.replay.store import BUFFER_OWNER_BASE
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.metadb import MetaDb
 
 log = logging.getLogger(__name__)
 
-WEIGHT_OWNER_BASE = 1 << 47
 MAX_WEIGHT_FILE_BYTES = 1 << 40
 RESERVED_NAMES = frozenset({b"version", b"wait"})
 
@@ -108,7 +107,7 @@ class WeightStore:
                 model.files[bytes.fromhex(name_hex)] = WeightFile(owner, size, mtime_ns, current=True)
             self.models[name] = model
         live = {f.owner for m in self.models.values() for f in m.files.values()}
-        orphans = [o for o in blocks.owners() if WEIGHT_OWNER_BASE <= o < BUFFER_OWNER_BASE and o not in live]
+        orphans = [o for o in blocks.owners() if is_weight_owner(o) and o not in live]
         for owner in orphans:
             blocks.delete_owner(owner)
         if orphans:

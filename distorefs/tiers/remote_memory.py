@@ -29,8 +29,8 @@ from typing import Any
 import crc32c
 import trio
 
+from distorefs.cluster.rpc import Payload, PeerServer, PeerTransport, split_payload
 from distorefs.errors import DistorefsError
-from distorefs.tiers.remote import Payload, PeerServer, PeerTransport, split_payload
 from distorefs.types import BlockKey, LogLocation
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import trio
 
+from distorefs.cluster.rpc import Payload, PeerServer, PeerTransport, choose_transport
 from distorefs.errors import NotFound, PeerUnavailable, RemoteError
-from distorefs.tiers.remote import Payload, PeerServer, PeerTransport, choose_transport
 
 
 async def echo(meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:

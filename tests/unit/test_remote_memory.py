@@ -9,12 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import trio
+import trio.testing
 
+from distorefs.cluster.rpc import PeerServer, PeerTransport
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.dram import DramCache
 from distorefs.tiers.metadb import MetaDb
 from distorefs.tiers.nvme_log import NvmeLog
-from distorefs.tiers.remote import PeerServer, PeerTransport
 from distorefs.tiers.remote_memory import LentMemory, RemoteMemory
 from distorefs.types import BlockKey
 
@@ -64,7 +65,6 @@ async def borrower_and_lender(tmp_path: Path, lend_bytes: int = 64 << 20) -> Asy
     """A block store with 8 blocks of DRAM spilling owner 7 to a lender on loopback."""
     log = NvmeLog.open(str(tmp_path / "log"), segment_bytes=16 * BLOCK)
     meta = MetaDb.open(str(tmp_path / "meta.sqlite"))
-    blocks = BlockStore(log, DramCache(8 * BLOCK), meta, block_bytes=BLOCK)
     lent = LentMemory(lend_bytes)
     server = PeerServer()
     lent.register(server)
@@ -78,7 +78,7 @@ async def borrower_and_lender(tmp_path: Path, lend_bytes: int = 64 << 20) -> Asy
         port = await nursery.start(serve)
         transport = PeerTransport(lambda node: ("127.0.0.1", port), timeout_s=2.0)
         remote = RemoteMemory("n0", transport, lenders=lambda: ["n1"])
-        blocks.attach_remote(remote)
+        blocks = BlockStore(log, DramCache(8 * BLOCK), meta, block_bytes=BLOCK, remote=remote)
         blocks.spill(OWNER)
         nursery.start_soon(remote.run)
         try:
@@ -149,7 +149,7 @@ async def test_a_dead_lender_costs_one_failed_call_and_no_data(tmp_path: Path) -
         await pair.drain()
         assert pair.remote.statistics().remote_items >= 40
         pair.stop_lender()
-        await trio.sleep(0.05)
+        await trio.testing.wait_all_tasks_blocked()  # the lender's server has exited
         with trio.fail_after(5):  # bounded by the peer timeout (2 s), not stuck
             assert await pair.read_all(60) == [item(i) for i in range(60)]
         stats = pair.remote.statistics()
@@ -162,9 +162,8 @@ async def test_a_dead_lender_costs_one_failed_call_and_no_data(tmp_path: Path) -
 async def test_without_lenders_nothing_is_queued(tmp_path: Path) -> None:
     log = NvmeLog.open(str(tmp_path / "log"), segment_bytes=16 * BLOCK)
     meta = MetaDb.open(str(tmp_path / "meta.sqlite"))
-    blocks = BlockStore(log, DramCache(8 * BLOCK), meta, block_bytes=BLOCK)
     remote = RemoteMemory("n0", PeerTransport(lambda node: None), lenders=lambda: [])
-    blocks.attach_remote(remote)
+    blocks = BlockStore(log, DramCache(8 * BLOCK), meta, block_bytes=BLOCK, remote=remote)
     blocks.spill(OWNER)
     for i in range(40):
         await blocks.put(BlockKey(OWNER, i), item(i))

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
+import trio.testing
 import trio.lowlevel
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -231,12 +232,12 @@ def test_prioritized_frequencies_follow_priorities_to_the_alpha(priorities: list
         buf = ReplayBuffer("t", 1 << 48, cfg, blocks, meta)
         n = len(priorities)
         await buf.append([b"i%d" % i for i in range(n)])
-        buf.update_priorities(np.arange(n), np.array(priorities))
+        await buf.update_priorities(np.arange(n), np.array(priorities))
         counts = np.zeros(n)
         draws = 0
         for _ in range(60):
-            slots, _ = buf._draw(64)
-            counts += np.bincount(buf._slot_index[slots], minlength=n)
+            drawn = await buf.pick(64)  # picked, not counted: the draws stay independent
+            counts += np.bincount(drawn.indices, minlength=n)
             draws += 64
         expected = np.power(priorities, alpha) / np.power(priorities, alpha).sum()
         sd = np.sqrt(draws * expected * (1 - expected)) + 1.0
@@ -253,7 +254,7 @@ def test_prioritized_frequencies_follow_priorities_to_the_alpha(priorities: list
 async def test_importance_weights_are_normalised_to_the_rarest_item(tiers: tuple[BlockStore, MetaDb]) -> None:
     buf = make(tiers, sampler="prioritized", alpha=1.0, beta=1.0, epsilon=0.0, batch_size=16)
     await buf.append([b"a", b"b"])
-    buf.update_priorities(np.array([0, 1]), np.array([1.0, 3.0]))
+    await buf.update_priorities(np.array([0, 1]), np.array([1.0, 3.0]))
     batch = await buf.sample(16)
     assert set(batch.indices.tolist()) == {0, 1}
     for index, weight in zip(batch.indices, batch.weights, strict=True):
@@ -266,16 +267,16 @@ async def test_priority_update_with_one_bad_pair_applies_none(tiers: tuple[Block
     await buf.append([b"a", b"b"])
     before = buf._priority.copy()
     with pytest.raises(InvalidArgument, match="no live item 7; none applied"):
-        buf.update_priorities(np.array([0, 7]), np.array([5.0, 1.0]))
+        await buf.update_priorities(np.array([0, 7]), np.array([5.0, 1.0]))
     with pytest.raises(InvalidArgument, match="priority must be finite and >= 0, got nan for index 1"):
-        buf.update_priorities(np.array([0, 1]), np.array([5.0, np.nan]))
+        await buf.update_priorities(np.array([0, 1]), np.array([5.0, np.nan]))
     assert (buf._priority == before).all()
 
 
 async def test_new_items_get_the_current_max_priority(tiers: tuple[BlockStore, MetaDb]) -> None:
     buf = make(tiers, sampler="prioritized")
     await buf.append([b"a"])
-    buf.update_priorities(np.array([0]), np.array([7.0]))
+    await buf.update_priorities(np.array([0]), np.array([7.0]))
     await buf.append([b"b"])
     assert buf._priority[1] == pytest.approx(7.0)
 
@@ -301,7 +302,8 @@ async def test_sample_waits_for_min_size_then_times_out_or_fails_nonblocking(
     assert buf.samples == 0  # nothing counted when it fails
 
     async def late_append() -> None:
-        await trio.sleep(0.05)
+        await trio.testing.wait_all_tasks_blocked()  # the sample is waiting for min_size
+        assert buf.blocked_readers == 1
         await buf.append([b"b"])
 
     async with trio.open_nursery() as nursery:
@@ -339,7 +341,7 @@ async def test_store_restores_items_priorities_and_counters(tmp_path: Path) -> N
     store = BufferStore.load(blocks, meta)
     buf = store.create("dqn", BufferConfig(capacity=4, sampler="prioritized", compression="zstd:3"))
     await buf.append([b"item-%d" % i * 100 for i in range(6)])
-    buf.update_priorities(np.array([3, 4]), np.array([2.0, 5.0]))
+    await buf.update_priorities(np.array([3, 4]), np.array([2.0, 5.0]))
     store.snapshot()
     await buf.append([b"late"])
     await buf.persist()

@@ -4,6 +4,7 @@ in-memory ShardPeer (the real one is tested over loopback in tests/cluster)."""
 from __future__ import annotations
 
 import io
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 
 from distorefs.errors import InvalidArgument, TryAgain
-from distorefs.stores.replay.buffer import Drawn, ReplayBuffer, ShardState
+from distorefs.stores.replay.buffer import ReplayBuffer
+from distorefs.stores.replay.draws import Drawn, ShardState
 from distorefs.stores.replay.config import BufferConfig
 from distorefs.stores.replay.sharded import ShardedBuffer, ShardLayout
 from distorefs.tiers.blocks import BlockStore
@@ -23,25 +25,44 @@ SCHEMA = {"x": "int64"}
 
 
 class InMemoryPeer:
-    """Answers for the shards on other 'nodes' by calling their buffers directly."""
+    """Answers for the shards on other 'nodes' by calling their buffers directly.
+    `refuse` makes a node answer EAGAIN to its first N picks (its limiter said no
+    between its state and its pick)."""
 
-    def __init__(self, shards: dict[str, ReplayBuffer]) -> None:
+    def __init__(
+        self, shards: dict[str, ReplayBuffer], me: str, live: set[str], refuse: dict[str, int] | None = None
+    ) -> None:
         self.shards = shards
+        self.me = me
+        self.live = live
+        self.refuse = dict(refuse or {})
         self.calls = 0
+
+    def alive(self, node: str) -> bool:
+        return node in self.live
+
+    def shard_limit(self) -> int:
+        return len(self.live)
 
     async def shard_state(self, node: str, name: str) -> ShardState:
         self.calls += 1
         return self.shards[node].shard_state()
 
-    async def draw(self, node: str, name: str, count: int) -> Drawn:
+    async def pick(self, node: str, name: str, count: int) -> Drawn:
         self.calls += 1
-        return await self.shards[node].draw(count, nonblocking=True)
+        if self.refuse.get(node, 0) > 0:
+            self.refuse[node] -= 1
+            raise TryAgain(f"{node}: rate limited")
+        return await self.shards[node].pick(count, nonblocking=True)
+
+    async def commit(self, node: str, name: str, indices: np.ndarray) -> None:
+        self.shards[node].commit(indices)
 
     async def append(self, node: str, name: str, items: Sequence[bytes | bytearray], nonblocking: bool) -> list[int]:
-        return await self.shards[node].append(items, nonblocking=nonblocking)
+        return await self.shards[node].append_local(items, nonblocking=nonblocking)
 
     async def update_priorities(self, node: str, name: str, indices: np.ndarray, priorities: np.ndarray) -> None:
-        self.shards[node].update_priorities(indices, priorities)
+        self.shards[node].set_priorities(indices, priorities)
 
 
 @pytest.fixture
@@ -64,9 +85,7 @@ async def shards(tmp_path: Path) -> AsyncIterator[dict[str, ReplayBuffer]]:
 
 def view(shards: dict[str, ReplayBuffer], me: str, alive: set[str] | None = None) -> ShardedBuffer:
     live = set(NODES) if alive is None else alive
-    return ShardedBuffer(
-        "t", shards[me].config, ShardLayout(NODES), me, shards[me], InMemoryPeer(shards), lambda n: n in live
-    )
+    return ShardedBuffer("t", shards[me].config, ShardLayout(NODES), shards[me], InMemoryPeer(shards, me, live))
 
 
 def records(values: range) -> list[bytes]:
@@ -113,7 +132,7 @@ async def test_a_shard_on_a_dead_node_is_left_out_of_draws(shards: dict[str, Rep
 
 async def test_no_live_shard_is_eagain_at_once(shards: dict[str, ReplayBuffer]) -> None:
     sharded = ShardedBuffer(
-        "t", shards["a"].config, ShardLayout(["b", "c"]), "a", None, InMemoryPeer(shards), lambda n: False
+        "t", shards["a"].config, ShardLayout(["b", "c"]), None, InMemoryPeer(shards, "a", set())
     )
     with pytest.raises(TryAgain, match="no shard is on a live node"):
         await sharded.sample(4)
@@ -126,3 +145,32 @@ async def test_bad_priority_applies_to_no_shard(shards: dict[str, ReplayBuffer])
     with pytest.raises(InvalidArgument, match="finite and >= 0"):
         await sharded.update_priorities(np.array([0, 1, 2]), np.array([2.0, 2.0, -1.0]))
     assert all(s.shard_state().mass == 2.0 for s in shards.values())  # still the default 1.0 each
+
+
+async def test_a_shard_saying_eagain_counts_nothing_so_every_item_is_delivered_as_often_as_counted(
+    shards: dict[str, ReplayBuffer],
+) -> None:
+    for node in NODES:
+        shards[node].reconfigure({"max_times_sampled": 1})
+        await view(shards, node).append(records(range(10)))
+    peer = InMemoryPeer(shards, "a", set(NODES), refuse={"c": 3})
+    sharded = ShardedBuffer("t", shards["a"].config, ShardLayout(NODES), shards["a"], peer)
+    delivered: Counter[int] = Counter()
+    eagain = 0
+    for _ in range(200):
+        if not any(shard.size for shard in shards.values()):
+            break
+        try:
+            batch = await sharded.sample(3, nonblocking=True)
+        except TryAgain:
+            eagain += 1
+            continue
+        got = np.load(io.BytesIO(bytes(batch.data)))
+        delivered.update(got["_index"].tolist())
+    assert eagain >= 1
+    assert peer.refuse == {"c": 0}
+    assert not any(shard.size for shard in shards.values())
+    for shard_number, node in enumerate(NODES):
+        from_shard = sum(n for index, n in delivered.items() if index % 3 == shard_number)
+        assert shards[node].samples == from_shard, node
+        assert shards[node].removed == len([i for i in delivered if i % 3 == shard_number]) == 10, node

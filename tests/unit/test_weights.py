@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from distorefs.errors import DistorefsError
-from distorefs.stores.weights import WEIGHT_OWNER_BASE, WeightStore
+from distorefs.ids import WEIGHT_OWNER_BASE
+from distorefs.stores.weights import WeightStore
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.metadb import MetaDb
 from tests.unit.tiers import open_tiers
@@ -146,7 +148,7 @@ async def test_wait_newer_wakes_on_publish_and_bounds_its_wait(store: WeightStor
             got.append(await store.wait_newer(model, 0, 10.0, nonblocking=False))
 
         nursery.start_soon(waiter)
-        await trio.sleep(0.05)
+        await trio.testing.wait_all_tasks_blocked()  # the waiter is parked in wait_newer
         assert got == []
         await publish_bytes(store, b"m", b"w", b"v1")
     assert got == [1]

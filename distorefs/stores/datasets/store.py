@@ -12,19 +12,17 @@ import logging
 import trio
 
 from distorefs.errors import DistorefsError, Exists, NotFound
+from distorefs.ids import DATASET_OWNER_BASE, OWNERS_PER_DATASET, is_dataset_owner
 from distorefs.news import Outbox
 from distorefs.stores.datasets.dataset import Dataset, DatasetConfig
 from distorefs.stores.datasets.formats import StreamLayout
 from distorefs.stores.datasets.stream import Stream
 from distorefs.stores.files import check_name
-from distorefs.stores.weights import WEIGHT_OWNER_BASE
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.metadb import MetaDb
 
 log = logging.getLogger(__name__)
 
-DATASET_OWNER_BASE = 1 << 46
-OWNERS_PER_DATASET = 4
 STREAM_QUEUE = 64
 
 
@@ -60,7 +58,7 @@ class DatasetStore:
             ds.writer = meta.get_kv(_writer_key(ds.name))
             self._datasets[ds.name] = self._by_owner[ds.owner] = ds
         live = {o for ds in self._datasets.values() for o in ds.owners()}
-        orphans = [o for o in blocks.owners() if DATASET_OWNER_BASE <= o < WEIGHT_OWNER_BASE and o not in live]
+        orphans = [o for o in blocks.owners() if is_dataset_owner(o) and o not in live]
         for owner in orphans:
             blocks.delete_owner(owner)
         if self._datasets:

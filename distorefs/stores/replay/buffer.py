@@ -10,18 +10,25 @@ Indices are 0, 1, 2, ... in append order and never reused. Index i lives in slot
 i % capacity, so appending past capacity evicts the oldest item (FIFO). Deleted items
 leave an empty slot. Everything here is synchronous between awaits; waits are
 `_wait_until` on one event that every change sets.
+
+Which slots a draw picks is the config's sampler (samplers/), what leaves after a draw
+its remover (removers/); both are chosen once when a config is applied. A draw is two
+steps: `pick` reads the items and changes nothing, `commit` counts them as sampled (and
+lets the remover act) once the whole batch is handed out, so a batch that is thrown
+away (another shard said EAGAIN) counts nothing.
+
+A buffer that its store spread over several nodes (stores/replay/sharded.py) answers
+`append`, `sample` and `update_priorities` for the whole buffer through its Spread; the
+`*_local` methods, `pick` and `commit` always act on this node's shard.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import trio
@@ -30,8 +37,19 @@ import zstandard
 from distorefs.errors import InvalidArgument, NotFound, TryAgain
 from distorefs.news import Outbox
 from distorefs.stores.replay.config import BufferConfig
-from distorefs.stores.replay.formats import ScatteredBytes, encode_blob_batch, encode_npy_batch
+from distorefs.stores.replay.draws import (
+    Batch,
+    Drawn,
+    ShardState,
+    Spread,
+    check_priorities,
+    encode_batch,
+    importance_weights,
+)
 from distorefs.stores.replay.rate_limiter import RateLimiter
+from distorefs.stores.replay.removers import make_remover
+from distorefs.stores.replay.samplers import make_sampler
+from distorefs.stores.replay.snapshot import encode_snapshot, match_snapshot
 from distorefs.stores.replay.sumtree import SegmentTree
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.metadb import MetaDb
@@ -41,82 +59,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PRIORITY = 1.0
 RECENT_ERRORS = 5
-
-
-@dataclass
-class Batch:
-    """One drawn batch: the encoded bytes a `sample` handle reads, and what is in it."""
-
-    data: bytearray | ScatteredBytes
-    indices: np.ndarray
-    weights: np.ndarray
-
-
-@dataclass
-class Drawn:
-    """Items drawn from one buffer (or shard), counted as sampled, not yet encoded."""
-
-    indices: np.ndarray  # int64
-    probabilities: np.ndarray | None  # float64 within this buffer; None: not prioritized
-    payloads: list[bytes | memoryview]
-
-
-@dataclass(frozen=True)
-class ShardState:
-    """One shard's numbers for splitting a batch: `mass` is what sampling is in
-    proportion to (total scaled priority, or the size), `min_mass` the smallest item's."""
-
-    size: int
-    mass: float
-    min_mass: float
-    can_sample: bool
-
-
-def importance_weights(
-    probabilities: np.ndarray | None, count: int, size: int, min_probability: float, beta: float
-) -> np.ndarray:
-    """(N * P)^-beta normalised by the largest possible weight, (N * P_min)^-beta, over a
-    buffer of N items; all ones where the draw was not prioritized."""
-    if probabilities is None:
-        return np.ones(count, dtype=np.float32)
-    weights: np.ndarray = np.power(size * probabilities, -beta) / math.pow(size * min_probability, -beta)
-    return weights.astype(np.float32)
-
-
-def check_priorities(name: str, indices: np.ndarray, priorities: np.ndarray) -> None:
-    """EINVAL, naming the first bad pair, unless every priority is finite and >= 0 and
-    there is one per index."""
-    if len(indices) != len(priorities):
-        raise InvalidArgument(f"buffers/{name}: {len(indices)} indices but {len(priorities)} priorities")
-    bad = ~np.isfinite(priorities) | (priorities < 0)
-    if bad.any():
-        at = int(np.argmax(bad))
-        raise InvalidArgument(
-            f"buffers/{name}: priority must be finite and >= 0, got {priorities[at]} for index {indices[at]}"
-        )
-
-
-def encode_batch(
-    config: BufferConfig, payloads: list[bytes | memoryview], indices: np.ndarray, weights: np.ndarray
-) -> bytearray | ScatteredBytes:
-    """A batch in the buffer's format: a .npy with `_index`/`_weight` under a schema,
-    the framed blob format without one."""
-    if config.dtype is not None:
-        return encode_npy_batch(config.dtype, payloads, indices, weights)
-    return encode_blob_batch(payloads, indices, weights)
-
-
-class Router(Protocol):
-    """Where a buffer spread over nodes sends appends, samples and priorities
-    (stores/replay/sharded.py). A buffer with no router serves them itself."""
-
-    async def sample(self, count: int | None = None, nonblocking: bool = False) -> Batch: ...
-
-    async def append(self, items: Sequence[bytes | bytearray], nonblocking: bool = False) -> list[int]: ...
-
-    async def update_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> None: ...
-
-    def stats_now(self) -> dict[str, Any]: ...
 
 
 class ReplayBuffer:
@@ -130,7 +72,18 @@ class ReplayBuffer:
         >>> buf.update_priorities(np.array([0]), np.array([2.5]))
     """
 
-    def __init__(self, name: str, owner: int, config: BufferConfig, blocks: BlockStore, meta: MetaDb) -> None:
+    def __init__(
+        self,
+        name: str,
+        owner: int,
+        config: BufferConfig,
+        blocks: BlockStore,
+        meta: MetaDb,
+        news: Outbox[tuple[str, str]] | None = None,
+        shard_limit: Callable[[], int] = lambda: 1,
+    ) -> None:
+        """`news` is the store's outbox (configuration changes are posted there);
+        `shard_limit` says how many shards a config may ask for (the live nodes)."""
         self.name = name
         self.owner = owner
         self._blocks = blocks
@@ -146,9 +99,9 @@ class ReplayBuffer:
         self.blocked_writers = 0
         self.errors: list[str] = []
         self.deleted = False
-        self.shard_limit: Callable[[], int] = lambda: 1  # the store sets it: live nodes in a cluster
-        self.router: Router | None = None  # set in a cluster when the buffer spans nodes
-        self.news: Outbox[tuple[str, str]] = Outbox()  # the store's, where it follows its buffers
+        self._shard_limit = shard_limit
+        self._spread: Spread | None = None  # set by the store when it spreads the buffer over nodes
+        self._news: Outbox[tuple[str, str]] = news if news is not None else Outbox()
         self._changed = trio.Event()
         self._snapshot_dirty = False
         self._snapshot: bytes | None = None  # the last staged snapshot; every row carries it
@@ -162,6 +115,8 @@ class ReplayBuffer:
         """(Re)build the ring for `config` holding the given live items."""
         self.config = config
         self.limiter = RateLimiter.from_config(config)
+        self._sampler = make_sampler(config.sampler)
+        self._remover = make_remover(config.max_times_sampled)
         self._zstd_level = config.zstd_level
         cap = config.capacity
         self._slot_index = np.full(cap, -1, dtype=np.int64)
@@ -185,6 +140,29 @@ class ReplayBuffer:
     @property
     def size(self) -> int:
         return round(self._live.total)
+
+    # the Ring a sampler looks at (samplers/base.py)
+    @property
+    def capacity(self) -> int:
+        return self.config.capacity
+
+    @property
+    def priority_tree(self) -> SegmentTree:
+        return self._tree
+
+    @property
+    def live_tree(self) -> SegmentTree:
+        return self._live
+
+    @property
+    def spread(self) -> Spread | None:
+        """How the buffer is spread over nodes; None when this node holds all of it."""
+        return self._spread
+
+    def spread_over(self, spread: Spread | None) -> None:
+        """The store places the buffer: over nodes (`spread`), or all on this node (None)."""
+        self._spread = spread
+        self._notify()
 
     def _slot_of(self, index: int) -> int:
         """The slot of a live item; NotFound otherwise."""
@@ -245,18 +223,34 @@ class ReplayBuffer:
         raise TryAgain(f"buffers/{self.name}: {what} still blocked after sample_timeout={timeout} s")
 
     def can_append(self, count: int) -> bool:
-        """Whether `count` appends would go through now without waiting."""
+        """Whether `count` appends would go through now without waiting (a spread
+        buffer cannot tell without asking other nodes: False)."""
+        if self._spread is not None:
+            return False
         r = self.limiter
         return all(r.can_insert(self.inserts + k, self.samples) for k in range(min(count, 64)))
 
     def can_sample(self, count: int | None) -> bool:
+        """Whether a sample of the whole buffer would be served now without waiting (a
+        spread buffer cannot tell without asking other nodes: False)."""
+        return self._spread is None and self.can_sample_local(count)
+
+    def can_sample_local(self, count: int | None) -> bool:
+        """Whether this node's shard can serve a pick of `count` now."""
         count = count or self.config.batch_size
         return self.limiter.can_sample(self.size, self.inserts, self.samples, count)
 
     # --- appending --------------------------------------------------------------------
 
     async def append(self, items: Sequence[bytes | bytearray], nonblocking: bool = False) -> list[int]:
-        """Add items in order (each waits for the rate limiter); return their indices.
+        """Add items to the buffer, wherever it lives; return their (global) indices."""
+        if self._spread is not None:
+            return await self._spread.append(items, nonblocking)
+        return await self.append_local(items, nonblocking)
+
+    async def append_local(self, items: Sequence[bytes | bytearray], nonblocking: bool = False) -> list[int]:
+        """Add items to this node's shard in order (each waits for the rate limiter);
+        return their indices.
 
         For schema buffers each item must be exactly one record. The items are in DRAM
         when this returns; `persist` makes them survive a killed daemon.
@@ -404,8 +398,17 @@ class ReplayBuffer:
 
     # --- priorities -------------------------------------------------------------------
 
-    def update_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> None:
-        """Set priorities; all are checked first, so a bad pair applies none of them."""
+    async def update_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> None:
+        """Set priorities of the buffer's items, wherever they live (EINVAL applies none)."""
+        if self._spread is not None:
+            await self._spread.update_priorities(indices, priorities)
+            return
+        self.set_priorities(indices, priorities)
+        await trio.lowlevel.checkpoint()
+
+    def set_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> None:
+        """Set priorities of this shard's items; all are checked first, so a bad pair
+        applies none of them."""
         check_priorities(self.name, indices, priorities)
         if len(indices) == 0:
             return
@@ -423,42 +426,47 @@ class ReplayBuffer:
     # --- sampling ---------------------------------------------------------------------
 
     async def sample(self, count: int | None = None, nonblocking: bool = False) -> Batch:
-        """Draw one batch of `count` items (default batch_size) and encode it.
+        """Draw one batch of `count` items (default batch_size) from the whole buffer and
+        encode it; the items count as sampled once the batch is built.
 
         Waits while the buffer cannot serve it (min_size_to_sample, the rate limiter), up
         to sample_timeout, then TryAgain; nothing is counted when it fails.
         """
-        drawn = await self.draw(count or self.config.batch_size, nonblocking)
+        count = count or self.config.batch_size
+        if self._spread is not None:
+            return await self._spread.sample(count, nonblocking)
+        drawn = await self.pick(count, nonblocking)
         weights = importance_weights(
             drawn.probabilities, len(drawn.indices), self.size, self._tree.min / max(self._tree.total, 1e-300),
             self.config.beta,
         )  # fmt: skip
-        return Batch(encode_batch(self.config, drawn.payloads, drawn.indices, weights), drawn.indices, weights)
+        batch = Batch(encode_batch(self.config, drawn.payloads, drawn.indices, weights), drawn.indices, weights)
+        self.commit(drawn.indices)
+        return batch
 
-    async def draw(self, count: int, nonblocking: bool = False) -> Drawn:
-        """Draw `count` items and count them as sampled: their indices, their sampling
-        probabilities within this buffer (None where the sampler is not prioritized) and
-        their bytes. A shard of a sharded buffer answers its share of a batch with this."""
+    async def pick(self, count: int, nonblocking: bool = False) -> Drawn:
+        """Pick `count` items of this shard: their indices, their sampling probabilities
+        within it (None where the sampler is not prioritized) and their bytes. Nothing is
+        counted: `commit` does that once the batch is handed out."""
         await self._wait_until(
             lambda: self.limiter.can_sample(self.size, self.inserts, self.samples, count),
             nonblocking,
             f"sample of {count}",
             writer=False,
         )
-        slots, probabilities = self._draw(count)
+        slots, probabilities = self._sampler.pick(self, count, self._rng)
         indices = self._slot_index[slots].copy()
         payloads = await self._payloads(indices)
-        self._account_sampled(indices)
         return Drawn(indices, probabilities, payloads)
 
     def shard_state(self) -> ShardState:
         """What a sharded sample needs to split a batch over shards and weigh it."""
-        prioritized = self.config.sampler == "prioritized" and self._tree.total > 0
+        prioritized = self._sampler.prioritized and self._tree.total > 0
         return ShardState(
             size=self.size,
             mass=self._tree.total if prioritized else float(self.size),
             min_mass=self._tree.min if prioritized else 1.0,
-            can_sample=self.can_sample(1),
+            can_sample=self.can_sample_local(1),
         )
 
     async def _payloads(self, indices: np.ndarray) -> list[bytes | memoryview]:
@@ -477,33 +485,16 @@ class ReplayBuffer:
             return await trio.to_thread.run_sync(lambda: [zstandard.decompress(view) for view in out])
         return out
 
-    def _draw(self, count: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """The slots drawn, and their probabilities where the draw is prioritized."""
-        sampler = self.config.sampler
-        if sampler in ("fifo", "lifo"):
-            live = self.live_indices()
-            chosen = live[:count] if sampler == "fifo" else live[::-1][:count]
-            return chosen % self.config.capacity, None
-        total = self._tree.total
-        if sampler == "uniform" or total <= 0:  # every live priority zero: uniform too
-            size = self._live.total
-            prefixes = (np.arange(count) + self._rng.random(count)) * (size / count)
-            return self._live.find(prefixes), None
-        # Stratified: one draw in each of `count` equal segments of the priority mass.
-        prefixes = (np.arange(count) + self._rng.random(count)) * (total / count)
-        slots = self._tree.find(prefixes)
-        return slots, self._tree.leaves()[slots] / total
-
-    def _account_sampled(self, indices: np.ndarray) -> None:
+    def commit(self, indices: np.ndarray) -> None:
+        """Count these picked items of this shard as sampled (they were handed out); the
+        remover then takes what must leave. Items that left since the pick are skipped."""
         self.samples += len(indices)
         slots = indices % self.config.capacity
         still = self._slot_index[slots] == indices  # not left while the batch was read
         np.add.at(self._times, slots[still], 1)  # an item drawn twice counts twice
-        limit = self.config.max_times_sampled
-        if limit:
-            done = np.unique(slots[still][self._times[slots[still]] >= limit])
-            if len(done):
-                self._remove_slots(done, self._slot_index[done].tolist())
+        done = self._remover.after_sampled(slots[still], self._times[slots[still]])
+        if len(done):
+            self._remove_slots(done, self._slot_index[done].tolist())
         self._snapshot_dirty = True
         self._notify()
 
@@ -512,9 +503,9 @@ class ReplayBuffer:
     def reconfigure(self, changes: dict[str, Any]) -> None:
         """Apply a JSON config update whole or not at all (EINVAL / EBUSY)."""
         new = self.config.updated(f"buffers/{self.name}", changes, has_items=self.size > 0)
-        if new.shards > max(1, self.shard_limit()) and new.shards != self.config.shards:
+        if new.shards > max(1, self._shard_limit()) and new.shards != self.config.shards:
             raise InvalidArgument(
-                f"buffers/{self.name}.shards must be <= {max(1, self.shard_limit())} (the live nodes;"
+                f"buffers/{self.name}.shards must be <= {max(1, self._shard_limit())} (the live nodes;"
                 f" a daemon without --cluster has 1), got {new.shards}"
             )
         live = self.live_indices()
@@ -523,7 +514,7 @@ class ReplayBuffer:
         self._apply_config(new, live, priorities, times, sizes)
         self.stage_row()
         self._notify()
-        self.news.post(("configured", self.name))
+        self._news.post(("configured", self.name))
 
     # --- persistence ------------------------------------------------------------------
 
@@ -542,9 +533,7 @@ class ReplayBuffer:
             return False
         live = self.live_indices()
         slots = live % self.config.capacity
-        out = io.BytesIO()
-        np.savez(out, indices=live, priorities=self._priority[slots], times=self._times[slots], sizes=self._size[slots])
-        self._snapshot = out.getvalue()
+        self._snapshot = encode_snapshot(live, self._priority[slots], self._times[slots], self._size[slots])
         self._snapshot_dirty = False
         self.stage_row()
         return True
@@ -557,6 +546,8 @@ class ReplayBuffer:
         blocks: BlockStore,
         meta: MetaDb,
         item_sizes: dict[int, int],
+        news: Outbox[tuple[str, str]] | None = None,
+        shard_limit: Callable[[], int] = lambda: 1,
     ) -> ReplayBuffer:
         """Rebuild a buffer from its row and the items the block tier holds.
 
@@ -565,29 +556,14 @@ class ReplayBuffer:
         """
         owner, config_json, next_index, inserts, samples, removed, snapshot = row
         config = BufferConfig.from_json(f"buffers/{name}", json.loads(config_json))
-        buf = cls(name, owner, config, blocks, meta)
+        buf = cls(name, owner, config, blocks, meta, news, shard_limit)
         indices = np.fromiter(item_sizes, dtype=np.int64, count=len(item_sizes))
         sizes = np.fromiter(item_sizes.values(), dtype=np.int64, count=len(item_sizes))
         order = np.argsort(indices)
         indices, sizes = indices[order], sizes[order]
         if len(indices) > config.capacity:
             indices, sizes = indices[-config.capacity :], sizes[-config.capacity :]
-        priorities = np.full(len(indices), np.nan)
-        times = np.zeros(len(indices), dtype=np.int64)
-        if snapshot:
-            with np.load(io.BytesIO(snapshot)) as npz:  # read each array once
-                saved = {name: npz[name] for name in ("indices", "priorities", "times", "sizes")}
-            # Both index lists are sorted: match them with one searchsorted.
-            at = np.searchsorted(saved["indices"], indices)
-            at_clipped = np.minimum(at, max(len(saved["indices"]) - 1, 0))
-            found = (
-                (at < len(saved["indices"])) & (saved["indices"][at_clipped] == indices)
-                if len(saved["indices"])
-                else np.zeros(len(indices), bool)
-            )
-            priorities[found] = saved["priorities"][at[found]]
-            times[found] = saved["times"][at[found]]
-            sizes[found] = saved["sizes"][at[found]]  # uncompressed sizes
+        priorities, times, sizes = match_snapshot(snapshot, indices, sizes)
         known = priorities[~np.isnan(priorities)]
         fallback = float(known.max()) if len(known) else DEFAULT_PRIORITY
         priorities = np.where(np.isnan(priorities), fallback, priorities)
@@ -617,5 +593,5 @@ class ReplayBuffer:
             "rate_limiter": self.limiter.state(self.size, self.inserts, self.samples, self.config.batch_size),
             "total_priority": self._tree.total,
             "errors": self.errors,
-            **({"cluster": self.router.stats_now()} if self.router is not None else {}),
+            **({"cluster": self._spread.stats_now()} if self._spread is not None else {}),
         }

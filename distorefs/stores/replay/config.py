@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from distorefs.errors import Busy, InvalidArgument
+from distorefs.stores.replay.samplers import SAMPLERS
 
-SAMPLERS = ("uniform", "prioritized", "fifo", "lifo")
 MAX_CAPACITY = 1 << 28
 MAX_SHARDS = 64
 RESERVED_FIELDS = ("_index", "_weight")

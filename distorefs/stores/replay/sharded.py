@@ -5,8 +5,16 @@ shards in proportion to each shard's sampling mass (total scaled priority; the s
 the other samplers), IS weights are computed over the whole buffer, and a global index
 carries its shard: `global = local * shards + shard`, so `global % shards` is the shard
 and `global // shards` the index within it. Moving bytes to and from other nodes is the
-ShardPeer's job (the daemon's cluster glue implements it over tiers/remote.py); this
-module has no network and no FUSE.
+ShardPeer's job (the cluster glue, peers/buffers.py, implements it over cluster/rpc.py);
+this module has no network and no FUSE.
+
+A sample is two phases: every chosen shard picks its part (nothing counted), and only
+when all parts arrived is the batch built and each shard told to commit its part. A
+shard that says EAGAIN between its state and its pick makes the whole attempt start
+again with nothing counted anywhere, so a bounded-reuse item is never counted without
+being handed out. A commit that a live node fails to take is logged and counted in
+`stats` (`uncommitted_draws`): the batch is still handed out, so such an item may be
+handed out once more than max_times_sampled allows, but is never lost.
 
 Failure rule: a shard whose node is not a live member is left out of a draw (the batch
 comes from the live shards, weights over them; `stats` counts the draw as partial); a
@@ -25,17 +33,10 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import trio
 
-from distorefs.errors import InvalidArgument, PeerUnavailable, TryAgain
-from distorefs.stores.replay.buffer import (
-    Batch,
-    Drawn,
-    ReplayBuffer,
-    ShardState,
-    check_priorities,
-    encode_batch,
-    importance_weights,
-)
+from distorefs.errors import DistorefsError, InvalidArgument, PeerUnavailable, TryAgain
+from distorefs.stores.replay.buffer import ReplayBuffer
 from distorefs.stores.replay.config import BufferConfig
+from distorefs.stores.replay.draws import Batch, Drawn, ShardState, check_priorities, encode_batch, importance_weights
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +65,27 @@ async def gather(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
 
 
 class ShardPeer(Protocol):
-    """What a sharded buffer needs from the nodes that hold its other shards."""
+    """What a sharded buffer needs from the cluster: who this node is, which nodes are
+    live, and the shards that other nodes hold. Given to the BufferStore at construction."""
+
+    @property
+    def me(self) -> str: ...
+
+    def alive(self, node: str) -> bool: ...
+
+    def shard_limit(self) -> int:
+        """How many shards a buffer may have now (the live nodes)."""
+        ...
 
     async def shard_state(self, node: str, name: str) -> ShardState: ...
 
-    async def draw(self, node: str, name: str, count: int) -> Drawn: ...
+    async def pick(self, node: str, name: str, count: int) -> Drawn:
+        """Pick `count` items of the shard on `node` (nothing counted); TryAgain if it cannot now."""
+        ...
+
+    async def commit(self, node: str, name: str, indices: np.ndarray) -> None:
+        """Count these picked local indices of the shard on `node` as sampled."""
+        ...
 
     async def append(
         self, node: str, name: str, items: Sequence[bytes | bytearray], nonblocking: bool
@@ -95,7 +112,7 @@ class ShardedBuffer:
     """A buffer spread over `layout`; `local` is this node's shard (None if it has none).
 
     Examples:
-        >>> sharded = ShardedBuffer("atari", config, ShardLayout(["a", "b"]), "a", local, peer, alive)
+        >>> sharded = ShardedBuffer("atari", config, ShardLayout(["a", "b"]), local, peer)
         >>> await sharded.append([b"x"])             # to this node's shard: global index 0
         [0]
         >>> batch = await sharded.sample(32)           # drawn over both shards
@@ -106,20 +123,19 @@ class ShardedBuffer:
         name: str,
         config: BufferConfig,
         layout: ShardLayout,
-        me: str,
         local: ReplayBuffer | None,
         peer: ShardPeer,
-        alive: Callable[[str], bool],
     ) -> None:
         self.name = name
         self.config = config
         self.layout = layout
-        self.me = me
+        self.me = peer.me
         self.local = local
         self._peer = peer
-        self._alive = alive
+        self._alive = peer.alive
         self.partial_draws = 0
         self.remote_draws = 0
+        self.uncommitted_draws = 0
         self.last_states: dict[int, dict[str, Any]] = {}
 
     # --- indices --------------------------------------------------------------------
@@ -143,12 +159,24 @@ class ShardedBuffer:
             return self.local.shard_state()
         return await self._peer.shard_state(node, self.name)
 
-    async def _draw(self, shard: int, count: int) -> Drawn:
+    async def _pick(self, shard: int, count: int) -> Drawn:
         node = self.layout.nodes[shard]
         if node == self.me and self.local is not None:
-            return await self.local.draw(count, nonblocking=True)
+            return await self.local.pick(count, nonblocking=True)
         self.remote_draws += 1
-        return await self._peer.draw(node, self.name, count)
+        return await self._peer.pick(node, self.name, count)
+
+    async def _commit(self, shard: int, indices: np.ndarray) -> None:
+        node = self.layout.nodes[shard]
+        if node == self.me and self.local is not None:
+            self.local.commit(indices)
+            await trio.lowlevel.checkpoint()
+            return
+        try:
+            await self._peer.commit(node, self.name, indices)
+        except DistorefsError as exc:
+            self.uncommitted_draws += 1
+            log.warning("buffers/%s: shard %d on %s did not count its part of a batch: %s", self.name, shard, node, exc)
 
     # --- sampling ---------------------------------------------------------------------
 
@@ -188,13 +216,15 @@ class ShardedBuffer:
         counts = np.random.default_rng().multinomial(count, mass / mass.sum())
         chosen = [(shard, k) for shard, k in zip(ready, counts.tolist(), strict=True) if k]
         try:
-            parts = await gather([partial(self._draw, s, k) for s, k in chosen])
+            parts = await gather([partial(self._pick, s, k) for s, k in chosen])
         except PeerUnavailable as exc:
             raise TryAgain(f"buffers/{self.name}: {exc}") from None
         except TryAgain:
-            return None  # a shard's limiter said no between its state and its draw
+            return None  # a shard's limiter said no between its state and its pick: nothing counted
         drawn = {shard: part for (shard, _k), part in zip(chosen, parts, strict=True)}
-        return self._combine(ready, states, drawn)
+        batch = self._combine(ready, states, drawn)
+        await gather([partial(self._commit, shard, part.indices) for shard, part in drawn.items()])
+        return batch
 
     def _combine(self, ready: list[int], states: dict[int, ShardState], drawn: dict[int, Drawn]) -> Batch:
         """One batch: global indices, and IS weights over the whole (live) buffer:
@@ -234,7 +264,7 @@ class ShardedBuffer:
         shard = self.append_shard()
         node = self.layout.nodes[shard]
         if node == self.me and self.local is not None:
-            local = await self.local.append(items, nonblocking=nonblocking)
+            local = await self.local.append_local(items, nonblocking=nonblocking)
         else:
             local = await self._peer.append(node, self.name, items, nonblocking)
         indices: list[int] = self.to_global(shard, np.asarray(local, dtype=np.int64)).tolist()
@@ -249,7 +279,7 @@ class ShardedBuffer:
             local, values = indices[positions] // self.layout.shards, priorities[positions]
             node = self.layout.nodes[shard]
             if node == self.me and self.local is not None:
-                self.local.update_priorities(local, values)
+                self.local.set_priorities(local, values)
                 await trio.lowlevel.checkpoint()
             else:
                 await self._peer.update_priorities(node, self.name, local, values)
@@ -270,4 +300,5 @@ class ShardedBuffer:
             "this_node_shard": self.layout.shard_of(self.me),
             "partial_draws": self.partial_draws,
             "remote_draws": self.remote_draws,
+            "uncommitted_draws": self.uncommitted_draws,
         }

@@ -2,27 +2,28 @@
 
 Owns buffer creation and deletion, the owner ids their items use in the block tier
 (from BUFFER_OWNER_BASE up, far above any inode), restoring buffers at start-up, and the
-periodic snapshot of priorities. No FUSE here.
+periodic snapshot of priorities, and where each buffer lives: all on this node, or
+spread over nodes (`set_layout`, with the ShardPeer given at construction in a
+cluster). No FUSE here.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import trio
 
 from distorefs.errors import Exists, NotFound
+from distorefs.ids import BUFFER_OWNER_BASE
 from distorefs.news import Outbox
 from distorefs.stores.files import check_name
 from distorefs.stores.replay.buffer import ReplayBuffer
 from distorefs.stores.replay.config import BufferConfig
+from distorefs.stores.replay.sharded import ShardedBuffer, ShardLayout, ShardPeer
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.metadb import MetaDb
 
 log = logging.getLogger(__name__)
-
-BUFFER_OWNER_BASE = 1 << 48
 
 
 class BufferStore:
@@ -35,23 +36,25 @@ class BufferStore:
         ['atari']
     """
 
-    def __init__(self, blocks: BlockStore, meta: MetaDb) -> None:
+    def __init__(self, blocks: BlockStore, meta: MetaDb, peer: ShardPeer | None = None) -> None:
+        """`peer` reaches the other nodes of a cluster; None on a single node."""
         self._blocks = blocks
+        self._peer = peer
         self._meta = meta
         self._buffers: dict[str, ReplayBuffer] = {}
         self._by_owner: dict[int, ReplayBuffer] = {}  # item inodes resolve through this
         self._next_owner = int(meta.get_kv("next_buffer_owner", BUFFER_OWNER_BASE))
-        self.shard_limit: Callable[[], int] = lambda: 1  # how many shards a buffer may have
         self.news = Outbox[tuple[str, str]]()  # ("created" | "configured" | "deleted", name)
 
     @classmethod
-    def load(cls, blocks: BlockStore, meta: MetaDb) -> BufferStore:
-        self = cls(blocks, meta)
+    def load(cls, blocks: BlockStore, meta: MetaDb, peer: ShardPeer | None = None) -> BufferStore:
+        self = cls(blocks, meta, peer)
         for name, *row in meta.rows("buffers"):
             owner = row[0]
-            buf = ReplayBuffer.restore(name, tuple(row), blocks, meta, blocks.owner_lengths(owner))
+            buf = ReplayBuffer.restore(
+                name, tuple(row), blocks, meta, blocks.owner_lengths(owner), self.news, self.shard_limit
+            )
             self._buffers[name] = self._by_owner[owner] = buf
-            buf.shard_limit, buf.news = (lambda: self.shard_limit()), self.news
             log.info("buffer %s: %d items restored (next index %d)", name, buf.size, buf.next_index)
         return self
 
@@ -77,9 +80,8 @@ class BufferStore:
         owner = self._next_owner
         self._next_owner += 1
         self._meta.put("kv", ("next_buffer_owner",), (self._next_owner,))
-        buf = ReplayBuffer(name, owner, config or BufferConfig(), self._blocks, self._meta)
+        buf = ReplayBuffer(name, owner, config or BufferConfig(), self._blocks, self._meta, self.news, self.shard_limit)
         self._buffers[name] = self._by_owner[owner] = buf
-        buf.shard_limit, buf.news = (lambda: self.shard_limit()), self.news
         buf.stage_row()
         self.news.post(("created", name))
         return buf
@@ -93,6 +95,20 @@ class BufferStore:
         del self._by_owner[buf.owner]
         self._meta.delete("buffers", (name,))
         self.news.post(("deleted", name))
+
+    def shard_limit(self) -> int:
+        """How many shards a buffer may have: the live nodes (1 without a cluster)."""
+        return 1 if self._peer is None else self._peer.shard_limit()
+
+    def set_layout(self, name: str, nodes: list[str]) -> None:
+        """Place buffer `name` on `nodes` (shard i on nodes[i]): all on this node when
+        that is the only one, else spread (this node's shard, if any, is the local one)."""
+        buffer = self.get(name)
+        if self._peer is None or nodes == [self._peer.me]:
+            buffer.spread_over(None)
+            return
+        local = buffer if self._peer.me in nodes else None
+        buffer.spread_over(ShardedBuffer(name, buffer.config, ShardLayout(list(nodes)), local, self._peer))
 
     def snapshot(self) -> int:
         """Stage the priorities of every buffer that changed; returns how many."""

@@ -4,10 +4,10 @@ Owns the nodes that are not files of the POSIX tree: their inode numbers (from
 VIRTUAL_BASE up, far above the tree's), their attributes and their contents. A control
 file renders its bytes when it is opened, so one open reads one consistent snapshot.
 
-This is where a directory kind plugs in: `buffers/`, `weights/` and `datasets/` are
-KindDirectory nodes. The issues that bring replay buffers, weights and datasets replace
-the `PlannedKind` placeholders with kinds that supply their own children and control
-files; until then those directories are empty and refuse writes with EROFS.
+This is the virtual-node framework every kind plugs into: `buffers/`, `weights/` and
+`datasets/` are KindDirectory nodes that the daemon installs at their reserved root names,
+each supplying its own children and control files (fs/buffers.py, fs/weights.py,
+fs/datasets.py).
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ import trio
 
 from distorefs import __version__
 from distorefs.errors import DistorefsError, InvalidArgument, IsADirectory, NotFound, ReadOnly
+from distorefs.ids import VIRTUAL_BASE
 from distorefs.stores.files import FileStore
 from distorefs.tiers.blocks import BlockStore
-
-VIRTUAL_BASE = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -297,17 +296,6 @@ class NamedKindDirectory(KindDirectory):
         raise IsADirectory(f"{kind}/{name.decode(errors='replace')} is a directory: use rmdir or rm -r")
 
 
-class PlannedKind(KindDirectory):
-    """Placeholder for a kind not built yet: empty, read-only, saying why."""
-
-    def __init__(self, ino: int, name: bytes, arrives_with: str) -> None:
-        super().__init__(ino, name, stat.S_IFDIR | 0o755)
-        self.arrives_with = arrives_with
-
-    def refuse(self, what: str) -> ReadOnly:
-        return ReadOnly(f"{self.name.decode()}/ is reserved for {self.arrives_with}, not available yet: cannot {what}")
-
-
 class VirtualTree:
     """The virtual nodes by inode, and the names they reserve at the root."""
 
@@ -325,12 +313,6 @@ class VirtualTree:
         assert isinstance(control, VirtualDir)
         self._add_child(control, ControlFile(self.new_ino(), b"status", self.render_status))
         self._add_child(control, ControlFile(self.new_ino(), b"version", self.render_version))
-        for name, arrives_with in (
-            (b"buffers", "replay buffers"),
-            (b"weights", "versioned weights"),
-            (b"datasets", "datasets"),
-        ):  # the daemon installs the kinds that exist over these
-            self._add_root(PlannedKind(self.new_ino(), name, arrives_with))
 
     def new_ino(self) -> int:
         """A fresh inode number for a node that a kind creates (kept until unregistered)."""
@@ -359,10 +341,8 @@ class VirtualTree:
         self._status_parts.append(part)
 
     def install(self, kind: KindDirectory) -> None:
-        """Put a kind at its reserved root name, replacing the placeholder."""
-        old = self.root_nodes.get(kind.name)
-        if old is not None:
-            self.unregister(old.ino)
+        """Put a kind at its reserved root name (each name once)."""
+        assert kind.name not in self.root_nodes, f"{kind.name!r} is installed already"
         self._add_root(kind)
 
     def _add_root(self, node: VirtualNode) -> VirtualNode:

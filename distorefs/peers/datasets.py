@@ -1,4 +1,4 @@
-"""DatasetSync: datasets across nodes (part of the cluster glue in node.py).
+"""DatasetSync: datasets across nodes.
 
 A dataset is written on one node (its writer: the node where `mkdir datasets/NAME` ran).
 Every other node shows it at once as a copy: same name and config, `EROFS` for writes.
@@ -17,21 +17,19 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import crc32c
 import numpy as np
 import trio
 
 from distorefs.cluster.etcd import WatchEvent
+from distorefs.cluster.rpc import Payload, PeerServer, split_payload
 from distorefs.errors import Corrupted, DistorefsError, NotFound
+from distorefs.peers.core import ClusterNode
 from distorefs.stores.datasets.dataset import Dataset, DatasetConfig
 from distorefs.stores.datasets.formats import INDEX_DTYPE
 from distorefs.stores.datasets.store import DatasetStore
-from distorefs.tiers.remote import Payload, split_payload
-
-if TYPE_CHECKING:
-    from distorefs.node import ClusterNode
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +41,8 @@ FETCH_BACKOFF_S = 1.0
 class DatasetSync:
     """Announces this node's datasets, keeps copies of the others', answers `dataset.read`."""
 
+    kind = "datasets"
+
     def __init__(self, node: ClusterNode, datasets: DatasetStore) -> None:
         self.node = node
         self.datasets = datasets
@@ -53,7 +53,16 @@ class DatasetSync:
 
     # --- announce --------------------------------------------------------------------------
 
-    async def announce(self) -> None:
+    def start(self, nursery: trio.Nursery) -> None:
+        nursery.start_soon(self._announce_news, name="cluster dataset news")
+
+    def register(self, server: PeerServer) -> None:
+        server.register("dataset.read", self._on_read)
+
+    def report(self) -> dict[str, Any]:
+        return {"datasets_fetched_records": self.fetched_records, "datasets_fetch_errors": self.fetch_errors}
+
+    async def _announce_news(self) -> None:
         """Background task: this node's dataset news into etcd."""
         while True:
             what, name = await self.datasets.news.next()
@@ -86,8 +95,9 @@ class DatasetSync:
     def _echo(self, name: str) -> None:
         self._echoes[name] = self._echoes.get(name, 0) + 1
 
-    def apply(self, name: str, event: WatchEvent, fetches: trio.Nursery) -> None:
+    def apply(self, raw_name: bytes, event: WatchEvent, fetches: trio.Nursery) -> None:
         """Another node made, configured, sealed or removed a dataset."""
+        name = raw_name.decode(errors="surrogateescape")
         if event.kind == "delete":
             if name in self.datasets.names():
                 self._echo(name)
@@ -171,7 +181,7 @@ class DatasetSync:
 
     # --- the writer's side ------------------------------------------------------------------
 
-    async def on_read(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
+    async def _on_read(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
         ds = self.datasets.get(str(meta["name"]))
         entries, data = await ds.read_run(int(meta["start"]), int(meta["max_bytes"]))
         return {"index": entries.tobytes()}, [data]

@@ -1,0 +1,96 @@
+"""What a draw is: picked items, an encoded batch, one shard's numbers for splitting a
+batch, and the arithmetic they share (importance weights, priority checks, encoding).
+
+Shared by a local buffer (buffer.py) and a buffer spread over nodes (sharded.py); no
+state lives here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from distorefs.errors import InvalidArgument
+from distorefs.stores.replay.config import BufferConfig
+from distorefs.stores.replay.formats import ScatteredBytes, encode_blob_batch, encode_npy_batch
+
+
+@dataclass
+class Batch:
+    """One drawn batch: the encoded bytes a `sample` handle reads, and what is in it."""
+
+    data: bytearray | ScatteredBytes
+    indices: np.ndarray
+    weights: np.ndarray
+
+
+@dataclass
+class Drawn:
+    """Items picked from one buffer (or shard), not yet encoded and not yet counted as
+    sampled: the buffer's `commit` counts them once the whole batch is handed out."""
+
+    indices: np.ndarray  # int64
+    probabilities: np.ndarray | None  # float64 within this buffer; None: not prioritized
+    payloads: list[bytes | memoryview]
+
+
+@dataclass(frozen=True)
+class ShardState:
+    """One shard's numbers for splitting a batch: `mass` is what sampling is in
+    proportion to (total scaled priority, or the size), `min_mass` the smallest item's."""
+
+    size: int
+    mass: float
+    min_mass: float
+    can_sample: bool
+
+
+def importance_weights(
+    probabilities: np.ndarray | None, count: int, size: int, min_probability: float, beta: float
+) -> np.ndarray:
+    """(N * P)^-beta normalised by the largest possible weight, (N * P_min)^-beta, over a
+    buffer of N items; all ones where the draw was not prioritized."""
+    if probabilities is None:
+        return np.ones(count, dtype=np.float32)
+    weights: np.ndarray = np.power(size * probabilities, -beta) / math.pow(size * min_probability, -beta)
+    return weights.astype(np.float32)
+
+
+def check_priorities(name: str, indices: np.ndarray, priorities: np.ndarray) -> None:
+    """EINVAL, naming the first bad pair, unless every priority is finite and >= 0 and
+    there is one per index."""
+    if len(indices) != len(priorities):
+        raise InvalidArgument(f"buffers/{name}: {len(indices)} indices but {len(priorities)} priorities")
+    bad = ~np.isfinite(priorities) | (priorities < 0)
+    if bad.any():
+        at = int(np.argmax(bad))
+        raise InvalidArgument(
+            f"buffers/{name}: priority must be finite and >= 0, got {priorities[at]} for index {indices[at]}"
+        )
+
+
+def encode_batch(
+    config: BufferConfig, payloads: list[bytes | memoryview], indices: np.ndarray, weights: np.ndarray
+) -> bytearray | ScatteredBytes:
+    """A batch in the buffer's format: a .npy with `_index`/`_weight` under a schema,
+    the framed blob format without one."""
+    if config.dtype is not None:
+        return encode_npy_batch(config.dtype, payloads, indices, weights)
+    return encode_blob_batch(payloads, indices, weights)
+
+
+class Spread(Protocol):
+    """A buffer spread over nodes (stores/replay/sharded.py): where the whole buffer's
+    appends, samples and priority updates go when its store placed it on several nodes."""
+
+    async def sample(self, count: int | None = None, nonblocking: bool = False) -> Batch: ...
+
+    async def append(self, items: Sequence[bytes | bytearray], nonblocking: bool = False) -> list[int]: ...
+
+    async def update_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> None: ...
+
+    def stats_now(self) -> dict[str, Any]: ...

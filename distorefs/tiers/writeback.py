@@ -1,0 +1,230 @@
+"""WriteBack: dirty DRAM blocks to the segment log, and metadata commits.
+
+The role of the block tier that moves bytes down the durability stages (docs/design.md,
+"Durability words"): a block written into DRAM is *held*; `flush` and `persist` make it
+*logged* (its record is in the log's write path, so a killed daemon keeps it once the
+index row commits); `commit(durable=True)` makes it *durable* (the log is fsync'ed, then
+the metadata commits with synchronous=FULL). Also the two background tasks that bound
+how long data stays held or logged: the flusher and the syncer.
+
+A mixin of BlockStore (tiers/blocks.py). Flushes read frozen block buffers from a worker
+thread: a writer that meets a frozen block copies it first (copy on write, in
+`BlockStore._writable`). What must stay atomic between awaits is in docs/concurrency.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterable
+
+import trio
+
+from distorefs.errors import DistorefsError, StoreFull
+from distorefs.tiers.block_base import BlockTierBase
+from distorefs.tiers.dram import Block
+from distorefs.tiers.metadb import Changes
+from distorefs.types import BlockKey, LogLocation
+
+log = logging.getLogger(__name__)
+
+FLUSH_BATCH_BYTES = 16 * 1024 * 1024
+
+
+class WriteBack(BlockTierBase):
+    """Flushing, persisting and committing (mixed into BlockStore)."""
+
+    _dirty: dict[int, set[int]]  # owner -> numbers of its dirty blocks in DRAM
+    _frozen: dict[int, int]  # id(block) -> flushes in flight reading its buffer
+    _flush_lock: trio.Lock
+    _flush_wanted: trio.Event
+    _room_freed: trio.Event
+    _flushed_bytes: int
+
+    def owner_dirty_bytes(self, owner: int) -> int:
+        """Bytes of `owner` in DRAM that the log does not have yet."""
+        total = 0
+        for number in self._dirty.get(owner, ()):
+            block = self._dram.peek(BlockKey(owner, number))
+            if block is not None:
+                total += block.length
+        return total
+
+    async def _wait_for_room(self) -> None:
+        """DRAM is full of dirty blocks: write them back here (the flusher may be busy or
+        absent), so a writer waits at most for one flush, never for a task to wake."""
+        if self._dram.dirty_bytes == 0 and not self._frozen:
+            raise StoreFull(f"DRAM budget of {self._dram.budget_bytes} bytes cannot hold one more block")
+        if self._flush_lock.locked():
+            room = self._room_freed
+            await room.wait()
+        else:
+            await self.flush()
+
+    def _mark_dirty(self, key: BlockKey, block: Block) -> None:
+        self._dram.mark_dirty(block)
+        self._dirty.setdefault(key.owner, set()).add(key.number)
+        if self._dram.dirty_bytes > self._dram.budget_bytes // 4:
+            self._flush_wanted.set()
+
+    def _unmark_dirty(self, key: BlockKey) -> None:
+        indices = self._dirty.get(key.owner)
+        if indices is not None:
+            indices.discard(key.number)
+            if not indices:
+                del self._dirty[key.owner]
+
+    @property
+    def dirty_bytes(self) -> int:
+        return self._dram.dirty_bytes
+
+    async def flush(self, owner: int | None = None, full_only: bool = False) -> None:
+        """Write dirty blocks (of `owner`, or all) to the log; they turn clean. `full_only`
+        leaves out blocks shorter than `block_bytes` (the tail of a file being written).
+
+        When this returns the data is in the log's write path (it survives a killed daemon);
+        `commit` makes the index say where it is.
+        """
+        async with self._flush_lock:
+            if owner is None:
+                keys = [BlockKey(o, i) for o, idx in self._dirty.items() for i in sorted(idx)]
+            else:
+                keys = [BlockKey(owner, i) for i in sorted(self._dirty.get(owner, ()))]
+            if full_only:
+                keys = [k for k in keys if (b := self._dram.peek(k)) is not None and b.length == self.block_bytes]
+            per_batch = max(1, FLUSH_BATCH_BYTES // self.block_bytes)
+            try:
+                for start in range(0, len(keys), per_batch):
+                    await self._flush_batch(keys[start : start + per_batch])
+            finally:
+                self._wake_room_waiters()
+
+    def _freeze(
+        self, keys: Iterable[BlockKey]
+    ) -> tuple[list[tuple[BlockKey, Block, int]], list[tuple[BlockKey, memoryview]]]:
+        """Take snapshots of the dirty blocks among `keys` for a write from a thread.
+
+        The buffers are not copied: a frozen block is copied by the next writer instead
+        (copy on write, in `_writable`), so the thread reads a stable buffer.
+        """
+        snapshots: list[tuple[BlockKey, Block, int]] = []
+        records: list[tuple[BlockKey, memoryview]] = []
+        for key in keys:
+            block = self._dram.peek(key)
+            if block is None or not block.dirty:
+                continue
+            snapshots.append((key, block, block.version))
+            records.append((key, memoryview(block.buf)[: block.length]))
+            self._frozen[id(block)] = self._frozen.get(id(block), 0) + 1
+        return snapshots, records
+
+    def _thaw(self, snapshots: list[tuple[BlockKey, Block, int]], records: list[tuple[BlockKey, memoryview]]) -> None:
+        for _key, block, _version in snapshots:
+            left = self._frozen[id(block)] - 1
+            if left:
+                self._frozen[id(block)] = left
+            else:
+                del self._frozen[id(block)]
+        for record in records:
+            record[1].release()
+
+    def _apply_flushed(
+        self, snapshots: list[tuple[BlockKey, Block, int]], locations: list[LogLocation], staged: bool
+    ) -> None:
+        """Point the index at the new records; blocks unchanged since the snapshot turn clean.
+
+        `staged` False means the rows were committed with the records already.
+        """
+        for (key, block, version), location in zip(snapshots, locations, strict=True):
+            self._flushed_bytes += location.length
+            if self._dram.peek(key) is not block:
+                # Deleted while in flight: the record is dead. If its row went to the
+                # database with it, stage the delete.
+                if not staged and key not in self._index:
+                    self._meta.delete("blocks", tuple(key))
+                continue
+            self._set_location(key, location, stage=staged)
+            if block.version == version:
+                self._dram.mark_clean(block)
+                self._unmark_dirty(key)
+
+    async def _flush_batch(self, keys: Iterable[BlockKey]) -> None:
+        snapshots, records = self._freeze(keys)
+        if not records:
+            return
+        try:
+            locations = await trio.to_thread.run_sync(self._log.append_many, records, limiter=self._io_limiter)
+        finally:
+            self._thaw(snapshots, records)
+        self._apply_flushed(snapshots, locations, staged=True)
+        self._wake_room_waiters()
+
+    async def persist(self, owner: int, durable: bool = False) -> None:
+        """Flush `owner`'s dirty blocks and commit all staged metadata, in one trip to a
+        worker thread (close and fsync of a small file pay one hop, not two).
+
+        Not durable: survives a killed daemon. Durable: the log is fsync'ed before the
+        metadata commits with synchronous=FULL, so it survives a power loss.
+        """
+        if not durable and owner not in self._dirty and not self._meta.pending_changes:
+            await trio.lowlevel.checkpoint()
+            return  # nothing to persist (a read-only close): no trip to a thread
+        if len(self._dirty.get(owner, ())) * self.block_bytes > FLUSH_BATCH_BYTES:
+            await self.flush(owner)  # big files go in batches first
+        async with self._flush_lock:
+            snapshots, records = self._freeze(BlockKey(owner, i) for i in sorted(self._dirty.get(owner, ())))
+            locations: list[LogLocation] = []
+
+            def append_then_rows() -> Changes:
+                locations.extend(self._log.append_many(records) if records else [])
+                if durable:
+                    self._log.sync()
+                return {"blocks": {tuple(r[0]): tuple(loc) for r, loc in zip(records, locations, strict=True)}}
+
+            try:
+                await self._meta.commit(durable=durable, before_commit=append_then_rows, checkpoint=durable)
+            finally:
+                self._thaw(snapshots, records)
+            if locations:
+                self._apply_flushed(snapshots, locations, staged=False)
+                self._wake_room_waiters()
+
+    def _wake_room_waiters(self) -> None:
+        self._room_freed.set()
+        self._room_freed = trio.Event()
+
+    async def commit(self, durable: bool = False) -> None:
+        """Commit staged metadata; `durable` fsyncs the log first, then commits with FULL."""
+        if durable:
+            await self._meta.commit(durable=True, before_commit=self._log.sync, checkpoint=True)
+        else:
+            await self._meta.commit()
+
+    async def run_flusher(self, interval_s: float = 1.0) -> None:
+        """Background task: flush on memory pressure, and at least every `interval_s`."""
+        while True:
+            with trio.move_on_after(interval_s):
+                await self._flush_wanted.wait()
+            self._flush_wanted = trio.Event()
+            if self._dirty:
+                async with survive("flusher"):
+                    await self.flush()
+                    await self.commit()
+
+    async def run_syncer(self, interval_s: float = 5.0) -> None:
+        """Background task: bound what a power loss can take to `interval_s` of closed data."""
+        while True:
+            await trio.sleep(interval_s)
+            if self._meta.pending_changes:
+                async with survive("syncer"):
+                    await self.commit(durable=True)
+
+
+@contextlib.asynccontextmanager
+async def survive(task: str) -> AsyncIterator[None]:
+    """A background pass that fails (disk full, a bad record) is logged and tried again
+    next time; the daemon goes on serving."""
+    try:
+        yield
+    except (DistorefsError, OSError) as exc:
+        log.warning("%s: pass failed, will retry: %s", task, exc)
