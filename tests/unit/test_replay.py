@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
-import trio.testing
 import trio.lowlevel
+import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -13,8 +13,8 @@ import pytest
 
 from distorefs.errors import InvalidArgument, TryAgain
 from distorefs.stores.replay.buffer import ReplayBuffer
-from distorefs.stores.replay.draws import Drawn, ShardState
 from distorefs.stores.replay.config import BufferConfig
+from distorefs.stores.replay.draws import Drawn, ShardState
 from distorefs.stores.replay.sharded import ShardedBuffer, ShardLayout
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.metadb import MetaDb
@@ -131,9 +131,7 @@ async def test_a_shard_on_a_dead_node_is_left_out_of_draws(shards: dict[str, Rep
 
 
 async def test_no_live_shard_is_eagain_at_once(shards: dict[str, ReplayBuffer]) -> None:
-    sharded = ShardedBuffer(
-        "t", shards["a"].config, ShardLayout(["b", "c"]), None, InMemoryPeer(shards, "a", set())
-    )
+    sharded = ShardedBuffer("t", shards["a"].config, ShardLayout(["b", "c"]), None, InMemoryPeer(shards, "a", set()))
     with pytest.raises(TryAgain, match="no shard is on a live node"):
         await sharded.sample(4)
 
