@@ -144,6 +144,79 @@ def raise_read_ahead(mountpoint: str) -> None:
         log.info("read-ahead stays at the kernel default (%s)", exc)
 
 
+@dataclass
+class Daemon:
+    """Everything one daemon is made of, built by `assemble` (no mount, no task started)."""
+
+    blocks: BlockStore
+    buffers: BufferStore
+    weights: WeightStore
+    datasets: DatasetStore
+    checkpoints: CheckpointPolicy
+    ops: FsOperations
+    node: ClusterNode | None
+
+    def start_tasks(self, config: DaemonConfig, nursery: trio.Nursery) -> None:
+        """Start the background tasks, each named (the cluster node's start first)."""
+        blocks = self.blocks
+        nursery.start_soon(blocks.run_flusher, config.flush_interval_s, name="flusher")
+        nursery.start_soon(blocks.run_syncer, config.sync_interval_s, name="syncer")
+        nursery.start_soon(
+            blocks.run_compactor, config.compact_interval_s, config.compact_min_dead_ratio, name="compactor"
+        )
+        nursery.start_soon(blocks.run_prefetcher, name="prefetcher")
+        nursery.start_soon(self.checkpoints.run_persister, name="checkpoint persister")
+        nursery.start_soon(self.ops.run_invalidations, name="kernel invalidations")
+        nursery.start_soon(self.buffers.run_snapshots, config.snapshot_interval_s, name="snapshots")
+        nursery.start_soon(self.datasets.run_streams, name="dataset streams")
+
+    async def close(self) -> None:
+        """Leave the cluster, stage the last snapshots and persist everything durably."""
+        if self.node is not None:
+            await self.node.stop()
+        self.buffers.snapshot()
+        self.checkpoints.persisted_all()
+        await self.blocks.close()
+
+
+async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb) -> Daemon:
+    """Build the tiers, stores, fs adapter and (with --cluster) the cluster node over an
+    open log and metadata database, as the daemon runs them; nothing is mounted or started.
+
+    In a cluster the node comes first: the tiers and stores get what they need from it
+    (remote memory, shard peers, replicas) at construction; the kinds are added to it last.
+    """
+    node = ClusterNode(config.cluster) if config.cluster is not None else None
+    replicas = CheckpointReplicas(node) if node is not None else None
+    blocks = BlockStore(
+        nvme_log, DramCache(config.dram_budget_bytes), meta, config.block_bytes,
+        remote=node.remote_memory if node is not None else None,
+    )  # fmt: skip
+    files = FileStore.load(blocks, meta)
+    buffers = BufferStore.load(blocks, meta, BufferPeers(node) if node is not None else None)
+    weights = WeightStore.load(blocks, meta)
+    datasets = DatasetStore.load(blocks, meta, config.window_bytes)
+    await datasets.load_indexes()
+    checkpoints = CheckpointPolicy.load(files, meta, config.checkpoint_sync_close, replicas)
+    virtual = VirtualTree(MountInfo(os.getpid(), config.data_dir, config.mountpoint, time.time_ns()), files, blocks)
+    virtual.install(BuffersDir(virtual, buffers))
+    virtual.install(WeightsDir(virtual, weights, config.wait_timeout_s))
+    virtual.install(DatasetsDir(virtual, datasets))
+    virtual.add_status(weights.statistics)
+    virtual.add_status(checkpoints.statistics)
+    ops = FsOperations(PosixTree(files, checkpoints), virtual, config.data_dir, config.block_bytes)
+    if node is not None and replicas is not None:
+        node.add(BufferSync(node, buffers))
+        node.add(WeightSync(node, weights))
+        node.add(CheckpointSync(node, checkpoints, replicas))
+        node.add(DatasetSync(node, datasets))
+        cluster = node
+        virtual.add_control(b"peers", lambda: _render(cluster.peers_report()))
+    else:
+        virtual.add_control(b"peers", lambda: _render(SINGLE_NODE_PEERS))
+    return Daemon(blocks, buffers, weights, datasets, checkpoints, ops, node)
+
+
 async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
     """Mount, serve until unmounted or signalled, then persist everything and return.
 
@@ -156,37 +229,8 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
         nvme_log = await trio.to_thread.run_sync(NvmeLog.open, os.path.join(data_dir, "log"), config.segment_bytes)
         meta = MetaDb.open(os.path.join(data_dir, "meta.sqlite"))
         try:
-            # In a cluster the node comes first: the tiers and stores get what they need
-            # from it (remote memory, shard peers, replicas) at construction.
-            node = ClusterNode(config.cluster) if config.cluster is not None else None
-            replicas = CheckpointReplicas(node) if node is not None else None
-            blocks = BlockStore(
-                nvme_log, DramCache(config.dram_budget_bytes), meta, config.block_bytes,
-                remote=node.remote_memory if node is not None else None,
-            )  # fmt: skip
-            files = FileStore.load(blocks, meta)
-            buffers = BufferStore.load(blocks, meta, BufferPeers(node) if node is not None else None)
-            weights = WeightStore.load(blocks, meta)
-            virtual = VirtualTree(MountInfo(os.getpid(), data_dir, config.mountpoint, time.time_ns()), files, blocks)
-            virtual.install(BuffersDir(virtual, buffers))
-            virtual.install(WeightsDir(virtual, weights, config.wait_timeout_s))
-            virtual.add_status(weights.statistics)
-            datasets = DatasetStore.load(blocks, meta, config.window_bytes)
-            await datasets.load_indexes()
-            virtual.install(DatasetsDir(virtual, datasets))
-            checkpoints = CheckpointPolicy.load(files, meta, config.checkpoint_sync_close, replicas)
-            virtual.add_status(checkpoints.statistics)
-            ops = FsOperations(PosixTree(files, checkpoints), virtual, data_dir, config.block_bytes)
-            if node is not None and replicas is not None:
-                node.add(BufferSync(node, buffers))
-                node.add(WeightSync(node, weights))
-                node.add(CheckpointSync(node, checkpoints, replicas))
-                node.add(DatasetSync(node, datasets))
-                cluster = node
-                virtual.add_control(b"peers", lambda: _render(cluster.peers_report()))
-            else:
-                virtual.add_control(b"peers", lambda: _render(SINGLE_NODE_PEERS))
-            await blocks.commit(durable=True)
+            daemon = await assemble(config, nvme_log, meta)
+            await daemon.blocks.commit(durable=True)
             log.info(
                 "recovered %s in %.2f s (torn tail dropped: %d bytes)",
                 data_dir, time.monotonic() - started, nvme_log.dropped_tail_bytes,
@@ -195,24 +239,14 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
             if config.allow_other:
                 options.add("allow_other")
             try:
-                pyfuse3.init(ops, config.mountpoint, options)
+                pyfuse3.init(daemon.ops, config.mountpoint, options)
             except RuntimeError as exc:
                 raise ConfigError(f"cannot mount {config.mountpoint}: {exc}") from None
             try:
                 async with trio.open_nursery() as nursery:
-                    if node is not None:
-                        await node.start(nursery)
-                    nursery.start_soon(blocks.run_flusher, config.flush_interval_s, name="flusher")
-                    nursery.start_soon(blocks.run_syncer, config.sync_interval_s, name="syncer")
-                    nursery.start_soon(
-                        blocks.run_compactor, config.compact_interval_s, config.compact_min_dead_ratio,
-                        name="compactor",
-                    )  # fmt: skip
-                    nursery.start_soon(blocks.run_prefetcher, name="prefetcher")
-                    nursery.start_soon(checkpoints.run_persister, name="checkpoint persister")
-                    nursery.start_soon(ops.run_invalidations, name="kernel invalidations")
-                    nursery.start_soon(buffers.run_snapshots, config.snapshot_interval_s, name="snapshots")
-                    nursery.start_soon(datasets.run_streams, name="dataset streams")
+                    if daemon.node is not None:
+                        await daemon.node.start(nursery)
+                    daemon.start_tasks(config, nursery)
                     nursery.start_soon(_stop_on_signal, name="signals")
                     nursery.start_soon(_tune_after_init, config.mountpoint, name="tune")
                     ready(f"distorefs: mounted {config.mountpoint} (pid {os.getpid()}, data dir {data_dir})")
@@ -222,11 +256,7 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
                 pyfuse3.close(unmount=True)
                 log.info("unmounted %s; persisting", config.mountpoint)
                 with trio.CancelScope(shield=True):
-                    if node is not None:
-                        await node.stop()
-                    buffers.snapshot()
-                    checkpoints.persisted_all()
-                    await blocks.close()
+                    await daemon.close()
         finally:
             meta.close()
     log.info("daemon exits cleanly")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what distorefs needs on a Debian machine, idempotently: the fuse3 packages, a C
-# toolchain and Python headers for pyfuse3, a .venv, and the package with its test extra.
+# toolchain and Python headers for pyfuse3, a .venv, and the package with its test and dev
+# extras (pytest and the real clients; ruff and mypy, which scripts/test.sh runs too).
 # Sourced by scripts/demo.sh and scripts/test.sh; safe to run again (it skips what is there).
 set -euo pipefail
 
@@ -33,11 +34,11 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 stamp="$VENV/.distorefs-installed"
-want="$(sha256sum "$REPO/pyproject.toml" | cut -d' ' -f1)"
+want="$(sha256sum "$REPO/pyproject.toml" | cut -d' ' -f1) test,dev"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "setup: installing distorefs and its test extra into $VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q -e "$REPO[test]"
+    "$VENV/bin/python" -m pip install -q -e "$REPO[test,dev]"
     echo "$want" > "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install everything needed (scripts/setup.sh) and run the whole test suite.
+# Install everything needed (scripts/setup.sh), run ruff and mypy, then the whole test suite.
 # Extra arguments go to pytest, e.g. scripts/test.sh -k kill_9 -x
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -9,4 +9,12 @@ if [ ! -e /dev/fuse ]; then
     echo "test: WARNING: no /dev/fuse here, so every mount test will be skipped" >&2
 fi
 export OMP_NUM_THREADS=1
+# Static checks first, as configured in pyproject.toml: a failure stops the run.
+# DISTOREFS_SKIP_CHECKS=1 skips them (handy with -k while iterating).
+if [ "${DISTOREFS_SKIP_CHECKS:-0}" != 1 ]; then
+    echo "test: ruff check, ruff format --check, mypy"
+    "$VENV/bin/ruff" check distorefs tests benchmarks
+    "$VENV/bin/ruff" format --check distorefs tests benchmarks
+    "$VENV/bin/mypy"
+fi
 exec "$VENV/bin/python" -m pytest "$@"

@@ -182,6 +182,22 @@ def scratch(mounted: Mount, request: pytest.FixtureRequest) -> Iterator[Path]:
         yield path
 
 
+def wait_blocked_in_read(pid: int, timeout_s: float = 10.0) -> None:
+    """Wait until process `pid` sleeps inside a read(2) (syscall 0 on x86-64 and 63 on
+    arm64, as /proc/PID/syscall shows): the request has reached the daemon and waits there."""
+    read_nr = {"x86_64": "0", "aarch64": "63"}[os.uname().machine]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with open(f"/proc/{pid}/syscall", encoding="ascii") as f:
+            fields = f.read().split()
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        if fields and fields[0] == read_nr and state == "S":
+            return
+        assert time.monotonic() < deadline, f"process {pid} never blocked in read: {fields[:1]} {state}"
+        time.sleep(0.01)
+
+
 def blocked_read(path: str, queue: multiprocessing.Queue[str], reads_first: int = 0) -> None:
     """Child process body: after `reads_first` reads, one read that is expected to block;
     reports "reading", then how it ended: "interrupted" by SIGUSR1, "read returned", or

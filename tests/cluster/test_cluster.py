@@ -91,7 +91,10 @@ def test_a_directory_made_on_one_node_appears_on_every_node(three: list[Mount]) 
     (b.path / "checkpoints" / "run7" / "stage2" / "notes.txt").write_text("kept")
     os.rmdir(a.path / "checkpoints" / "run7" / "stage2")
     wait_for(lambda: not (c.path / "checkpoints" / "run7" / "stage2").exists(), what="checkpoint rmdir on n2")
-    time.sleep(0.5)
+    # n1 applies namespace changes in etcd's order: once a later mkdir shows there, the
+    # rmdir before it has been applied (and refused, since n1 holds a file there)
+    (a.path / "checkpoints" / "run7" / "after").mkdir()
+    wait_for(lambda: (b.path / "checkpoints" / "run7" / "after").exists(), what="the next change on n1")
     assert (b.path / "checkpoints" / "run7" / "stage2" / "notes.txt").read_text() == "kept"
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from distorefs import client
-from tests.conftest import Mount, blocked_read, dir_for_test
+from tests.conftest import Mount, blocked_read, dir_for_test, wait_blocked_in_read
 
 pytestmark = pytest.mark.mount
 
@@ -218,7 +218,7 @@ def test_a_signal_interrupts_a_blocked_wait(model: Path) -> None:
     waiter.start()
     try:
         assert queue.get(timeout=10) == "reading"
-        time.sleep(0.3)
+        wait_blocked_in_read(waiter.pid or 0)
         os.kill(waiter.pid or 0, signal.SIGUSR1)
         assert queue.get(timeout=10) == "interrupted"
     finally:
