@@ -144,7 +144,7 @@ class ConfigHandle(WholeInputHandle):
 
 
 class AppendHandle(VirtualHandle):
-    """Applies each complete record (or frame) as it arrives; close acknowledges."""
+    """Applies each complete record (or frame) as it arrives; close makes them logged."""
 
     def __init__(self, buffer: ReplayBuffer, nonblocking: bool, pid: int) -> None:
         self._buffer = buffer
