@@ -95,9 +95,7 @@ def _decode(data: memoryview, copy: bool) -> Any:
             return np.load(io.BytesIO(data), allow_pickle=False)
         parsed = npy_header(data)
         assert parsed is not None  # read_batch read it whole
-        header, start = parsed
-        dtype = np.lib.format.descr_to_dtype(header["descr"])
-        return np.frombuffer(data, dtype=dtype, offset=start, count=int(np.prod(header["shape"])))
+        return np.frombuffer(data, dtype=parsed.dtype, offset=parsed.data_offset, count=parsed.count)
     return decode_blob_batch(data, copy=copy)
 
 

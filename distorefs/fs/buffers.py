@@ -25,6 +25,7 @@ import trio
 
 from distorefs.errors import (
     DistorefsError,
+    FileTooLarge,
     Interrupted,
     InvalidArgument,
     NotFound,
@@ -40,10 +41,11 @@ from distorefs.fs.virtual import (
     VirtualNode,
     VirtualTree,
     WholeInputHandle,
+    json_object,
 )
 from distorefs.ids import BUFFER_OWNER_BASE, INDEX_BITS, ITEM_BASE, ITEM_SPAN
 from distorefs.stores.replay.buffer import ReplayBuffer
-from distorefs.stores.replay.formats import BlobStream, RecordStream, ScatteredBytes, parse_priorities
+from distorefs.stores.replay.formats import MAX_ITEM_BYTES, BlobStream, RecordStream, ScatteredBytes, parse_priorities
 from distorefs.stores.replay.store import BufferStore
 
 T = TypeVar("T")
@@ -51,6 +53,7 @@ T = TypeVar("T")
 SIGNAL_POLL_S = 0.05
 CONTROL_NAMES = (b"config", b"append", b"sample", b"priority", b"stats")
 MAX_SAMPLE_COUNT = 1 << 20
+PRIORITY_INPUT_BYTES = 64 << 20
 
 
 def signal_pending(pid: int) -> bool:
@@ -131,10 +134,9 @@ class ConfigHandle(WholeInputHandle):
         self._buffer = buffer
 
     async def _apply_if_complete(self, pending: bytearray) -> bool:
-        try:
-            changes = json.loads(pending)
-        except ValueError:
-            return False  # not complete yet (or not JSON: flush will say)
+        changes = json_object(self.label, pending)
+        if changes is None:
+            return False
         self._buffer.reconfigure(changes)
         return True
 
@@ -214,6 +216,7 @@ class PriorityHandle(WholeInputHandle):
     """Applies each complete chunk of (index, priority) pairs whole, or none of it."""
 
     incomplete = "priority input ended mid-record; not applied"
+    max_input_bytes = PRIORITY_INPUT_BYTES  # one chunk: a .npy, or lines up to a newline
 
     def __init__(self, buffer: ReplayBuffer) -> None:
         super().__init__(f"buffers/{buffer.name}", buffer.record_error)
@@ -228,13 +231,16 @@ class PriorityHandle(WholeInputHandle):
 
 
 class ItemHandle(VirtualHandle):
-    """Reads an item; writes build its replacement, applied whole at close."""
+    """Reads an item; writes build its replacement, applied whole at close. A write past
+    the item limit refuses the whole replacement: it and every later write of this open
+    get EFBIG, and the close applies nothing."""
 
     def __init__(self, buffer: ReplayBuffer, index: int, truncate: bool) -> None:
         self._buffer = buffer
         self._index = index
         self._content: bytearray | bytes | memoryview | None = bytearray() if truncate else None
         self._dirty = truncate
+        self._refused: FileTooLarge | None = None
 
     async def _load(self) -> bytearray | bytes | memoryview:
         if self._content is None:
@@ -246,6 +252,13 @@ class ItemHandle(VirtualHandle):
         return memoryview(content)[offset : offset + size]
 
     async def write(self, offset: int, data: bytes) -> int:
+        if self._refused is None and offset + len(data) > MAX_ITEM_BYTES:
+            label = f"buffers/{self._buffer.name}/items/{self._index}"
+            self._refused = FileTooLarge(f"{label}: at most {MAX_ITEM_BYTES} bytes; nothing of this open applied")
+            self._buffer.record_error(self._refused.message)
+            self._content, self._dirty = None, False
+        if self._refused is not None:
+            raise self._refused
         content = await self._load()
         if not isinstance(content, bytearray):
             content = self._content = bytearray(content)

@@ -35,6 +35,7 @@ from distorefs.fs.virtual import (
     VirtualNode,
     VirtualTree,
     WholeInputHandle,
+    json_object,
 )
 from distorefs.ids import DATASET_OWNER_BASE, INDEX_BITS, OWNERS_PER_DATASET, RECORD_BASE, RECORD_SPAN
 from distorefs.stores.datasets.dataset import Dataset
@@ -76,10 +77,9 @@ class ConfigHandle(WholeInputHandle):
         self._ds = ds
 
     async def _apply_if_complete(self, pending: bytearray) -> bool:
-        try:
-            changes = json.loads(pending)
-        except ValueError:
-            return False  # not complete yet (or not JSON: flush will say)
+        changes = json_object(self.label, pending)
+        if changes is None:
+            return False
         self._ds.reconfigure(changes)
         return True
 

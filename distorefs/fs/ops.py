@@ -8,8 +8,12 @@ at the root (`.distore`, `buffers`, `weights`, `datasets`, `checkpoints`) cannot
 created, removed or renamed. Entries the daemon removes itself (checkpoint retention)
 reach the kernel through `run_invalidations`, a task the daemon starts.
 
-An unexpected exception is logged with its request, answered with EIO, and turns the
-mount degraded: reads go on, changes get EROFS.
+An unexpected exception is logged with its request (the handler and its arguments, never
+the bytes written) and answered with EIO; it fails that request and nothing else, and is
+counted in `.distore/status`. Only a broken internal invariant (an AssertionError: the
+store's own state may be corrupt) turns the mount degraded: reads go on, changes get
+EROFS, and `.distore/status` says why. A write refused with an errno is reported again
+at the close of that open, so a writer that ignores write errors still sees it.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
 
-from distorefs.errors import Busy, CrossDevice, DistorefsError, Exists, NotPermitted, ReadOnly
+from distorefs.errors import Busy, CrossDevice, DistorefsError, Exists, NameTooLong, NotPermitted, ReadOnly
 from distorefs.fs.virtual import VirtualDir, VirtualFile, VirtualHandle, VirtualNode, VirtualTree
-from distorefs.stores.files import ROOT_INODE, Inode
+from distorefs.stores.files import NAME_MAX, ROOT_INODE, Inode
 from distorefs.stores.tree import PosixTree
 from distorefs.types import FileHandle
 
@@ -50,10 +54,25 @@ class Handle:
     writable: bool = False
     entries: list[tuple[bytes, int]] = field(default_factory=list)
     listing: Sequence[tuple[bytes, int, int, int]] | None = None  # virtual dirs: name, ino, mode, size
+    write_errno: int = 0  # a refused write, reported again at every close of this open
+
+
+def _describe(args: tuple[Any, ...]) -> str:
+    """A request's arguments for the log: names and numbers, sizes instead of data."""
+    parts = []
+    for arg in args:
+        if isinstance(arg, (bytes, bytearray, memoryview)) and len(arg) > 256:
+            parts.append(f"<{len(arg)} bytes>")
+        elif hasattr(arg, "uid") and hasattr(arg, "pid"):  # a request context
+            parts.append(f"ctx(uid={arg.uid}, pid={arg.pid})")
+        else:
+            parts.append(repr(arg)[:300])
+    return ", ".join(parts)
 
 
 def _translate(mutates: bool) -> Callable[[Callable[P, Coroutine[Any, Any, R]]], Callable[P, Coroutine[Any, Any, R]]]:
-    """Wrap an operation: DistorefsError -> its errno; anything else -> EIO + degraded."""
+    """Wrap an operation: DistorefsError -> its errno; a broken invariant -> EIO and
+    degraded; anything else -> EIO for this request only."""
 
     def wrap(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
         @functools.wraps(fn)
@@ -69,9 +88,16 @@ def _translate(mutates: bool) -> Callable[[Callable[P, Coroutine[Any, Any, R]]],
             except DistorefsError as exc:
                 log.debug("%s%r: %s", fn.__name__, args[1:], exc.message)
                 raise pyfuse3.FUSEError(exc.errno) from None
-            except Exception:
-                log.exception("unexpected error in %s%r; the mount is now degraded (read-only)", fn.__name__, args[1:])
-                self.degraded = self.virtual.degraded = True
+            except AssertionError as exc:
+                log.exception("broken invariant in %s(%s); the mount is now degraded", fn.__name__, _describe(args[1:]))
+                self.degrade(f"{fn.__name__}: broken invariant: {exc}")
+                raise pyfuse3.FUSEError(errno.EIO) from None
+            except Exception as exc:
+                log.exception(
+                    "unexpected error in %s(%s); the request fails with EIO", fn.__name__, _describe(args[1:])
+                )
+                self.virtual.internal_errors += 1
+                self.virtual.last_internal_error = f"{fn.__name__}: {type(exc).__name__}"
                 raise pyfuse3.FUSEError(errno.EIO) from None
 
         return wrapper
@@ -94,6 +120,11 @@ class FsOperations(pyfuse3.Operations):
         self.degraded = False
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
+
+    def degrade(self, reason: str) -> None:
+        """Reads go on, changes get EROFS until a restart."""
+        self.degraded = self.virtual.degraded = True
+        self.virtual.degraded_reason = reason
 
     async def run_invalidations(self) -> None:
         """Background task: entries the daemon removed itself (retention, another node's
@@ -165,6 +196,13 @@ class FsOperations(pyfuse3.Operations):
             raise NotPermitted("not a directory")
         return None
 
+    @staticmethod
+    def _named(*names: bytes) -> None:
+        """ENAMETOOLONG for a name component of more than NAME_MAX bytes, on every operation."""
+        for name in names:
+            if len(name) > NAME_MAX:
+                raise NameTooLong(f"a name of {len(name)} bytes: at most {NAME_MAX}")
+
     def _is_reserved(self, parent: int, name: bytes) -> bool:
         return parent == ROOT_INODE and (name in self.virtual.root_nodes or name in self.tree.reserved_names)
 
@@ -181,6 +219,7 @@ class FsOperations(pyfuse3.Operations):
 
     @_translate(mutates=False)
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        self._named(name)
         vdir = self._virtual_dir(parent_inode)
         if vdir is not None:
             if name == b".":
@@ -193,13 +232,19 @@ class FsOperations(pyfuse3.Operations):
         return self._entry(self.tree.lookup(parent_inode, name))
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        """FORGET has no reply, so nothing may escape: a failure is logged and counted."""
         for ino, nlookup in inode_list:
-            if ino not in self.virtual:
-                self.tree.unref(ino, nlookup)
-            else:
-                node = self.virtual.nodes.get(ino)
-                if node is not None:
-                    node.looked_up(-nlookup)
+            try:
+                if ino not in self.virtual:
+                    self.tree.unref(ino, nlookup)
+                else:
+                    node = self.virtual.nodes.get(ino)
+                    if node is not None:
+                        node.looked_up(-nlookup)
+            except Exception as exc:
+                log.exception("unexpected error in forget(%d, %d)", ino, nlookup)
+                self.virtual.internal_errors += 1
+                self.virtual.last_internal_error = f"forget: {type(exc).__name__}"
 
     @_translate(mutates=False)
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
@@ -266,6 +311,7 @@ class FsOperations(pyfuse3.Operations):
     async def mknod(
         self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
+        self._named(name)
         self._guard_virtual_parent(parent_inode, "create files")
         self._guard_reserved(parent_inode, name, "create it")
         return self._entry(self.tree.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
@@ -274,6 +320,7 @@ class FsOperations(pyfuse3.Operations):
     async def mkdir(
         self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
+        self._named(name)
         vdir = self._virtual_dir(parent_inode)
         if vdir is not None:
             return self._virtual_attrs(await vdir.mkdir(name, mode))
@@ -285,6 +332,7 @@ class FsOperations(pyfuse3.Operations):
     async def symlink(
         self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
+        self._named(name)
         self._guard_virtual_parent(parent_inode, "create symlinks")
         self._guard_reserved(parent_inode, name, "create it")
         return self._entry(self.tree.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
@@ -293,6 +341,7 @@ class FsOperations(pyfuse3.Operations):
     async def link(
         self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
+        self._named(new_name)
         if inode in self.virtual:
             raise NotPermitted("cannot hard-link a virtual node")
         self._guard_virtual_parent(new_parent_inode, "create links")
@@ -301,6 +350,7 @@ class FsOperations(pyfuse3.Operations):
 
     @_translate(mutates=True)
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self._named(name)
         vdir = self._virtual_dir(parent_inode)
         if vdir is not None:
             await vdir.unlink(name)
@@ -310,6 +360,7 @@ class FsOperations(pyfuse3.Operations):
 
     @_translate(mutates=True)
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self._named(name)
         vdir = self._virtual_dir(parent_inode)
         if vdir is not None:
             await vdir.rmdir(name)
@@ -327,6 +378,7 @@ class FsOperations(pyfuse3.Operations):
         flags: int,
         ctx: pyfuse3.RequestContext,
     ) -> None:
+        self._named(name_old, name_new)
         vdir_old, vdir_new = self._virtual_dir(parent_inode_old), self._virtual_dir(parent_inode_new)
         if vdir_old is not None and vdir_new is not None:
             await vdir_old.rename(name_old, vdir_new, name_new, flags)
@@ -360,6 +412,7 @@ class FsOperations(pyfuse3.Operations):
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        self._named(name)
         vdir = self._virtual_dir(parent_inode)
         if vdir is not None:
             node, vhandle = await vdir.create(name, mode, flags, ctx.pid)
@@ -381,9 +434,13 @@ class FsOperations(pyfuse3.Operations):
     @_translate(mutates=True)
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         handle = self._handles[fh]
-        if handle.vhandle is not None:
-            return await handle.vhandle.write(off, buf)
-        return await self.tree.write(handle.ino, off, buf)
+        try:
+            if handle.vhandle is not None:
+                return await handle.vhandle.write(off, buf)
+            return await self.tree.write(handle.ino, off, buf)
+        except DistorefsError as exc:
+            handle.write_errno = exc.errno
+            raise
 
     @_translate(mutates=False)
     async def flush(self, fh: int) -> None:
@@ -392,6 +449,8 @@ class FsOperations(pyfuse3.Operations):
             await handle.vhandle.flush()
         elif not self.degraded:
             await self.tree.close(handle.ino, handle.writable)
+        if handle.write_errno:  # sticky: numpy writes through a dup and ignores that close
+            raise pyfuse3.FUSEError(handle.write_errno)
 
     @_translate(mutates=False)
     async def fsync(self, fh: int, datasync: bool) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import trio
 
 from distorefs import __version__
-from distorefs.errors import DistorefsError, InvalidArgument, IsADirectory, NotFound, ReadOnly
+from distorefs.errors import DistorefsError, FileTooLarge, InvalidArgument, IsADirectory, NotFound, ReadOnly
 from distorefs.ids import VIRTUAL_BASE
 from distorefs.stores.files import FileStore
 from distorefs.tiers.blocks import BlockStore
@@ -101,16 +101,39 @@ class RenderedHandle(VirtualHandle):
         return self.content[offset : offset + size]
 
 
+CONFIG_INPUT_BYTES = 1 << 20  # a config write, whole
+
+
+def json_object(label: str, pending: bytes | bytearray) -> dict[str, Any] | None:
+    """The JSON object `pending` holds once it is complete, else None (wait for more).
+    Parsed only when it ends with `}`, so input that never completes costs one cheap check
+    per write. EINVAL for JSON that is not an object or nests too deeply."""
+    text = bytes(pending).strip()
+    if not text.endswith(b"}"):
+        return None
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise InvalidArgument(f"{label}: the JSON nests too deeply") from None
+    except ValueError:
+        return None  # not complete yet (or not JSON: the close will say)
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{label}: a config must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 class WholeInputHandle(RenderedHandle):
     """A control file whose writes accumulate until they form a complete input, which
-    then applies whole or not at all; what is left incomplete at a close is EINVAL.
+    then applies whole or not at all; what is left incomplete at a close is EINVAL, and
+    input beyond `max_input_bytes` that never completed is EFBIG (nothing of it applies).
     Refusals are also passed to `record` (a store's recent errors, shown in `stats`)."""
 
     incomplete = "input ended incomplete; not applied"
+    max_input_bytes = CONFIG_INPUT_BYTES
 
     def __init__(self, label: str, record: Callable[[str], None], content: bytes = b"") -> None:
         super().__init__(content)
-        self._label = label
+        self.label = label
         self._record = record
         self._pending = bytearray()
 
@@ -124,6 +147,11 @@ class WholeInputHandle(RenderedHandle):
 
     async def write(self, offset: int, data: bytes) -> int:
         await trio.lowlevel.checkpoint()
+        if len(self._pending) + len(data) > self.max_input_bytes:
+            self._pending.clear()
+            raise self.recorded(
+                FileTooLarge(f"{self.label}: input of more than {self.max_input_bytes} bytes; none of it applied")
+            )
         self._pending += data
         try:
             if await self._apply_if_complete(self._pending):
@@ -136,9 +164,9 @@ class WholeInputHandle(RenderedHandle):
     async def flush(self) -> None:
         await trio.lowlevel.checkpoint()
         if bytes(self._pending).strip():
-            start = bytes(self._pending[:60]).decode(errors="replace")
+            size = len(self._pending)
             self._pending.clear()
-            raise self.recorded(InvalidArgument(f"{self._label}: {self.incomplete}: {start!r}"))
+            raise self.recorded(InvalidArgument(f"{self.label}: {self.incomplete} ({size} bytes)"))
 
 
 class VirtualFile(VirtualNode):
@@ -302,7 +330,12 @@ class VirtualTree:
     def __init__(self, info: MountInfo, files: FileStore, blocks: BlockStore) -> None:
         self._next = VIRTUAL_BASE
         self._resolvers: list[tuple[int, int, Callable[[int], VirtualNode]]] = []
-        self.degraded = False  # set by the fs layer after an internal error
+        # Set by the fs layer: degraded only after an internal invariant broke (the store's
+        # state may be corrupt); other unexpected errors fail their request and are counted.
+        self.degraded = False
+        self.degraded_reason = ""
+        self.internal_errors = 0
+        self.last_internal_error = ""
         self.nodes: dict[int, VirtualNode] = {}
         self.root_nodes: dict[bytes, VirtualNode] = {}
         self._info = info
@@ -394,6 +427,9 @@ class VirtualTree:
             "file_bytes": files.file_bytes,
             "disk_free_bytes": st.f_bavail * st.f_frsize,
             "degraded": self.degraded,
+            "degraded_reason": self.degraded_reason,
+            "internal_errors": self.internal_errors,
+            "last_internal_error": self.last_internal_error,
             **parts,
             "blocks": asdict(blocks),
         }

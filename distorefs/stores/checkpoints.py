@@ -50,6 +50,7 @@ SYNC_CLOSE_XATTR = b"user.distore.sync_close"
 REPLICAS_XATTR = b"user.distore.replicas"
 SETTING_XATTRS = frozenset({KEEP_XATTR, SYNC_CLOSE_XATTR, REPLICAS_XATTR})  # settings on directories
 MAX_REPLICAS = 8
+MAX_KEEP_LAST = 1_000_000
 RETRY_S = 1.0
 
 
@@ -320,17 +321,16 @@ class CheckpointPolicy:
         if not inode.is_dir or not self.covers(ino):
             raise InvalidArgument(f"{name.decode()} applies to directories under checkpoints/ only")
         text = value.decode(errors="replace").strip()
-        if name == KEEP_XATTR and not (text.isdigit() and int(text) >= 1):
-            raise InvalidArgument(f"{KEEP_XATTR.decode()} must be a whole number >= 1, got {text!r}")
+        number = int(text) if text.isascii() and text.isdigit() and len(text) <= 9 else None
+        if name == KEEP_XATTR and not (number is not None and 1 <= number <= MAX_KEEP_LAST):
+            raise InvalidArgument(f"{KEEP_XATTR.decode()} must be a whole number 1..{MAX_KEEP_LAST}")
         if name == REPLICAS_XATTR:
-            if not (text.isdigit() and 1 <= int(text) <= MAX_REPLICAS):
-                raise InvalidArgument(
-                    f"{REPLICAS_XATTR.decode()} must be a whole number 1..{MAX_REPLICAS}, got {text!r}"
-                )
+            if not (number is not None and 1 <= number <= MAX_REPLICAS):
+                raise InvalidArgument(f"{REPLICAS_XATTR.decode()} must be a whole number 1..{MAX_REPLICAS}")
             if int(text) > 1 and self.replicator is None:
                 raise InvalidArgument(f"{REPLICAS_XATTR.decode()} > 1 needs a cluster (distore mount --cluster ...)")
         if name == SYNC_CLOSE_XATTR and text not in ("0", "1"):
-            raise InvalidArgument(f"{SYNC_CLOSE_XATTR.decode()} must be 0 or 1, got {text!r}")
+            raise InvalidArgument(f"{SYNC_CLOSE_XATTR.decode()} must be 0 or 1")
 
     def settings_changed(self) -> None:
         """A setting was set or removed, or a directory moved or went: resolve afresh."""

@@ -124,6 +124,10 @@ class BlockStore(ByteRanges, Compaction):
         if remote is not None:
             dram.evicted = self._evicted
 
+    @property
+    def dram_budget_bytes(self) -> int:
+        return self._dram.budget_bytes
+
     def spill(self, owner: int) -> None:
         """Let `owner`'s blocks go to the remote memory tier (buffer items: small and read
         at random; files stay local, their sequential reads prefetch from the log)."""

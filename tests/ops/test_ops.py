@@ -183,3 +183,52 @@ async def test_the_state_xattr_cannot_be_set_or_removed(daemon: Daemon) -> None:
         with pytest.raises(pyfuse3.FUSEError) as excinfo:
             await call
         assert excinfo.value.errno == errno.EPERM
+
+
+# --- what an unexpected error does ----------------------------------------------------------
+
+
+async def test_an_unexpected_error_fails_its_request_only(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    ops = daemon.ops
+
+    def broken(*args: object) -> None:
+        raise ValueError("a bug reached by one request")
+
+    monkeypatch.setattr(daemon.ops.tree, "readlink", broken)
+    with pytest.raises(pyfuse3.FUSEError) as excinfo:
+        await ops.readlink(ROOT_INODE, CTX)
+    assert excinfo.value.errno == errno.EIO
+    status = json.loads(await read_file(ops, (await lookup(ops, ".distore/status")).st_ino))
+    assert status["degraded"] is False
+    assert status["internal_errors"] == 1
+    assert status["last_internal_error"] == "readlink: ValueError"
+    await write_file(ops, ROOT_INODE, b"still.txt", b"writable")  # nobody else is hurt
+
+
+async def test_a_broken_invariant_turns_the_mount_degraded_and_says_why(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ops = daemon.ops
+
+    def broken(*args: object) -> None:
+        raise AssertionError("slot index and ring disagree")
+
+    monkeypatch.setattr(daemon.ops.tree, "readlink", broken)
+    with pytest.raises(pyfuse3.FUSEError) as excinfo:
+        await ops.readlink(ROOT_INODE, CTX)
+    assert excinfo.value.errno == errno.EIO
+    status = json.loads(await read_file(ops, (await lookup(ops, ".distore/status")).st_ino))
+    assert status["degraded"] is True
+    assert status["degraded_reason"] == "readlink: broken invariant: slot index and ring disagree"
+    with pytest.raises(pyfuse3.FUSEError) as refused:
+        await ops.mkdir(ROOT_INODE, b"d", DIR_MODE, CTX)
+    assert refused.value.errno == errno.EROFS
+
+
+async def test_forget_never_raises(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object) -> None:
+        raise KeyError("no such inode")
+
+    monkeypatch.setattr(daemon.ops.tree, "unref", broken)
+    await daemon.ops.forget([(12345, 1)])
+    assert daemon.ops.virtual.internal_errors == 1

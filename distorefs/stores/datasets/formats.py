@@ -110,11 +110,9 @@ class OrderInput:
             raise self._bad(exc.message) from None
         if parsed is None:
             return None
-        header, start = parsed
-        dtype = np.lib.format.descr_to_dtype(header["descr"])
-        if dtype.kind not in "iu" or header["fortran_order"] or len(header["shape"]) != 1:
-            raise self._bad(f"a .npy order must be a 1-d array of integers, got {dtype} {header['shape']}")
-        need = start + int(header["shape"][0]) * dtype.itemsize
+        if parsed.dtype.kind not in "iu" or parsed.fortran_order or len(parsed.shape) != 1:
+            raise self._bad(f"a .npy order must be a 1-d array of integers, got {parsed.dtype} {parsed.shape}")
+        need = parsed.total_bytes
         if len(self._pending) < need:
             return None
         if len(self._pending) > need:

@@ -34,7 +34,7 @@ import numpy as np
 import trio
 import zstandard
 
-from distorefs.errors import InvalidArgument, NotFound, TryAgain
+from distorefs.errors import FileTooLarge, InvalidArgument, NotFound, TryAgain
 from distorefs.news import Outbox
 from distorefs.stores.replay.config import BufferConfig
 from distorefs.stores.replay.draws import (
@@ -46,6 +46,7 @@ from distorefs.stores.replay.draws import (
     encode_batch,
     importance_weights,
 )
+from distorefs.stores.replay.formats import MAX_ITEM_BYTES
 from distorefs.stores.replay.rate_limiter import RateLimiter
 from distorefs.stores.replay.removers import make_remover
 from distorefs.stores.replay.samplers import make_sampler
@@ -257,6 +258,8 @@ class ReplayBuffer:
         """
         itemsize = self.config.itemsize
         for item in items:
+            if len(item) > MAX_ITEM_BYTES:
+                raise FileTooLarge(f"buffers/{self.name}: an item of {len(item)} bytes, at most {MAX_ITEM_BYTES}")
             if itemsize is not None and len(item) != itemsize:
                 raise InvalidArgument(f"buffers/{self.name}: record of {len(item)} bytes, schema needs {itemsize}")
         stored: Sequence[bytes | bytearray] = items
@@ -383,8 +386,10 @@ class ReplayBuffer:
         return view
 
     async def write_item(self, index: int, data: bytes) -> None:
-        """Replace a live item's bytes (schema buffers: same size)."""
+        """Replace a live item's bytes (schema buffers: same size); EFBIG past MAX_ITEM_BYTES."""
         slot = self._slot_of(index)
+        if len(data) > MAX_ITEM_BYTES:
+            raise FileTooLarge(f"buffers/{self.name}: item {index} of {len(data)} bytes, at most {MAX_ITEM_BYTES}")
         itemsize = self.config.itemsize
         if itemsize is not None and len(data) != itemsize:
             raise InvalidArgument(f"buffers/{self.name}: item {index} must stay {itemsize} bytes, got {len(data)}")
@@ -503,6 +508,12 @@ class ReplayBuffer:
     def reconfigure(self, changes: dict[str, Any]) -> None:
         """Apply a JSON config update whole or not at all (EINVAL / EBUSY)."""
         new = self.config.updated(f"buffers/{self.name}", changes, has_items=self.size > 0)
+        budget = self._blocks.dram_budget_bytes
+        if new.itemsize is not None and new.batch_size * new.itemsize > budget // 2:
+            raise InvalidArgument(
+                f"buffers/{self.name}.batch_size: a batch of {new.batch_size} records of {new.itemsize} bytes"
+                f" must fit in half the DRAM budget ({budget // 2} bytes)"
+            )
         if new.shards > max(1, self._shard_limit()) and new.shards != self.config.shards:
             raise InvalidArgument(
                 f"buffers/{self.name}.shards must be <= {max(1, self._shard_limit())} (the live nodes;"
@@ -555,7 +566,9 @@ class ReplayBuffer:
         last snapshot, and items newer than it get the current maximum priority.
         """
         owner, config_json, next_index, inserts, samples, removed, snapshot = row
-        config = BufferConfig.from_json(f"buffers/{name}", json.loads(config_json))
+        config, dropped = BufferConfig.restored(f"buffers/{name}", json.loads(config_json))
+        if dropped:
+            log.error("buffers/%s: saved config fields no longer valid, defaults used: %s", name, "; ".join(dropped))
         buf = cls(name, owner, config, blocks, meta, news, shard_limit)
         indices = np.fromiter(item_sizes, dtype=np.int64, count=len(item_sizes))
         sizes = np.fromiter(item_sizes.values(), dtype=np.int64, count=len(item_sizes))

@@ -19,6 +19,8 @@ from distorefs.stores.replay.samplers import SAMPLERS
 
 MAX_CAPACITY = 1 << 28
 MAX_SHARDS = 64
+MAX_BATCH_SIZE = 1 << 20  # items in one batch (as for sample.N)
+MAX_RECORD_BYTES = 64 * 1024 * 1024  # one schema record, as one item (formats.MAX_ITEM_BYTES)
 RESERVED_FIELDS = ("_index", "_weight")
 
 
@@ -30,28 +32,35 @@ def parse_schema(name: str, raw: Any) -> np.dtype[Any] | None:
     if not isinstance(raw, dict) or not raw:
         raise InvalidArgument(f"{name}.schema must be an object of field -> dtype, got {raw!r}")
     spec = []
+    record_bytes = 0
     for key, value in raw.items():
         if key in RESERVED_FIELDS:
             raise InvalidArgument(f"{name}.schema: field name {key!r} is reserved")
-        shape: tuple[Any, ...]
+        shape_raw: Any
         if isinstance(value, str):
-            dtype, shape = value, ()
+            dtype, shape_raw = value, []
         elif isinstance(value, dict) and "dtype" in value:
-            dtype, shape = value["dtype"], tuple(value.get("shape", ()))
+            dtype, shape_raw = value["dtype"], value.get("shape", [])
         elif isinstance(value, list) and len(value) == 2:
-            dtype, shape = value[0], tuple(value[1])
+            dtype, shape_raw = value[0], value[1]
         else:
-            raise InvalidArgument(
-                f"{name}.schema.{key}: expected a dtype, {{dtype, shape}} or [dtype, shape], got {value!r}"
-            )
+            raise InvalidArgument(f"{name}.schema.{key}: expected a dtype, {{dtype, shape}} or [dtype, shape]")
+        if not isinstance(dtype, str):
+            raise InvalidArgument(f'{name}.schema.{key}: the dtype must be a string such as "float32"')
         try:
             np_dtype = np.dtype(dtype)
-        except TypeError:
-            raise InvalidArgument(f"{name}.schema.{key}: unknown dtype {dtype!r}") from None
+        except (TypeError, ValueError, SyntaxError, RecursionError):
+            raise InvalidArgument(f"{name}.schema.{key}: unknown dtype {dtype[:40]!r}") from None
         if np_dtype.hasobject or np_dtype.itemsize == 0:
-            raise InvalidArgument(f"{name}.schema.{key}: dtype {dtype!r} has no fixed size")
-        if not all(isinstance(dim, int) and dim > 0 for dim in shape):
-            raise InvalidArgument(f"{name}.schema.{key}: shape must be positive integers, got {list(shape)}")
+            raise InvalidArgument(f"{name}.schema.{key}: dtype {dtype[:40]!r} has no fixed size")
+        if not isinstance(shape_raw, list) or len(shape_raw) > 32:
+            raise InvalidArgument(f"{name}.schema.{key}: shape must be a list of at most 32 sizes")
+        if not all(isinstance(dim, int) and not isinstance(dim, bool) and dim > 0 for dim in shape_raw):
+            raise InvalidArgument(f"{name}.schema.{key}: shape must be positive integers")
+        shape = tuple(shape_raw)
+        record_bytes += np_dtype.itemsize * math.prod(shape)  # Python ints: no overflow
+        if record_bytes > MAX_RECORD_BYTES:
+            raise InvalidArgument(f"{name}.schema: a record must be at most {MAX_RECORD_BYTES} bytes")
         spec.append((key, np_dtype, shape))
     return np.dtype(spec)
 
@@ -120,6 +129,26 @@ class BufferConfig:
     def from_json(cls, name: str, raw: dict[str, Any]) -> BufferConfig:
         return cls().updated(name, raw, has_items=False)
 
+    @classmethod
+    def restored(cls, name: str, raw: dict[str, Any]) -> tuple[BufferConfig, list[str]]:
+        """A saved config, as valid as the rules of this version allow: where the whole of
+        it no longer passes (a release tightened a limit), each field is applied on its
+        own and the ones refused keep their defaults. Returns the config and what was
+        dropped, so a buffer always comes back rather than stopping the daemon."""
+        try:
+            return cls.from_json(name, raw), []
+        except (InvalidArgument, Busy):
+            pass
+        config, dropped = cls(), []
+        for key in ["schema", *(k for k in raw if k != "schema")]:
+            if key not in raw:
+                continue
+            try:
+                config = config.updated(name, {key: raw[key]}, has_items=False)
+            except (InvalidArgument, Busy) as exc:
+                dropped.append(f"{key} ({exc.message})")
+        return config, dropped
+
     def updated(self, name: str, changes: Any, has_items: bool) -> BufferConfig:
         """A new config with `changes` applied and checked; self is untouched.
 
@@ -164,8 +193,8 @@ class BufferConfig:
             raise bad("capacity", f"an integer in 1..{MAX_CAPACITY}", self.capacity)
         if self.sampler not in SAMPLERS:
             raise bad("sampler", f"one of {', '.join(SAMPLERS)}", self.sampler)
-        if not is_int(self.batch_size) or self.batch_size <= 0:
-            raise bad("batch_size", "an integer > 0", self.batch_size)
+        if not is_int(self.batch_size) or not 0 < self.batch_size <= MAX_BATCH_SIZE:
+            raise bad("batch_size", f"an integer in 1..{MAX_BATCH_SIZE}", self.batch_size)
         for key in ("alpha", "beta", "epsilon"):
             value = getattr(self, key)
             if not is_num(value) or value < 0:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import ast
 import io
+import math
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,10 +33,52 @@ BATCH_HEAD = struct.Struct("<8sIQ")  # magic, item count, total batch bytes (hea
 BATCH_ITEM = struct.Struct("<qfQ")
 FRAME = struct.Struct("<Q")
 MAX_ITEM_BYTES = 64 * 1024 * 1024
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
-def npy_header(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], int] | None:
-    """Parse a .npy header if all of it is in `buf`: (header dict, data offset), else None."""
+MAX_NPY_HEADER_BYTES = 64 * 1024
+MAX_NPY_DATA_BYTES = 1 << 40
+
+
+@dataclass(frozen=True)
+class NpyHeader:
+    """A validated .npy header: a dtype without objects, a shape of sane sizes."""
+
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    fortran_order: bool
+    data_offset: int  # where the array's bytes start
+
+    @property
+    def count(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def data_bytes(self) -> int:
+        return self.count * self.dtype.itemsize
+
+    @property
+    def total_bytes(self) -> int:
+        return self.data_offset + self.data_bytes
+
+
+def npy_dtype(descr: object) -> np.dtype[Any]:
+    """The dtype a .npy header's `descr` names; EINVAL for anything numpy would refuse
+    or that holds Python objects (never unpickled here)."""
+    if not isinstance(descr, (str, list)):
+        raise InvalidArgument(f".npy header: descr must be a string or a list, got {type(descr).__name__}")
+    try:
+        dtype = np.lib.format.descr_to_dtype(descr)  # type: ignore[arg-type]  # str is accepted too
+    except (TypeError, ValueError, KeyError, IndexError, OverflowError, RecursionError):
+        raise InvalidArgument(".npy header: descr does not name a numpy dtype") from None
+    if dtype.hasobject:
+        raise InvalidArgument(".npy header: object dtypes are not accepted")
+    return dtype
+
+
+def npy_header(buf: bytes | bytearray | memoryview) -> NpyHeader | None:
+    """Parse and validate a .npy header if all of it is in `buf`, else None. EINVAL for a
+    malformed header, a bad dtype or shape, or an array of more than 1 TiB."""
     if len(buf) < 10:
         return None
     major = buf[6]
@@ -47,17 +91,29 @@ def npy_header(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], int
     if len(buf) < 8 + size_len:
         return None
     (header_len,) = struct.unpack(fmt, bytes(buf[8 : 8 + size_len]))
+    if header_len > MAX_NPY_HEADER_BYTES:
+        raise InvalidArgument(f".npy header of {header_len} bytes: at most {MAX_NPY_HEADER_BYTES} accepted")
     start = 8 + size_len
     if len(buf) < start + header_len:
         return None
     text = bytes(buf[start : start + header_len]).decode("latin1")
     try:
         header = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         raise InvalidArgument("malformed .npy header") from None
     if not isinstance(header, dict) or not {"descr", "fortran_order", "shape"} <= set(header):
         raise InvalidArgument("malformed .npy header")
-    return header, start + header_len
+    shape = header["shape"]
+    if not isinstance(shape, tuple) or not all(isinstance(n, int) and not isinstance(n, bool) for n in shape):
+        raise InvalidArgument(".npy header: shape must be a tuple of integers")
+    if any(n < 0 for n in shape) or len(shape) > 32:
+        raise InvalidArgument(".npy header: shape must have at most 32 non-negative sizes")
+    if not isinstance(header["fortran_order"], bool):
+        raise InvalidArgument(".npy header: fortran_order must be True or False")
+    parsed = NpyHeader(npy_dtype(header["descr"]), shape, header["fortran_order"], start + header_len)
+    if parsed.data_bytes > MAX_NPY_DATA_BYTES:
+        raise InvalidArgument(f".npy header: an array of {parsed.data_bytes} bytes is more than accepted")
+    return parsed
 
 
 class _Stream:
@@ -104,14 +160,12 @@ class RecordStream(_Stream):
             parsed = npy_header(self._pending)
             if parsed is None:
                 return []
-            header, data_start = parsed
-            descr = np.lib.format.descr_to_dtype(header["descr"])
-            if descr != self.dtype:
-                raise InvalidArgument(f"append: .npy dtype {descr} is not the buffer's schema {self.dtype}")
-            if header["fortran_order"] or len(header["shape"]) != 1:
-                raise InvalidArgument(f"append: .npy must be a 1-d array of records, got shape {header['shape']}")
-            self._npy_left = int(header["shape"][0])
-            del self._pending[:data_start]
+            if parsed.dtype != self.dtype:
+                raise InvalidArgument(f"append: .npy dtype {parsed.dtype} is not the buffer's schema {self.dtype}")
+            if parsed.fortran_order or len(parsed.shape) != 1:
+                raise InvalidArgument(f"append: .npy must be a 1-d array of records, got shape {parsed.shape}")
+            self._npy_left = parsed.shape[0]
+            del self._pending[: parsed.data_offset]
         count = len(self._pending) // self.itemsize
         if self._npy_left is not None:
             if count > self._npy_left:
@@ -236,20 +290,16 @@ def parse_priorities(data: bytes | bytearray) -> tuple[np.ndarray, np.ndarray] |
         parsed = npy_header(data)
         if parsed is None:
             return None
-        header, start = parsed
-        dtype = np.lib.format.descr_to_dtype(header["descr"])
-        shape = tuple(header["shape"])
-        need = int(np.prod(shape)) * dtype.itemsize
-        if len(data) < start + need:
+        if len(data) < parsed.total_bytes:
             return None
-        if len(data) > start + need:
+        if len(data) > parsed.total_bytes:
             raise InvalidArgument("priority: bytes after the end of the .npy")
         array = np.load(io.BytesIO(data), allow_pickle=False)
-        if array.dtype.names and len(array.dtype.names) == 2:
+        if array.dtype.names and len(array.dtype.names) == 2 and array.ndim == 1:
             first, second = array.dtype.names
-            return array[first].astype(np.int64), array[second].astype(np.float64)
-        if array.ndim == 2 and array.shape[1] == 2 and array.dtype.kind in "iuf":
-            return array[:, 0].astype(np.int64), array[:, 1].astype(np.float64)
+            return _pairs(array[first], array[second])
+        if array.ndim == 2 and array.shape[1] == 2:
+            return _pairs(array[:, 0], array[:, 1])
         raise InvalidArgument(f"priority: .npy must hold (index, priority) pairs, got {array.dtype} {array.shape}")
     if not data.endswith(b"\n"):
         return None
@@ -259,13 +309,30 @@ def parse_priorities(data: bytes | bytearray) -> tuple[np.ndarray, np.ndarray] |
         if not parts:
             continue
         if len(parts) != 2:
-            raise InvalidArgument(f"priority line {number}: expected 'index priority', got {line!r}")
+            raise InvalidArgument(f"priority line {number}: expected 'index priority', got {len(parts)} words")
         try:
-            indices.append(int(parts[0]))
-            priorities.append(float(parts[1]))
+            index, priority = int(parts[0]), float(parts[1])
         except ValueError:
-            raise InvalidArgument(f"priority line {number}: expected 'index priority', got {line!r}") from None
+            raise InvalidArgument(f"priority line {number}: expected 'index priority' (two numbers)") from None
+        if not INT64_MIN <= index <= INT64_MAX:
+            raise InvalidArgument(f"priority line {number}: the index is out of the int64 range")
+        indices.append(index)
+        priorities.append(priority)
     return np.array(indices, dtype=np.int64), np.array(priorities, dtype=np.float64)
+
+
+def _pairs(indices: np.ndarray, priorities: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int64 indices and float64 priorities from two numeric columns; EINVAL for other
+    kinds, or indices that are not whole numbers in the int64 range."""
+    if indices.dtype.kind not in "iuf" or priorities.dtype.kind not in "iuf":
+        raise InvalidArgument(f"priority: .npy columns must be numbers, got {indices.dtype} and {priorities.dtype}")
+    if indices.dtype.kind == "u" and len(indices) and int(indices.max()) > INT64_MAX:
+        raise InvalidArgument("priority: an index is out of the int64 range")
+    if indices.dtype.kind == "f":
+        whole = np.isfinite(indices) & (indices == np.round(indices)) & (np.abs(indices) < 2.0**63)
+        if not whole.all():
+            raise InvalidArgument("priority: indices must be whole numbers in the int64 range")
+    return indices.astype(np.int64), priorities.astype(np.float64)
 
 
 def batch_length(head: bytes | bytearray | memoryview) -> int | None:
@@ -278,11 +345,7 @@ def batch_length(head: bytes | bytearray | memoryview) -> int | None:
         return int(BATCH_HEAD.unpack_from(head)[2])
     if head.startswith(NPY_MAGIC):
         parsed = npy_header(head)
-        if parsed is None:
-            return None
-        header, start = parsed
-        itemsize = np.lib.format.descr_to_dtype(header["descr"]).itemsize
-        return start + int(np.prod(header["shape"])) * itemsize
+        return None if parsed is None else parsed.total_bytes
     raise ValueError(f"not a distorefs batch (starts {head[:8]!r})")
 
 

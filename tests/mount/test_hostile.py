@@ -1,0 +1,276 @@
+"""Hostile input through a real mount: each bad write gets a clean errno, applies nothing,
+and leaves the daemon alive and the mount writable for everyone else."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from distorefs import client
+from tests.conftest import Mount, dir_for_test
+
+SCHEMA = {"x": "int64"}
+
+
+@pytest.fixture
+def buffer(mounted: Mount, request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A schema buffer holding records 0..9 with priorities 1..10."""
+    with dir_for_test(mounted.path / "buffers", request) as path:
+        (path / "config").write_text(json.dumps({"schema": SCHEMA, "sampler": "prioritized"}))
+        client.append(path, np.arange(10, dtype=np.int64).astype([("x", "<i8")]))
+        client.update_priorities(path, list(range(10)), [float(i + 1) for i in range(10)])
+        yield path
+
+
+@pytest.fixture
+def dataset(mounted: Mount, request: pytest.FixtureRequest) -> Iterator[Path]:
+    with dir_for_test(mounted.path / "datasets", request) as path:
+        (path / "config").write_text(json.dumps({"schema": SCHEMA}))
+        with open(path / "append", "wb") as f:
+            f.write(np.arange(8, dtype=np.int64).tobytes())
+        (path / "state").write_text("seal\n")
+        yield path
+
+
+def snapshot(path: Path) -> dict[str, object]:
+    """What a refused write must leave as it was."""
+    stats = json.loads(client.read_all(path / "stats"))
+    return {
+        "config": (path / "config").read_text(),
+        "size": stats.get("size", stats.get("records")),
+        "total_priority": stats.get("total_priority"),
+        "inserts": stats.get("inserts"),
+    }
+
+
+def healthy(mount: Mount) -> None:
+    """The daemon is alive, not degraded, and another client can still write."""
+    assert mount.proc.poll() is None, "the daemon died"
+    status = mount.status()
+    assert status["degraded"] is False, status["degraded_reason"]
+    probe = mount.path / "probe.txt"
+    probe.write_bytes(b"still writable")
+    assert probe.read_bytes() == b"still writable"
+
+
+class CloseFailed(OSError):
+    """Every write went through; the close failed (a stream ended mid-record)."""
+
+
+def write_all(path: Path, data: bytes, flags: int = os.O_WRONLY, offset: int | None = None) -> None:
+    """One open, the bytes in 1 MiB writes (or one pwrite at `offset`), one close: an
+    OSError from any of them comes out (the close reports a refused write too); a failure
+    of the close alone is CloseFailed."""
+    fd = os.open(path, flags)
+    try:
+        if offset is not None:
+            os.pwrite(fd, data, offset)
+        else:
+            for start in range(0, len(data), 1 << 20):
+                os.write(fd, data[start : start + (1 << 20)])
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+    try:
+        os.close(fd)
+    except OSError as exc:
+        raise CloseFailed(exc.errno, exc.strerror) from None
+
+
+def refused(fn: Callable[[], object]) -> int:
+    with pytest.raises(OSError) as excinfo:
+        fn()
+    assert excinfo.value.errno is not None
+    return excinfo.value.errno
+
+
+def npy_with_header(header: str, payload: bytes = b"\0" * 16) -> bytes:
+    text = header.encode("latin1")
+    text += b" " * (63 - (10 + len(text)) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + payload
+
+
+BAD_NPY_HEADERS = {
+    "bogus descr": "{'descr': 'bogus', 'fortran_order': False, 'shape': (2,), }",
+    "object dtype": "{'descr': '|O', 'fortran_order': False, 'shape': (2,), }",
+    "non-string descr": "{'descr': 5, 'fortran_order': False, 'shape': (2,), }",
+    "string shape": "{'descr': '<i8', 'fortran_order': False, 'shape': ('a',), }",
+    "huge shape": "{'descr': '<i8', 'fortran_order': False, 'shape': (99999999999, 99999999999), }",
+    "not a dict": "[1, 2, 3]",
+}
+
+
+def test_an_item_over_the_size_limit_is_efbig_and_the_item_stays(mounted: Mount, buffer: Path) -> None:
+    before = (buffer / "items" / "0").read_bytes()
+    assert refused(lambda: write_all(buffer / "items" / "0", b"\0" * (65 << 20))) == errno.EFBIG
+    assert (buffer / "items" / "0").read_bytes() == before
+    healthy(mounted)
+
+
+def test_a_pwrite_far_past_the_item_limit_is_efbig(mounted: Mount, buffer: Path) -> None:
+    before = (buffer / "items" / "0").read_bytes()
+    assert refused(lambda: write_all(buffer / "items" / "0", b"x", offset=1 << 40)) == errno.EFBIG
+    assert (buffer / "items" / "0").read_bytes() == before
+    healthy(mounted)
+
+
+def test_a_priority_index_beyond_int64_is_einval_and_applies_nothing(mounted: Mount, buffer: Path) -> None:
+    before = snapshot(buffer)
+    text = b"1 5.0\n9223372036854775808 1\n"
+    assert refused(lambda: write_all(buffer / "priority", text)) == errno.EINVAL
+    assert snapshot(buffer) == before
+    healthy(mounted)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_NPY_HEADERS))
+@pytest.mark.parametrize("target", ["priority", "append"])
+def test_a_bad_npy_header_is_einval_for_buffers(mounted: Mount, buffer: Path, target: str, case: str) -> None:
+    before = snapshot(buffer)
+    assert refused(lambda: write_all(buffer / target, npy_with_header(BAD_NPY_HEADERS[case]))) == errno.EINVAL
+    assert snapshot(buffer) == before
+    healthy(mounted)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_NPY_HEADERS))
+def test_a_bad_npy_order_is_einval_and_the_order_stays(mounted: Mount, dataset: Path, case: str) -> None:
+    before = (dataset / "order").read_bytes()
+    assert refused(lambda: write_all(dataset / "order", npy_with_header(BAD_NPY_HEADERS[case]))) == errno.EINVAL
+    assert (dataset / "order").read_bytes() == before
+    healthy(mounted)
+
+
+@pytest.mark.parametrize("kind", ["buffer", "dataset"])
+def test_json_nested_100000_deep_is_einval(mounted: Mount, request: pytest.FixtureRequest, kind: str) -> None:
+    path = request.getfixturevalue(kind)
+    before = (path / "config").read_text()
+    for deep in ("[" * 100_000 + "]" * 100_000, '{"a":' * 100_000 + "1" + "}" * 100_000):
+        assert refused(lambda text=deep: write_all(path / "config", text.encode())) == errno.EINVAL
+    assert (path / "config").read_text() == before
+    healthy(mounted)
+
+
+def test_config_input_past_its_limit_is_efbig_at_once(mounted: Mount, buffer: Path) -> None:
+    before = snapshot(buffer)
+    assert refused(lambda: write_all(buffer / "config", b"{" + b" " * (2 << 20))) == errno.EFBIG
+    assert snapshot(buffer) == before
+    healthy(mounted)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"schema": {"x": ["int64", [99999999999, 99999999999]]}},
+        {"schema": {"x": ["int64", "ab"]}},
+        {"schema": {"x": {"dtype": ["int64"]}}},
+        {"batch_size": 99999999999999999999},
+        {"batch_size": (1 << 20) + 1},
+    ],
+)
+def test_configs_the_buffer_could_not_serve_are_refused_at_write_time(
+    mounted: Mount, buffer: Path, changes: dict[str, object]
+) -> None:
+    before = snapshot(buffer)
+    assert refused(lambda: write_all(buffer / "config", json.dumps(changes).encode())) == errno.EINVAL
+    assert snapshot(buffer) == before
+    with open(buffer / "sample", "rb") as f:
+        assert len(np.load(f)) == 32
+    healthy(mounted)
+
+
+def test_a_batch_that_would_not_fit_the_dram_budget_is_refused(mounted: Mount, request: pytest.FixtureRequest) -> None:
+    with dir_for_test(mounted.path / "buffers", request) as big:
+        # 8 MiB records on a 256 MiB budget: a batch may take half of it, 16 records
+        (big / "config").write_text(json.dumps({"schema": {"x": ["uint8", [8 << 20]]}, "batch_size": 16}))
+        assert refused(lambda: write_all(big / "config", b'{"batch_size": 17}')) == errno.EINVAL
+        assert json.loads((big / "config").read_text())["batch_size"] == 16
+        healthy(mounted)
+
+
+def test_a_keep_last_of_5000_digits_is_einval(mounted: Mount) -> None:
+    run = mounted.path / "checkpoints" / "hostile-keep"
+    run.mkdir()
+    try:
+        assert refused(lambda: os.setxattr(run, "user.distore.keep_last", b"9" * 5000)) == errno.EINVAL
+        assert "user.distore.keep_last" not in os.listxattr(run)
+        healthy(mounted)
+    finally:
+        run.rmdir()
+
+
+def test_np_save_of_bad_priorities_fails_at_close(mounted: Mount, buffer: Path) -> None:
+    before = snapshot(buffer)
+    with pytest.raises(OSError) as excinfo:  # noqa: PT012 - the close is the point
+        with open(buffer / "priority", "wb") as f:
+            np.save(f, np.array([[0, 1.0], [12345, 2.0]]))  # no item 12345: none applied
+    assert excinfo.value.errno == errno.EINVAL
+    assert snapshot(buffer) == before
+    healthy(mounted)
+
+
+def test_a_name_over_255_bytes_is_enametoolong_everywhere(mounted: Mount) -> None:
+    long = "a" * 256
+    root = mounted.path
+    (root / "short").write_bytes(b"x")
+    calls: list[Callable[[], object]] = [
+        lambda: os.stat(root / long),
+        lambda: os.chmod(root / long, 0o600),
+        lambda: os.unlink(root / long),
+        lambda: os.rmdir(root / long),
+        lambda: os.mkdir(root / long),
+        lambda: os.open(root / long, os.O_CREAT | os.O_WRONLY, 0o644),
+        lambda: os.rename(root / "short", root / long),
+        lambda: os.link(root / "short", root / long),
+        lambda: os.symlink("short", root / long),
+        lambda: os.stat(root / "buffers" / long),
+    ]
+    for call in calls:
+        assert refused(call) == errno.ENAMETOOLONG
+    assert stat.S_ISREG(os.stat(root / "short").st_mode)
+    healthy(mounted)
+
+
+# --- generated hostile input into every control file ----------------------------------------
+
+hostile_bytes = st.one_of(
+    st.binary(max_size=2048),
+    st.text(max_size=512).map(str.encode),
+    st.sampled_from([npy_with_header(h) for h in BAD_NPY_HEADERS.values()]),
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+        max_leaves=20,
+    ).map(lambda value: json.dumps(value).encode()),
+    st.lists(st.tuples(st.integers(), st.floats()), max_size=8).map(
+        lambda pairs: "".join(f"{i} {p}\n" for i, p in pairs).encode()
+    ),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(target=st.sampled_from(["config", "priority", "append", "items/3", "sample", "stats"]), data=hostile_bytes)
+def test_generated_input_never_hurts_the_daemon_and_a_refusal_changes_nothing(
+    mounted: Mount, buffer: Path, target: str, data: bytes
+) -> None:
+    before = snapshot(buffer)
+    try:
+        write_all(buffer / target, data)
+    except CloseFailed:
+        # only the close failed: `append` is a stream, and the whole records that came
+        # before the incomplete tail were applied in order (docs/namespace.md); any other
+        # file applied nothing
+        if target != "append":
+            assert snapshot(buffer) == before
+    except OSError:
+        assert snapshot(buffer) == before  # a write was refused: nothing applied
+    healthy(mounted)
