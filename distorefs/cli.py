@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     mount.add_argument("--segment-size", default="64MiB", help="log segment size (default 64MiB)")
     mount.add_argument(
+        "--compaction-reserve",
+        default=None,
+        help="disk held back from writes so that compaction can run on a full disk (default: 2 segments)",
+    )
+    mount.add_argument(
         "--wait-timeout", type=_positive_float, default=60.0, metavar="S",
         help="longest a read of weights/<model>/wait blocks before ETIMEDOUT (default 60 s)",
     )  # fmt: skip
@@ -177,6 +182,7 @@ def _daemon_config(args: argparse.Namespace) -> Any:
         dram_budget_bytes=parse_size(args.dram_budget),
         allow_other=args.allow_other,
         segment_bytes=parse_size(args.segment_size),
+        reserve_bytes=None if args.compaction_reserve is None else parse_size(args.compaction_reserve),
         flush_interval_s=args.flush_interval,
         sync_interval_s=args.sync_interval,
         compact_interval_s=args.compact_interval,
@@ -218,12 +224,16 @@ def run_foreground(config: Any, args: argparse.Namespace) -> int:
             os.write(ready_fd, f"READY {message}\n".encode())
             os.close(ready_fd)
 
+    from distorefs.daemon import ShutdownIncomplete
+
     try:
         trio.run(serve, config, ready)
     except ConfigError as exc:
         if ready_fd is not None:
             with contextlib.suppress(OSError):
                 os.write(ready_fd, f"ERROR {exc}\n".encode())
+        raise CliError(str(exc)) from None
+    except ShutdownIncomplete as exc:
         raise CliError(str(exc)) from None
     return EXIT_OK
 
@@ -236,6 +246,7 @@ def start_background(config: Any, args: argparse.Namespace) -> int:
         sys.executable, "-m", "distorefs", "mount", config.mountpoint, "--foreground",
         "--data-dir", config.data_dir, "--dram-budget", str(config.dram_budget_bytes),
         "--segment-size", str(config.segment_bytes),
+        "--compaction-reserve", str(config.compaction_reserve_bytes),
         "--flush-interval", str(config.flush_interval_s), "--sync-interval", str(config.sync_interval_s),
         "--compact-interval", str(config.compact_interval_s),
         "--snapshot-interval", str(config.snapshot_interval_s), "--ready-fd", str(write_fd),
@@ -329,15 +340,37 @@ def cmd_umount(args: argparse.Namespace) -> int:
     mountpoint = os.path.abspath(args.mountpoint)
     if not _is_mount(mountpoint):
         raise CliError(f"{mountpoint} is not mounted")
-    pid = int(read_status(mountpoint)["pid"])
+    status = read_status(mountpoint)
+    pid = int(status["pid"])
     result = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True, check=False)
     if result.returncode != 0:
         reason = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "unknown error"
         raise CliError(f"cannot unmount {mountpoint}: {reason}")
     if not wait_pid_exit(pid, args.timeout):
         raise CliError(f"unmounted, but daemon {pid} is still persisting after {args.timeout:.0f} s")
+    report = read_shutdown_report(str(status["data_dir"]), pid)
+    if not report.get("persisted"):
+        left = report.get("unpersisted_bytes", -1)
+        what = (
+            f"{left} bytes were not persisted"
+            if isinstance(left, int) and left >= 0
+            else "it left no report of a complete persist"
+        )
+        raise CliError(f"unmounted, but {what} ({report.get('error') or 'no reason given'}); see the daemon log")
     print(f"distorefs: unmounted {mountpoint}; daemon {pid} persisted everything and exited")
     return EXIT_OK
+
+
+def read_shutdown_report(data_dir: str, pid: int) -> dict[str, Any]:
+    """The report the daemon `pid` wrote as it exited; an empty dict if it wrote none."""
+    from distorefs.daemon import SHUTDOWN_REPORT
+
+    try:
+        with open(os.path.join(data_dir, SHUTDOWN_REPORT), encoding="utf-8") as f:
+            report: dict[str, Any] = json.loads(f.read())
+    except (OSError, ValueError):
+        return {}
+    return report if report.get("pid") == pid else {}
 
 
 def format_status(status: dict[str, Any]) -> str:

@@ -17,13 +17,13 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import pyfuse3
 import trio
 
-from distorefs.errors import ConfigError
+from distorefs.errors import ConfigError, DistorefsError
 from distorefs.fs.buffers import BuffersDir
 from distorefs.fs.datasets import DatasetsDir
 from distorefs.fs.ops import FsOperations
@@ -61,6 +61,7 @@ class DaemonConfig:
     allow_other: bool = False
     block_bytes: int = DEFAULT_BLOCK_BYTES
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    reserve_bytes: int | None = None  # None: two segments (room for compaction on a full disk)
     flush_interval_s: float = 1.0
     sync_interval_s: float = 5.0
     compact_interval_s: float = 5.0
@@ -74,6 +75,10 @@ class DaemonConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "mountpoint", os.path.abspath(self.mountpoint))
         object.__setattr__(self, "data_dir", os.path.abspath(self.data_dir))
+
+    @property
+    def compaction_reserve_bytes(self) -> int:
+        return 2 * self.segment_bytes if self.reserve_bytes is None else self.reserve_bytes
 
     @property
     def window_bytes(self) -> int:
@@ -170,13 +175,63 @@ class Daemon:
         nursery.start_soon(self.buffers.run_snapshots, config.snapshot_interval_s, name="snapshots")
         nursery.start_soon(self.datasets.run_streams, name="dataset streams")
 
-    async def close(self) -> None:
-        """Leave the cluster, stage the last snapshots and persist everything durably."""
+    async def close(self) -> ShutdownReport:
+        """Leave the cluster, stage the last snapshots and persist everything durably.
+        Never raises for a failed persist (a full disk): the report says what was left."""
         if self.node is not None:
             await self.node.stop()
         self.buffers.snapshot()
         self.checkpoints.persisted_all()
-        await self.blocks.close()
+        error = ""
+        try:
+            await self.blocks.close()
+        except (DistorefsError, OSError) as exc:
+            error = str(exc)
+            log.error("the final persist failed: %s", exc)
+        left = self.blocks.dirty_bytes
+        return ShutdownReport(os.getpid(), not error and left == 0, left, error)
+
+
+@dataclass(frozen=True)
+class ShutdownReport:
+    """How the last shutdown went, for `distore umount` (data_dir/SHUTDOWN_REPORT)."""
+
+    pid: int
+    persisted: bool
+    unpersisted_bytes: int
+    error: str
+
+    def render(self) -> bytes:
+        """JSON padded to REPORT_BYTES: written over its own placeholder, it needs no new
+        disk space, so it can be written on a full disk."""
+        text = json.dumps(asdict(self))[: REPORT_BYTES - 1].encode()
+        return text + b" " * (REPORT_BYTES - 1 - len(text)) + b"\n"
+
+
+REPORT_BYTES = 4096
+SHUTDOWN_REPORT = "shutdown.json"
+
+
+class ShutdownIncomplete(Exception):
+    """The daemon unmounted but could not persist everything (the report has the numbers)."""
+
+
+def _report_fd(data_dir: str) -> int:
+    """Open the shutdown report and fill it with a placeholder now, while there is room."""
+    fd = os.open(os.path.join(data_dir, SHUTDOWN_REPORT), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    os.pwrite(fd, ShutdownReport(os.getpid(), False, -1, "running").render(), 0)
+    os.fsync(fd)
+    return fd
+
+
+def _write_report(fd: int, report: ShutdownReport) -> None:
+    try:
+        os.pwrite(fd, report.render(), 0)
+        os.fsync(fd)
+    except OSError as exc:
+        log.error("could not write the shutdown report: %s", exc)
+    finally:
+        os.close(fd)
 
 
 async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb) -> Daemon:
@@ -226,8 +281,11 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
     data_dir = config.data_dir
     with data_dir_lock(data_dir):
         started = time.monotonic()
-        nvme_log = await trio.to_thread.run_sync(NvmeLog.open, os.path.join(data_dir, "log"), config.segment_bytes)
+        nvme_log = await trio.to_thread.run_sync(
+            NvmeLog.open, os.path.join(data_dir, "log"), config.segment_bytes, config.compaction_reserve_bytes
+        )
         meta = MetaDb.open(os.path.join(data_dir, "meta.sqlite"))
+        report_fd = _report_fd(data_dir)
         try:
             daemon = await assemble(config, nvme_log, meta)
             await daemon.blocks.commit(durable=True)
@@ -256,9 +314,17 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
                 pyfuse3.close(unmount=True)
                 log.info("unmounted %s; persisting", config.mountpoint)
                 with trio.CancelScope(shield=True):
-                    await daemon.close()
+                    report = await daemon.close()
+                _write_report(report_fd, report)
+                report_fd = -1
         finally:
+            if report_fd >= 0:
+                os.close(report_fd)
             meta.close()
+    if not report.persisted:
+        raise ShutdownIncomplete(
+            f"unmounted, but {report.unpersisted_bytes} bytes were not persisted ({report.error or 'unknown'})"
+        )
     log.info("daemon exits cleanly")
 
 

@@ -89,6 +89,10 @@ def start_daemon(path: Path, data_dir: Path, *extra: str) -> Mount:
     log_path = data_dir.parent / f"{data_dir.name}.daemon.log"
     data_dir.parent.mkdir(parents=True, exist_ok=True)
     log_file = open(log_path, "ab")  # noqa: SIM115 - the daemon owns it for its lifetime
+    if not any(arg.startswith("--compaction-reserve") for arg in extra):
+        # pytest keeps the last runs' tmp dirs: a 4 MiB ballast per daemon instead of the
+        # default 2 segments (128 MiB) keeps a run's disk use small; the mechanism is the same
+        extra = ("--compaction-reserve", "4MiB", *extra)
     proc = subprocess.Popen(
         [sys.executable, "-m", "distorefs", "mount", str(path), "--foreground", "--data-dir", str(data_dir), *extra],
         stdout=subprocess.PIPE,

@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import stat
 
+import trio
+
 from distorefs.errors import NotPermitted
 from distorefs.news import Outbox
 from distorefs.stores.checkpoints import CHECKPOINTS, KEEP_XATTR, SETTING_XATTRS, STATE_XATTR, CheckpointPolicy
@@ -156,11 +158,15 @@ class PosixTree:
         return written
 
     async def close(self, ino: int, writable: bool) -> None:
-        """A close (FLUSH): the file is *logged*; under checkpoints/ it persists in the
-        background instead (unless sync-close applies)."""
-        if not self.checkpoints.tracks(ino):
+        """A close (FLUSH) of an open that could write: the file is *logged*; under
+        checkpoints/ it persists in the background instead (unless sync-close applies).
+        A read-only open changed nothing, so its close writes nothing (and cannot fail
+        on a full disk)."""
+        if not writable:
+            await trio.lowlevel.checkpoint()
+        elif not self.checkpoints.tracks(ino):
             await self.files.flush(ino)
-        elif writable:
+        else:
             await self.checkpoints.close(ino)
 
     async def fsync(self, ino: int) -> None:

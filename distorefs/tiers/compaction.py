@@ -12,6 +12,7 @@ import logging
 
 import trio
 
+from distorefs.errors import StoreFull
 from distorefs.tiers.writeback import WriteBack, survive
 from distorefs.types import BlockKey, LogLocation
 
@@ -27,11 +28,19 @@ class Compaction(WriteBack):
     _seg_live_seen: dict[int, int]  # live bytes per segment at the last pass
 
     async def run_compactor(self, interval_s: float = 5.0, min_dead_ratio: float = 0.5) -> None:
-        """Background task: compact sealed segments whose dead share reached `min_dead_ratio`."""
+        """Background task: compact sealed segments whose dead share reached `min_dead_ratio`,
+        then hold the compaction reserve again where there is room for it."""
         while True:
             await trio.sleep(interval_s)
             async with survive("compactor"):
                 await self.compact(min_dead_ratio)
+            async with survive("compaction reserve"):
+                await trio.to_thread.run_sync(self._log.hold_reserve, limiter=self._io_limiter)
+
+    async def _use_reserve(self, why: str) -> None:
+        released = await trio.to_thread.run_sync(self._log.release_reserve, limiter=self._io_limiter)
+        if released:
+            log.warning("compaction: %s; using the %d-byte reserve", why, released)
 
     def _compaction_victims(self, min_dead_ratio: float) -> list[int]:
         """Sealed segments to compact: fully dead ones at once; sparse ones only once their
@@ -66,6 +75,9 @@ class Compaction(WriteBack):
         victims = self._compaction_victims(min_dead_ratio)
         if not victims:
             return 0
+        copying = sum(self._index.live_bytes(segment) for segment in victims)
+        if copying and await trio.to_thread.run_sync(self._log.free_bytes) < copying + (1 << 20):
+            await self._use_reserve(f"the disk has no room to copy {copying} live bytes")
         for segment in victims:
             for key in self._index.segment_keys(segment):
                 location = self._index.get(key)
@@ -78,8 +90,15 @@ class Compaction(WriteBack):
                 if self._index.get(key) == location:
                     self._set_location(key, moved)
                     self._moved_bytes += moved.length
-        await self.flush()
-        await self.commit(durable=True)
+        try:
+            await self.flush()  # dirty blocks skipped above move out of the victims
+        except StoreFull:
+            log.info("compaction: the disk is full for dirty blocks; dropping what is dead")
+        try:
+            await self.commit(durable=True)  # nothing durable may point into a segment deleted below
+        except StoreFull:
+            await self._use_reserve("the metadata commit found the disk full")
+            await self.commit(durable=True)
         reclaimed = 0
         sizes = self._log.segment_sizes()
         for segment in victims:

@@ -13,12 +13,19 @@ Automatic WAL checkpoints are off; a durable commit can ask for one.
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import trio
+
+from distorefs.errors import Corrupted, StoreFull
+
+log = logging.getLogger(__name__)
+
+SQLITE_FULL = 13  # "database or disk is full"
 
 SCHEMA_VERSION = 4  # 2: the buffers table; 3: the weights and ckpt_pending tables; 4: datasets
 
@@ -121,13 +128,29 @@ class MetaDb:
                 return
             self._pending = {t: {} for t in TABLES}
             try:
-                await trio.to_thread.run_sync(self._commit_sync, pending, durable, before_commit, checkpoint)
+                await trio.to_thread.run_sync(self._commit_or_raise, pending, durable, before_commit, checkpoint)
             except BaseException:
                 # Put the changes back, newer staged values winning, so nothing is lost.
                 for table, changes in pending.items():
                     changes.update(self._pending[table])
                     self._pending[table] = changes
                 raise
+
+    def _commit_or_raise(
+        self,
+        pending: Changes,
+        durable: bool,
+        before_commit: Callable[[], Changes | None] | None,
+        checkpoint: bool,
+    ) -> None:
+        """`_commit_sync`, with SQLite's errors as the daemon's: a full disk is ENOSPC
+        (StoreFull), anything else EIO; the transaction was rolled back either way."""
+        try:
+            self._commit_sync(pending, durable, before_commit, checkpoint)
+        except sqlite3.Error as exc:
+            if getattr(exc, "sqlite_errorcode", None) == SQLITE_FULL:
+                raise StoreFull(f"the metadata database's disk is full ({self.path}): {exc}") from None
+            raise Corrupted(f"metadata database {self.path}: {exc}") from None
 
     def _commit_sync(
         self,
@@ -168,9 +191,15 @@ class MetaDb:
                     conn.execute("PRAGMA synchronous=NORMAL")
             self.commits += 1
             if durable and checkpoint:
-                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                try:
+                    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                except sqlite3.Error as exc:  # committed already: the WAL folds in later
+                    log.warning("metadata: WAL checkpoint failed (%s); it is retried at the next one", exc)
 
     def close(self) -> None:
         with self._thread_lock:
-            self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            try:
+                self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            except sqlite3.Error as exc:  # a full disk: the WAL stays and is folded in at the next open
+                log.warning("metadata: final WAL checkpoint failed: %s", exc)
             self._conn.close()

@@ -46,6 +46,7 @@ HEADER = struct.Struct("<IIQQQI")
 HEADER_CRC_SPAN = HEADER.size - 4
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
+RESERVE_NAME = "reserve"  # ballast that keeps room for compaction on a full disk
 SCAN_CHUNK_BYTES = 8 * 1024 * 1024
 READ_AHEAD_PARTS = 128  # read_parts keeps this many small reads hinted ahead (measured: 64-512 alike)
 _SEGMENT_PREFIX = "seg-"
@@ -97,9 +98,14 @@ class NvmeLog:
         b'hello'
     """
 
-    def __init__(self, directory: str, segment_bytes: int) -> None:
+    def __init__(self, directory: str, segment_bytes: int, reserve_bytes: int = 0) -> None:
         self.directory = directory
         self.segment_bytes = segment_bytes
+        # Disk held back from appends (the daemon holds two segments' worth): compaction
+        # copies a victim's live records before it can delete it, so on a full disk it
+        # releases this ballast, compacts, and holds it again once there is room.
+        self.reserve_bytes = reserve_bytes
+        self.reserve_path = os.path.join(directory, RESERVE_NAME)
         self._segments: dict[int, _Segment] = {}
         self._active: _Segment | None = None
         self._seq = 0
@@ -110,7 +116,7 @@ class NvmeLog:
     # --- opening and recovery -------------------------------------------------------
 
     @classmethod
-    def open(cls, directory: str, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> NvmeLog:
+    def open(cls, directory: str, segment_bytes: int = DEFAULT_SEGMENT_BYTES, reserve_bytes: int = 0) -> NvmeLog:
         """Open (creating if needed) the log in `directory` and recover it.
 
         Recovery scans the newest segment, keeps its longest valid prefix of records and
@@ -118,7 +124,7 @@ class NvmeLog:
         Older segments were fsync'ed whole before their successor was created.
         """
         os.makedirs(directory, exist_ok=True)
-        self = cls(directory, segment_bytes)
+        self = cls(directory, segment_bytes, reserve_bytes)
         ids = sorted(
             int(name[len(_SEGMENT_PREFIX) : -len(_SEGMENT_SUFFIX)])
             for name in os.listdir(directory)
@@ -131,6 +137,10 @@ class NvmeLog:
         if ids:
             self._seq = self._recover_tail(self._segments[ids[-1]]) + 1
         self._start_segment((ids[-1] + 1) if ids else 1)
+        if not self.hold_reserve():
+            log.warning(
+                "log %s: the disk has no room for the %d-byte compaction reserve", directory, self.reserve_bytes
+            )
         return self
 
     def _recover_tail(self, seg: _Segment) -> int:
@@ -386,6 +396,42 @@ class NvmeLog:
         got = os.preadv(fd, [buf], offset)
         del buf[got:]
         return buf
+
+    # --- the compaction reserve ---------------------------------------------------------
+
+    @property
+    def reserve_held_bytes(self) -> int:
+        try:
+            return os.stat(self.reserve_path).st_blocks * 512
+        except FileNotFoundError:
+            return 0
+
+    def hold_reserve(self) -> bool:
+        """Allocate the reserve file (best effort); True when all of it is held."""
+        if self.reserve_bytes == 0 or self.reserve_held_bytes >= self.reserve_bytes:
+            return True
+        fd = os.open(self.reserve_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, self.reserve_bytes)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EOPNOTSUPP):
+                raise
+            return False
+        finally:
+            os.close(fd)
+
+    def release_reserve(self) -> int:
+        """Give the reserve's space back to the disk (for compaction); returns its bytes."""
+        held = self.reserve_held_bytes
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.reserve_path)
+        return held
+
+    def free_bytes(self) -> int:
+        """Bytes the disk under the log has free for appends."""
+        st = os.statvfs(self.directory)
+        return st.f_bavail * st.f_frsize
 
     # --- segments -------------------------------------------------------------------
 
