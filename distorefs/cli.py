@@ -268,7 +268,8 @@ def start_background(config: Any, args: argparse.Namespace) -> int:
         argv.append("--allow-other")
     if args.debug:
         argv.append("--debug")
-    with open(log_path, "ab") as log_file:
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    with os.fdopen(log_fd, "ab") as log_file:
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
             pass_fds=(write_fd,), start_new_session=True,

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -106,10 +107,40 @@ class DaemonConfig:
             raise ConfigError(f"compact_min_dead_ratio must be in (0, 1], got {self.compact_min_dead_ratio}")
 
 
+def secure_data_dir(data_dir: str) -> None:
+    """Make the data dir private to the daemon's user: the directory 0700 and everything
+    in it (metadata database, log, daemon.log) 0600, also when the user made it
+    beforehand; files made later are private too (umask 077). ConfigError when the
+    directory belongs to another user."""
+    os.makedirs(data_dir, mode=0o700, exist_ok=True)
+    os.umask(0o077)
+    st = os.stat(data_dir)
+    if st.st_uid != os.geteuid():
+        raise ConfigError(
+            f"data dir {data_dir} belongs to uid {st.st_uid}, not to this daemon's uid {os.geteuid()}: "
+            "choose a directory of your own (its files must be private to the daemon)"
+        )
+    for root, dirs, files in os.walk(data_dir):
+        for name in dirs:
+            _restrict(os.path.join(root, name), 0o700)
+        for name in files:
+            _restrict(os.path.join(root, name), 0o600)
+    _restrict(data_dir, 0o700)
+
+
+def _restrict(path: str, mode: int) -> None:
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or st.st_uid != os.geteuid():
+        return
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o077 & mode)
+        log.info("data dir: %s made private (mode %o)", path, stat.S_IMODE(st.st_mode) & ~0o077 & mode)
+
+
 @contextlib.contextmanager
 def data_dir_lock(data_dir: str) -> Iterator[None]:
     """Hold `data_dir/lock` exclusively; raise ConfigError naming the holder if taken."""
-    os.makedirs(data_dir, mode=0o700, exist_ok=True)
+    secure_data_dir(data_dir)
     path = os.path.join(data_dir, "lock")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:

@@ -125,3 +125,18 @@ class RemoteError(DistorefsError):
     def __init__(self, errno: int, message: str) -> None:
         super().__init__(message)
         self.errno = errno
+
+
+def describe(value: object) -> str:
+    """What a refused input was, without quoting its text: error messages reach `stats`
+    files that other users may read, so a string is named by its kind and length, never
+    shown. Numbers and true/false are shown (they say what was wrong, and carry no text)."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)[:40] if value is not None else "null"
+    if isinstance(value, (str, bytes, bytearray)):
+        return f"a {'string' if isinstance(value, str) else 'byte string'} of {len(value)} characters"
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)} items"
+    if isinstance(value, dict):
+        return f"an object of {len(value)} fields"
+    return f"a {type(value).__name__}"

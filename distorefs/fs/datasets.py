@@ -23,7 +23,7 @@ from typing import Any, overload
 import numpy as np
 import trio
 
-from distorefs.errors import DistorefsError, InvalidArgument, NotFound, ReadOnly
+from distorefs.errors import DistorefsError, InvalidArgument, NotFound, ReadOnly, describe
 from distorefs.fs.virtual import (
     ControlFile,
     NamedDir,
@@ -132,7 +132,9 @@ class StateHandle(RenderedHandle):
         if word == b"seal":
             await self._ds.seal()
         elif word:
-            raise _recorded(self._ds, InvalidArgument(f"{_label(self._ds, 'state')}: write `seal`, got {word[:40]!r}"))
+            raise _recorded(
+                self._ds, InvalidArgument(f"{_label(self._ds, 'state')}: write `seal`, got {describe(word)}")
+            )
         else:
             await trio.lowlevel.checkpoint()
 

@@ -274,3 +274,14 @@ def test_generated_input_never_hurts_the_daemon_and_a_refusal_changes_nothing(
     except OSError:
         assert snapshot(buffer) == before  # a write was refused: nothing applied
     healthy(mounted)
+
+
+def test_stats_name_the_reason_but_never_quote_the_input(mounted: Mount, buffer: Path) -> None:
+    secret = "hunter2-SECRET"
+    for bad in ({"sampler": secret}, {secret: 1}, {"schema": {secret: "nope"}}):
+        assert refused(lambda bad=bad: write_all(buffer / "config", json.dumps(bad).encode())) == errno.EINVAL
+    assert refused(lambda: write_all(buffer / "priority", f"1 {secret}\n".encode())) == errno.EINVAL
+    stats = client.read_all(buffer / "stats").decode()
+    assert "hunter2" not in stats
+    assert "sampler must be one of" in stats
+    healthy(mounted)

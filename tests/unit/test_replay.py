@@ -95,7 +95,7 @@ def test_rate_limiter_without_a_ratio_only_needs_min_size() -> None:
 
 def test_config_rejects_unknown_fields_and_bad_values_whole() -> None:
     config = BufferConfig()
-    with pytest.raises(InvalidArgument, match=r"^b: unknown config field 'capacty'"):
+    with pytest.raises(InvalidArgument, match=r"^b: an unknown config field, a string of 7 characters \(known: "):
         config.updated("b", {"capacty": 5}, has_items=False)
     with pytest.raises(InvalidArgument, match=r"^b.capacity must be an integer in 1\.\.268435456, got 0$"):
         config.updated("b", {"batch_size": 8, "capacity": 0}, has_items=False)

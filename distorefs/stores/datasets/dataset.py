@@ -24,7 +24,7 @@ import crc32c
 import numpy as np
 import trio
 
-from distorefs.errors import Busy, Corrupted, InvalidArgument, NotFound, ReadOnly
+from distorefs.errors import Busy, Corrupted, InvalidArgument, NotFound, ReadOnly, describe
 from distorefs.news import Outbox
 from distorefs.stores.datasets.formats import INDEX_DTYPE, MAX_RECORD_BYTES, OrderSpec, shuffled
 from distorefs.stores.replay.config import parse_schema, schema_to_json
@@ -52,7 +52,7 @@ class DatasetConfig:
     def updated(self, name: str, changes: Any, has_records: bool) -> DatasetConfig:
         """A new config with `changes` (a JSON object) applied; raises before any change."""
         if not isinstance(changes, dict):
-            raise InvalidArgument(f"datasets/{name}/config: expected a JSON object, got {changes!r}")
+            raise InvalidArgument(f"datasets/{name}/config: expected a JSON object, got {describe(changes)}")
         unknown = set(changes) - {"schema", "prefetch_window_bytes"}
         if unknown:
             raise InvalidArgument(f"datasets/{name}/config: unknown keys {sorted(unknown)}")
@@ -68,7 +68,7 @@ class DatasetConfig:
         if window is not None and (type(window) is not int or window < MIN_WINDOW_BYTES):
             raise InvalidArgument(
                 f"datasets/{name}/config: prefetch_window_bytes must be an integer >= {MIN_WINDOW_BYTES}, "
-                f"got {window!r}"
+                f"got {describe(window)}"
             )
         return replace(new, schema=schema_to_json(dtype))
 

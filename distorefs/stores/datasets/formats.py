@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from distorefs.errors import InvalidArgument
+from distorefs.errors import InvalidArgument, describe
 from distorefs.stores.replay.formats import BATCH_HEAD, BATCH_ITEM, BATCH_MAGIC, NPY_MAGIC, batch_dtype, npy_header
 
 INDEX_DTYPE = np.dtype([("offset", "<u8"), ("length", "<u4"), ("crc", "<u4")])
@@ -133,7 +133,9 @@ class OrderInput:
             elif words[0] == b"shuffle" and len(words) == 2 and words[1].isdigit():
                 self._word = ("shuffle", int(words[1]))
             else:
-                raise self._bad(f"expected `shuffle SEED` (a non-negative integer) or `sequential`, got {text[:60]!r}")
+                raise self._bad(
+                    f"expected `shuffle SEED` (a non-negative integer) or `sequential`, got {describe(text)}"
+                )
             return
         try:
             indices = np.array(words, dtype=np.int64)

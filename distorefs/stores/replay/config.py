@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from distorefs.errors import Busy, InvalidArgument
+from distorefs.errors import Busy, InvalidArgument, describe
 from distorefs.stores.replay.samplers import SAMPLERS
 
 MAX_CAPACITY = 1 << 28
@@ -29,11 +29,11 @@ def parse_schema(name: str, raw: Any) -> np.dtype[Any] | None:
     structured dtype (fields in the order given). Also accepted: `[dtype, shape]`."""
     if raw is None:
         return None
-    if not isinstance(raw, dict) or not raw:
-        raise InvalidArgument(f"{name}.schema must be an object of field -> dtype, got {raw!r}")
+    if not isinstance(raw, dict) or not raw or not all(isinstance(k, str) for k in raw):
+        raise InvalidArgument(f"{name}.schema must be an object of field -> dtype, got {describe(raw)}")
     spec = []
     record_bytes = 0
-    for key, value in raw.items():
+    for position, (key, value) in enumerate(raw.items(), 1):
         if key in RESERVED_FIELDS:
             raise InvalidArgument(f"{name}.schema: field name {key!r} is reserved")
         shape_raw: Any
@@ -44,19 +44,21 @@ def parse_schema(name: str, raw: Any) -> np.dtype[Any] | None:
         elif isinstance(value, list) and len(value) == 2:
             dtype, shape_raw = value[0], value[1]
         else:
-            raise InvalidArgument(f"{name}.schema.{key}: expected a dtype, {{dtype, shape}} or [dtype, shape]")
+            raise InvalidArgument(
+                f"{name}.schema field {position}: expected a dtype, {{dtype, shape}} or [dtype, shape]"
+            )
         if not isinstance(dtype, str):
-            raise InvalidArgument(f'{name}.schema.{key}: the dtype must be a string such as "float32"')
+            raise InvalidArgument(f'{name}.schema field {position}: the dtype must be a string such as "float32"')
         try:
             np_dtype = np.dtype(dtype)
         except (TypeError, ValueError, SyntaxError, RecursionError):
-            raise InvalidArgument(f"{name}.schema.{key}: unknown dtype {dtype[:40]!r}") from None
+            raise InvalidArgument(f"{name}.schema: a field has an unknown dtype, {describe(dtype)}") from None
         if np_dtype.hasobject or np_dtype.itemsize == 0:
-            raise InvalidArgument(f"{name}.schema.{key}: dtype {dtype[:40]!r} has no fixed size")
+            raise InvalidArgument(f"{name}.schema: a field's dtype has no fixed size")
         if not isinstance(shape_raw, list) or len(shape_raw) > 32:
-            raise InvalidArgument(f"{name}.schema.{key}: shape must be a list of at most 32 sizes")
+            raise InvalidArgument(f"{name}.schema field {position}: shape must be a list of at most 32 sizes")
         if not all(isinstance(dim, int) and not isinstance(dim, bool) and dim > 0 for dim in shape_raw):
-            raise InvalidArgument(f"{name}.schema.{key}: shape must be positive integers")
+            raise InvalidArgument(f"{name}.schema field {position}: shape must be positive integers")
         shape = tuple(shape_raw)
         record_bytes += np_dtype.itemsize * math.prod(shape)  # Python ints: no overflow
         if record_bytes > MAX_RECORD_BYTES:
@@ -160,7 +162,9 @@ class BufferConfig:
         known = {f.name for f in fields(self)} - {"dtype"}
         unknown = sorted(set(changes) - known)
         if unknown:
-            raise InvalidArgument(f"{name}: unknown config field {unknown[0]!r} (known: {', '.join(sorted(known))})")
+            raise InvalidArgument(
+                f"{name}: an unknown config field, {describe(unknown[0])} (known: {', '.join(sorted(known))})"
+            )
         new = replace(self, **changes)
         new._check(name)
         dtype = parse_schema(name, new.schema)
@@ -181,7 +185,7 @@ class BufferConfig:
 
     def _check(self, name: str) -> None:
         def bad(field_name: str, rule: str, value: Any) -> InvalidArgument:
-            return InvalidArgument(f"{name}.{field_name} must be {rule}, got {value!r}")
+            return InvalidArgument(f"{name}.{field_name} must be {rule}, got {describe(value)}")
 
         def is_int(value: Any) -> bool:
             return isinstance(value, int) and not isinstance(value, bool)
