@@ -39,6 +39,7 @@ from distorefs.stores.checkpoints import CheckpointPolicy
 from distorefs.stores.datasets.dataset import MIN_WINDOW_BYTES
 from distorefs.stores.datasets.store import DatasetStore
 from distorefs.stores.files import FileStore
+from distorefs.stores.owners import OwnerTable
 from distorefs.stores.replay.store import BufferStore
 from distorefs.stores.tree import PosixTree
 from distorefs.stores.weights import WeightStore
@@ -284,7 +285,8 @@ async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb) -> Dae
     datasets = DatasetStore.load(blocks, meta, config.window_bytes)
     await datasets.load_indexes()
     checkpoints = CheckpointPolicy.load(files, meta, config.checkpoint_sync_close, replicas)
-    virtual = VirtualTree(MountInfo(os.getpid(), config.data_dir, config.mountpoint, time.time_ns()), files, blocks)
+    info = MountInfo(os.getpid(), config.data_dir, config.mountpoint, time.time_ns())
+    virtual = VirtualTree(info, files, blocks, OwnerTable.load(meta))
     virtual.install(BuffersDir(virtual, buffers))
     virtual.install(WeightsDir(virtual, weights, config.wait_timeout_s))
     virtual.install(DatasetsDir(virtual, datasets))

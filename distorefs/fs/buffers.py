@@ -32,6 +32,7 @@ from distorefs.errors import (
     ReadOnly,
 )
 from distorefs.fs.virtual import (
+    Access,
     ControlFile,
     NamedDir,
     NamedKindDirectory,
@@ -41,6 +42,7 @@ from distorefs.fs.virtual import (
     VirtualNode,
     VirtualTree,
     WholeInputHandle,
+    derived_bits,
     json_object,
 )
 from distorefs.ids import BUFFER_OWNER_BASE, INDEX_BITS, ITEM_BASE, ITEM_SPAN
@@ -351,7 +353,7 @@ class ItemsDir(VirtualDir):
             raise NotFound(f"buffers/{self.buffer.name}/items: {name.decode(errors='replace')!r} is not an index")
         index = int(name)
         self.buffer.item_size(index)  # NotFound if not live
-        return ItemNode(self.buffer, index)
+        return ItemNode(self.buffer, index).govern(self.governor or self, Access.READ_WRITE)
 
     def entries(self) -> list[tuple[bytes, int]]:
         base = item_ino(self.buffer, 0)
@@ -360,7 +362,8 @@ class ItemsDir(VirtualDir):
     def listing(self) -> list[tuple[bytes, int, int, int]]:
         live, sizes = self.buffer.live_items()
         base = item_ino(self.buffer, 0)
-        mode = stat.S_IFREG | 0o644
+        found = self.permissions()
+        mode = stat.S_IFREG | (0o644 if found is None else derived_bits(found[0], Access.READ_WRITE))
         return [(b"%d" % i, base | i, mode, s) for i, s in zip(live.tolist(), sizes.tolist(), strict=True)]
 
     async def unlink(self, name: bytes) -> None:
@@ -375,19 +378,27 @@ class BufferDir(NamedDir):
 
     def __init__(self, tree: VirtualTree, buffer: ReplayBuffer) -> None:
         super().__init__(tree.new_ino(), buffer.name.encode(), stat.S_IFDIR | 0o755)
+        self.own(tree.owners, b"buffers", tree.default_owner())
         self._tree = tree
         self.buffer = buffer
         b = buffer
         files = [
-            (b"config", 0o664, lambda flags, pid: ConfigHandle(b), True),
-            (b"append", 0o664, lambda flags, pid: AppendHandle(b, bool(flags & os.O_NONBLOCK), pid), True),
-            (b"sample", 0o444, lambda flags, pid: SampleHandle(b, None, bool(flags & os.O_NONBLOCK), pid), False),
-            (b"priority", 0o664, lambda flags, pid: PriorityHandle(b), True),
-        ]
-        for name, mode, make, writable in files:
-            self._add(BufferFile(tree.new_ino(), name, mode, buffer, make, writable))
-        self._add(ControlFile(tree.new_ino(), b"stats", lambda: (json.dumps(b.stats(), indent=2) + "\n").encode()))
-        self._add(ItemsDir(tree.new_ino(), buffer))
+            (b"config", 0o664, lambda flags, pid: ConfigHandle(b), True, Access.READ_WRITE),
+            (
+                b"append", 0o664, lambda flags, pid: AppendHandle(b, bool(flags & os.O_NONBLOCK), pid), True,
+                Access.WRITE,
+            ),
+            (
+                b"sample", 0o444, lambda flags, pid: SampleHandle(b, None, bool(flags & os.O_NONBLOCK), pid), False,
+                Access.CHANGES_ON_READ,
+            ),
+            (b"priority", 0o664, lambda flags, pid: PriorityHandle(b), True, Access.WRITE),
+        ]  # fmt: skip
+        for name, mode, make, writable, access in files:
+            self._add(BufferFile(tree.new_ino(), name, mode, buffer, make, writable).govern(self, access))
+        stats = ControlFile(tree.new_ino(), b"stats", lambda: (json.dumps(b.stats(), indent=2) + "\n").encode())
+        self._add(stats.govern(self, Access.READ))
+        self._add(ItemsDir(tree.new_ino(), buffer).govern(self, Access.DIRECTORY))
         self._sized: dict[int, BufferFile] = {}
 
     def _add(self, node: VirtualNode) -> None:
@@ -413,7 +424,7 @@ class BufferDir(NamedDir):
                 b,
                 lambda flags, pid: SampleHandle(b, count, bool(flags & os.O_NONBLOCK), pid),
                 False,
-            )
+            ).govern(self, Access.CHANGES_ON_READ)
             if len(self._sized) < 64:  # a few sizes are kept; others are made per lookup
                 self._sized[count] = node
             self._tree.register(node)
@@ -462,6 +473,7 @@ class BuffersDir(NamedKindDirectory):
         key = name.decode(errors="surrogateescape")
         self._store.delete(key)
         self._forget(key)
+        self._tree.owners.delete(self.name, name)
         await trio.lowlevel.checkpoint()
 
     def _resolve_item(self, ino: int) -> VirtualNode:
@@ -469,4 +481,4 @@ class BuffersDir(NamedKindDirectory):
         index = ino & ((1 << INDEX_BITS) - 1)
         buffer = self._store.by_owner(BUFFER_OWNER_BASE + number)
         buffer.item_size(index)  # NotFound if it left
-        return ItemNode(buffer, index)
+        return ItemNode(buffer, index).govern(self._dir(buffer.name), Access.READ_WRITE)

@@ -25,6 +25,7 @@ import trio
 
 from distorefs.errors import DistorefsError, InvalidArgument, NotFound, ReadOnly, describe
 from distorefs.fs.virtual import (
+    Access,
     ControlFile,
     NamedDir,
     NamedKindDirectory,
@@ -35,6 +36,7 @@ from distorefs.fs.virtual import (
     VirtualNode,
     VirtualTree,
     WholeInputHandle,
+    derived_bits,
     json_object,
 )
 from distorefs.ids import DATASET_OWNER_BASE, INDEX_BITS, OWNERS_PER_DATASET, RECORD_BASE, RECORD_SPAN
@@ -278,7 +280,8 @@ class RecordNode(VirtualFile):
 class RecordListing(Sequence[tuple[bytes, int, int, int]]):
     """`records/` for readdir, computed per position: (name, inode, mode, size)."""
 
-    def __init__(self, ds: Dataset) -> None:
+    def __init__(self, ds: Dataset, bits: int) -> None:
+        self._mode = stat.S_IFREG | bits
         self._count = ds.count
         self._base = record_ino(ds, 0)
         loaded = ds.index_loaded()
@@ -294,7 +297,7 @@ class RecordListing(Sequence[tuple[bytes, int, int, int]]):
     def __getitem__(self, position: int | slice) -> tuple[bytes, int, int, int] | Sequence[tuple[bytes, int, int, int]]:
         if isinstance(position, slice):
             return [self[i] for i in range(*position.indices(self._count))]
-        return (b"%d" % position, self._base | position, stat.S_IFREG | 0o444, int(self._lengths[position]))
+        return (b"%d" % position, self._base | position, self._mode, int(self._lengths[position]))
 
 
 class RecordsDir(VirtualDir):
@@ -309,10 +312,11 @@ class RecordsDir(VirtualDir):
     def lookup(self, name: bytes) -> VirtualNode:
         if not name.isdigit() or int(name) >= self.ds.count or (len(name) > 1 and name.startswith(b"0")):
             raise NotFound(f"datasets/{self.ds.name}/records: no record {name.decode(errors='replace')!r}")
-        return RecordNode(self.ds, int(name))
+        return RecordNode(self.ds, int(name)).govern(self.governor or self, Access.READ)
 
     def listing(self) -> Sequence[tuple[bytes, int, int, int]]:
-        return RecordListing(self.ds)
+        found = self.permissions()
+        return RecordListing(self.ds, 0o444 if found is None else derived_bits(found[0], Access.READ))
 
     async def unlink(self, name: bytes) -> None:
         """Records are not removed one by one: a no-op, so `rm -r` of a dataset works."""
@@ -325,21 +329,22 @@ class DatasetDir(NamedDir):
 
     def __init__(self, tree: VirtualTree, store: DatasetStore, ds: Dataset) -> None:
         super().__init__(tree.new_ino(), ds.name.encode(errors="surrogateescape"), stat.S_IFDIR | 0o755)
+        self.own(tree.owners, b"datasets", tree.default_owner())
         self._tree = tree
         self._store = store
         self.ds = ds
-        files: list[tuple[bytes, int, Callable[[int], VirtualHandle], bool]] = [
-            (b"config", 0o664, lambda flags: ConfigHandle(ds), True),
-            (b"append", 0o664, lambda flags: AppendHandle(ds), True),
-            (b"state", 0o664, lambda flags: StateHandle(ds), True),
-            (b"order", 0o664, lambda flags: OrderHandle(ds), True),
+        files: list[tuple[bytes, int, Callable[[int], VirtualHandle], bool, Access]] = [
+            (b"config", 0o664, lambda flags: ConfigHandle(ds), True, Access.READ_WRITE),
+            (b"append", 0o664, lambda flags: AppendHandle(ds), True, Access.WRITE),
+            (b"state", 0o664, lambda flags: StateHandle(ds), True, Access.READ_WRITE),
+            (b"order", 0o664, lambda flags: OrderHandle(ds), True, Access.READ_WRITE),
         ]
-        for name, mode, make, writable in files:
-            self._add(DatasetFile(tree.new_ino(), name, mode, ds, make, writable))
-        self._add(ControlFile(tree.new_ino(), b"len", lambda: b"%d\n" % ds.count))
-        self._add(ControlFile(tree.new_ino(), b"stats", self._render_stats))
-        self._add(StreamFile(tree.new_ino(), b"stream", ds, store, 0, 1))
-        self._add(RecordsDir(tree.new_ino(), ds))
+        for name, mode, make, writable, access in files:
+            self._add(DatasetFile(tree.new_ino(), name, mode, ds, make, writable).govern(self, access))
+        self._add(ControlFile(tree.new_ino(), b"len", lambda: b"%d\n" % ds.count).govern(self, Access.READ))
+        self._add(ControlFile(tree.new_ino(), b"stats", self._render_stats).govern(self, Access.READ))
+        self._add(StreamFile(tree.new_ino(), b"stream", ds, store, 0, 1).govern(self, Access.READ))
+        self._add(RecordsDir(tree.new_ino(), ds).govern(self, Access.DIRECTORY))
         self._shards: dict[tuple[int, int], StreamFile] = {}
 
     def _add(self, node: VirtualNode) -> None:
@@ -365,7 +370,7 @@ class DatasetDir(NamedDir):
             raise NotFound(f"datasets/{self.ds.name}/{name.decode()}: need 0 <= RANK < WORLD <= {MAX_WORLD}")
         node = self._shards.get((rank, world))
         if node is None:
-            node = StreamFile(self._tree.new_ino(), name, self.ds, self._store, rank, world)
+            node = StreamFile(self._tree.new_ino(), name, self.ds, self._store, rank, world).govern(self, Access.READ)
             if len(self._shards) < 1024:
                 self._shards[(rank, world)] = node
             self._tree.register(node)
@@ -416,6 +421,7 @@ class DatasetsDir(NamedKindDirectory):
         key = name.decode(errors="surrogateescape")
         await self._store.delete(key)
         self._forget(key)
+        self._tree.owners.delete(self.name, name)
 
     def _resolve_record(self, ino: int) -> VirtualNode:
         number = (ino - RECORD_BASE) >> INDEX_BITS
@@ -423,4 +429,4 @@ class DatasetsDir(NamedKindDirectory):
         ds = self._store.by_owner(DATASET_OWNER_BASE + number * OWNERS_PER_DATASET)
         if index >= ds.count:
             raise NotFound(f"datasets/{ds.name}: no record {index}")
-        return RecordNode(ds, index)
+        return RecordNode(ds, index).govern(self._dir(ds.name), Access.READ)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import math
 import os
 import stat
 from collections.abc import Callable, Coroutine, Sequence
@@ -28,9 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
+import trio
 
 from distorefs.errors import Busy, CrossDevice, DistorefsError, Exists, NameTooLong, NotPermitted, ReadOnly
-from distorefs.fs.virtual import VirtualDir, VirtualFile, VirtualHandle, VirtualNode, VirtualTree
+from distorefs.fs.virtual import KindDirectory, VirtualDir, VirtualFile, VirtualHandle, VirtualNode, VirtualTree
 from distorefs.stores.files import NAME_MAX, ROOT_INODE, Inode
 from distorefs.stores.tree import PosixTree
 from distorefs.types import FileHandle
@@ -115,6 +117,7 @@ class FsOperations(pyfuse3.Operations):
         super().__init__()
         self.tree = tree
         self.virtual = virtual
+        self._stale_send, self._stale_recv = trio.open_memory_channel[int](math.inf)
         self.data_dir = data_dir
         self.block_bytes = block_bytes
         self.degraded = False
@@ -128,10 +131,35 @@ class FsOperations(pyfuse3.Operations):
 
     async def run_invalidations(self) -> None:
         """Background task: entries the daemon removed itself (retention, another node's
-        rmdir) are dropped from the kernel's cache too."""
-        while True:
-            parent, name, ino = await self.tree.removed.next()
-            pyfuse3.invalidate_entry_async(parent, name, deleted=ino, ignore_enoent=True)
+        rmdir) are dropped from the kernel's cache too, and so are the attributes of the
+        nodes inside a directory whose owner or mode changed."""
+
+        async def removed() -> None:
+            while True:
+                parent, name, ino = await self.tree.removed.next()
+                pyfuse3.invalidate_entry_async(parent, name, deleted=ino, ignore_enoent=True)
+
+        async def stale() -> None:
+            async for ino in self._stale_recv:
+                try:
+                    await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, True)
+                except OSError as exc:  # the kernel forgot it meanwhile
+                    log.debug("invalidate_inode(%d): %s", ino, exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(removed, name="kernel invalidations: removed entries")
+            nursery.start_soon(stale, name="kernel invalidations: changed owners")
+
+    def _stale_attrs(self, directory: VirtualDir) -> None:
+        """The kernel caches some nodes' attributes for long (weights versions): after a
+        chmod or chown of `directory`, drop those of the nodes that follow it (computed
+        item inodes are cached at most ITEM_CACHE_S)."""
+        for node in list(self.virtual.nodes.values()):
+            governor = node.governor
+            while governor is not None and governor is not directory:
+                governor = governor.governor
+            if governor is directory:
+                self._stale_send.send_nowait(node.ino)
 
     # --- helpers ------------------------------------------------------------------------
 
@@ -167,6 +195,10 @@ class FsOperations(pyfuse3.Operations):
         attr.st_nlink = 2 if isinstance(node, VirtualDir) else 1
         attr.st_uid = root.uid
         attr.st_gid = root.gid
+        found = node.permissions()  # inside a buffer's, model's or dataset's directory
+        if found is not None:
+            attr.st_mode = stat.S_IFMT(node.mode) | found[0]
+            attr.st_uid, attr.st_gid = found[1], found[2]
         attr.st_size = node.size
         attr.st_blksize = 4096
         attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = node.mtime_ns
@@ -264,7 +296,15 @@ class FsOperations(pyfuse3.Operations):
         if inode in self.virtual:
             node = self.virtual.get(inode)
             if fields.update_mode or fields.update_uid or fields.update_gid:
-                raise NotPermitted("virtual nodes cannot change their owner or mode")
+                if not (isinstance(node, VirtualDir) and node.owned):
+                    raise NotPermitted(f"{node.name.decode(errors='replace')} follows its directory's owner and mode")
+                node.set_owner(
+                    attr.st_uid if fields.update_uid else None,
+                    attr.st_gid if fields.update_gid else None,
+                    attr.st_mode if fields.update_mode else None,
+                )
+                self._stale_attrs(node)
+                return self._virtual_attrs(node)
             if isinstance(node, VirtualFile) and fields.update_size:
                 handle = self._handles.get(fh) if fh is not None else None
                 await node.resize(attr.st_size, handle.vhandle if handle is not None else None)
@@ -323,7 +363,10 @@ class FsOperations(pyfuse3.Operations):
         self._named(name)
         vdir = self._virtual_dir(parent_inode)
         if vdir is not None:
-            return self._virtual_attrs(await vdir.mkdir(name, mode))
+            made = await vdir.mkdir(name, mode)
+            if isinstance(made, VirtualDir) and made.owned:  # a buffer, model or dataset: its maker owns it
+                made.set_owner(ctx.uid, ctx.gid, mode)
+            return self._virtual_attrs(made)
         if self._is_reserved(parent_inode, name):
             raise Exists(f"{name.decode()}/ exists (reserved)")
         return self._entry(self.tree.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
@@ -517,8 +560,14 @@ class FsOperations(pyfuse3.Operations):
         if isinstance(vdir, VirtualDir):
             attr.entry_timeout = attr.attr_timeout = vdir.child_cache_s
             counts = vdir.counts_lookups
+        owners_vary = isinstance(vdir, KindDirectory)  # each buffer, model, dataset has its own
+        base_owner = attr.st_uid, attr.st_gid
         for position in range(start_id, len(listing)):
             name, ino, mode, size = listing[position]
+            if owners_vary:
+                node = self.virtual.nodes.get(ino)
+                found = node.permissions() if node is not None else None
+                attr.st_uid, attr.st_gid = base_owner if found is None else (found[1], found[2])
             attr.st_ino = ino
             attr.st_mode = mode
             attr.st_size = size

@@ -12,20 +12,22 @@ fs/datasets.py).
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import stat
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Self
 
 import trio
 
 from distorefs import __version__
 from distorefs.errors import DistorefsError, FileTooLarge, InvalidArgument, IsADirectory, NotFound, ReadOnly
 from distorefs.ids import VIRTUAL_BASE
-from distorefs.stores.files import FileStore
+from distorefs.stores.files import ROOT_INODE, FileStore
+from distorefs.stores.owners import Owner, OwnerTable
 from distorefs.tiers.blocks import BlockStore
 
 
@@ -39,8 +41,38 @@ class MountInfo:
     started_ns: int
 
 
+class Access(enum.Enum):
+    """What using a node inside an owned directory (a buffer's, model's or dataset's)
+    means, and so which of that directory's permission bits the node shows."""
+
+    READ = "read"  # reading shows state: the directory's r bits
+    WRITE = "write"  # writing changes state: its w bits
+    READ_WRITE = "read-write"  # both
+    CHANGES_ON_READ = "changes-on-read"  # reading changes state (sample): readable where the directory is writable
+    DIRECTORY = "directory"  # a subdirectory (items/, records/): the directory's own bits
+
+
+def derived_bits(dir_bits: int, access: Access) -> int:
+    """The permission bits a node with `access` shows inside a directory with `dir_bits`."""
+    read, write = dir_bits & 0o444, dir_bits & 0o222
+    if access is Access.READ:
+        return read
+    if access is Access.WRITE:
+        return write
+    if access is Access.READ_WRITE:
+        return read | write
+    if access is Access.CHANGES_ON_READ:
+        return write << 1
+    return dir_bits & 0o777
+
+
 class VirtualNode:
-    """A node that is not a file of the POSIX tree. `size` is what stat shows."""
+    """A node that is not a file of the POSIX tree. `size` is what stat shows.
+
+    A node inside an owned directory follows that directory's owner and mode
+    (`govern`): its uid and gid are the directory's, its permission bits derive from the
+    directory's by its Access, so chmod and chown of a buffer's directory decide who may
+    sample, append or read (the kernel checks, with default_permissions)."""
 
     # How long the kernel may cache this node's entry and attributes. Control files: 0
     # (their content changes behind the kernel's back). Kinds with stable nodes raise it.
@@ -53,6 +85,27 @@ class VirtualNode:
         self.name = name
         self.mode = mode
         self.mtime_ns = time.time_ns()
+        self.governor: VirtualDir | None = None
+        self.access = Access.READ
+
+    def govern(self, governor: VirtualDir, access: Access) -> Self:
+        """Follow `governor`'s owner and mode with `access`; returns self."""
+        self.governor, self.access = governor, access
+        return self
+
+    def permissions(self) -> tuple[int, int, int] | None:
+        """(permission bits, uid, gid), or None: the mount root's owner and `mode`."""
+        if self.governor is None:
+            return None
+        found = self.governor.permissions()
+        if found is None:
+            return None
+        bits, uid, gid = found
+        return derived_bits(bits, self.access), uid, gid
+
+    def effective_mode(self) -> int:
+        found = self.permissions()
+        return self.mode if found is None else stat.S_IFMT(self.mode) | found[0]
 
     @property
     def size(self) -> int:
@@ -217,6 +270,42 @@ class VirtualDir(VirtualNode):
     def __init__(self, ino: int, name: bytes, mode: int = stat.S_IFDIR | 0o555) -> None:
         super().__init__(ino, name, mode)
         self.children: dict[bytes, VirtualNode] = {}
+        self._owned: tuple[OwnerTable, bytes, Owner] | None = None  # table, kind, default owner
+
+    def own(self, owners: OwnerTable, kind: bytes, default: Owner) -> None:
+        """This directory is a named object of `kind`: chmod and chown apply to it, kept
+        in `owners` under its name (`default` until someone sets one)."""
+        self._owned = (owners, kind, default)
+
+    @property
+    def owned(self) -> bool:
+        return self._owned is not None
+
+    def owner(self) -> Owner:
+        assert self._owned is not None
+        owners, kind, default = self._owned
+        return owners.get(kind, self.name) or default
+
+    def set_owner(self, uid: int | None, gid: int | None, mode: int | None) -> None:
+        """chown / chmod of an owned directory (the kernel checked who may)."""
+        assert self._owned is not None
+        owners, kind, _default = self._owned
+        now = self.owner()
+        owners.set(
+            kind,
+            self.name,
+            Owner(
+                now.uid if uid is None else uid,
+                now.gid if gid is None else gid,
+                now.mode if mode is None else stat.S_IMODE(mode),
+            ),
+        )
+
+    def permissions(self) -> tuple[int, int, int] | None:
+        if self._owned is None:
+            return super().permissions()
+        owner = self.owner()
+        return owner.mode, owner.uid, owner.gid
 
     def lookup(self, name: bytes) -> VirtualNode:
         node = self.children.get(name)
@@ -235,7 +324,7 @@ class VirtualDir(VirtualNode):
         for name, ino in self.entries():
             node = self.children.get(name)
             if node is not None:
-                out.append((name, ino, node.mode, node.size))
+                out.append((name, ino, node.effective_mode(), node.size))
         return out
 
     def refuse(self, what: str) -> ReadOnly:
@@ -258,7 +347,11 @@ class VirtualDir(VirtualNode):
 
 
 class KindDirectory(VirtualDir):
-    """A reserved top-level directory whose contents a store kind supplies."""
+    """A reserved top-level directory whose contents a store kind supplies. Its mode is
+    1777, as /tmp's: any user may make a buffer, model or dataset there, owns what they
+    make, and only its owner (or root) may remove it."""
+
+    KIND_MODE = stat.S_IFDIR | 0o1777
 
 
 class NamedDir(VirtualDir):
@@ -278,7 +371,7 @@ class NamedKindDirectory(KindDirectory):
     child_cache_s = 1.0  # the objects' directories
 
     def __init__(self, tree: VirtualTree, name: bytes) -> None:
-        super().__init__(tree.new_ino(), name, stat.S_IFDIR | 0o755)
+        super().__init__(tree.new_ino(), name, self.KIND_MODE)
         self._tree = tree
         self._dirs: dict[str, tuple[object, NamedDir]] = {}
 
@@ -316,7 +409,8 @@ class NamedKindDirectory(KindDirectory):
         return [(name.encode(errors="surrogateescape"), self._dir(name).ino) for name in self._names()]
 
     def listing(self) -> list[tuple[bytes, int, int, int]]:
-        return [(name, ino, stat.S_IFDIR | 0o755, 0) for name, ino in self.entries()]
+        names = self._names()
+        return [(n.encode(errors="surrogateescape"), (d := self._dir(n)).ino, d.effective_mode(), 0) for n in names]
 
     async def unlink(self, name: bytes) -> None:
         await trio.lowlevel.checkpoint()
@@ -327,7 +421,8 @@ class NamedKindDirectory(KindDirectory):
 class VirtualTree:
     """The virtual nodes by inode, and the names they reserve at the root."""
 
-    def __init__(self, info: MountInfo, files: FileStore, blocks: BlockStore) -> None:
+    def __init__(self, info: MountInfo, files: FileStore, blocks: BlockStore, owners: OwnerTable) -> None:
+        self.owners = owners
         self._next = VIRTUAL_BASE
         self._resolvers: list[tuple[int, int, Callable[[int], VirtualNode]]] = []
         # Set by the fs layer: degraded only after an internal invariant broke (the store's
@@ -346,6 +441,11 @@ class VirtualTree:
         assert isinstance(control, VirtualDir)
         self._add_child(control, ControlFile(self.new_ino(), b"status", self.render_status))
         self._add_child(control, ControlFile(self.new_ino(), b"version", self.render_version))
+
+    def default_owner(self) -> Owner:
+        """The owner of a named object nobody chowned: the mount root's, mode 0755."""
+        root = self._files.get(ROOT_INODE)
+        return Owner(root.uid, root.gid, 0o755)
 
     def new_ino(self) -> int:
         """A fresh inode number for a node that a kind creates (kept until unregistered)."""

@@ -27,6 +27,7 @@ import trio
 from distorefs.errors import CrossDevice, NotFound, NotPermitted, ReadOnly
 from distorefs.fs.buffers import run_waiting
 from distorefs.fs.virtual import (
+    Access,
     ControlFile,
     KindDirectory,
     VirtualDir,
@@ -34,6 +35,7 @@ from distorefs.fs.virtual import (
     VirtualHandle,
     VirtualNode,
     VirtualTree,
+    derived_bits,
 )
 from distorefs.stores.files import RENAME_NOREPLACE
 from distorefs.stores.weights import RESERVED_NAMES, Model, WeightFile, WeightStore, check_file_name
@@ -256,11 +258,13 @@ class ModelDir(VirtualDir):
 
     def __init__(self, kind: WeightsDir, model: Model) -> None:
         super().__init__(kind.tree.new_ino(), model.name, stat.S_IFDIR | 0o755)
+        self.own(kind.tree.owners, b"weights", kind.tree.default_owner())
         self.kind = kind
         self.model = model
         self.discarded = 0  # writers that closed without publishing
-        self.children[b"version"] = ControlFile(kind.tree.new_ino(), b"version", model.version_line)
-        self.children[b"wait"] = WaitFile(kind, model, kind.tree.new_ino())
+        version = ControlFile(kind.tree.new_ino(), b"version", model.version_line)
+        self.children[b"version"] = version.govern(self, Access.READ)
+        self.children[b"wait"] = WaitFile(kind, model, kind.tree.new_ino()).govern(self, Access.READ)
         for node in self.children.values():
             kind.tree.register(node)
 
@@ -271,7 +275,7 @@ class ModelDir(VirtualDir):
         wf = self.model.files.get(name)
         if wf is None:
             raise NotFound(f"no file {name.decode(errors='replace')!r} in weights/{self.model.name.decode()}")
-        return self.kind.node_for(wf, name)
+        return self.kind.node_for(wf, name).govern(self, Access.READ_WRITE)
 
     def entries(self) -> list[tuple[bytes, int]]:
         return [(n, c.ino) for n, c in self.children.items()] + [
@@ -279,15 +283,16 @@ class ModelDir(VirtualDir):
         ]
 
     def listing(self) -> list[tuple[bytes, int, int, int]]:
-        out = [(n, c.ino, c.mode, 0) for n, c in self.children.items()]
+        out = [(n, c.ino, c.effective_mode(), 0) for n, c in self.children.items()]
+        file_mode = stat.S_IFREG | derived_bits(self.owner().mode, Access.READ_WRITE)
         for name, wf in self.model.files.items():
-            out.append((name, self.kind.node_for(wf, name).ino, stat.S_IFREG | 0o644, wf.size))
+            out.append((name, self.kind.node_for(wf, name).govern(self, Access.READ_WRITE).ino, file_mode, wf.size))
         return out
 
     async def create(self, name: bytes, mode: int, flags: int, pid: int) -> tuple[VirtualNode, VirtualHandle]:
         check_file_name(name)
         pending = await self.kind.store.begin_write()
-        node = self.kind.node_for(pending, name)
+        node = self.kind.node_for(pending, name).govern(self, Access.READ_WRITE)
         return node, WriterHandle(self.kind.store, self, name, pending, pid)
 
     async def unlink(self, name: bytes) -> None:
@@ -334,7 +339,7 @@ class WeightsDir(KindDirectory):
     child_cache_s = 0.0
 
     def __init__(self, tree: VirtualTree, store: WeightStore, wait_timeout_s: float) -> None:
-        super().__init__(tree.new_ino(), b"weights", stat.S_IFDIR | 0o755)
+        super().__init__(tree.new_ino(), b"weights", self.KIND_MODE)
         self.tree = tree
         self.store = store
         self.wait_timeout_s = wait_timeout_s
@@ -376,7 +381,11 @@ class WeightsDir(KindDirectory):
         return [(name, self.dir_for(model).ino) for name, model in self.store.models.items()]
 
     def listing(self) -> list[tuple[bytes, int, int, int]]:
-        return [(name, ino, stat.S_IFDIR | 0o755, 0) for name, ino in self.entries()]
+        out = []
+        for name, model in self.store.models.items():
+            node = self.dir_for(model)
+            out.append((name, node.ino, node.effective_mode(), 0))
+        return out
 
     async def mkdir(self, name: bytes, mode: int) -> VirtualNode:
         await trio.lowlevel.checkpoint()
@@ -386,6 +395,7 @@ class WeightsDir(KindDirectory):
         model = self.store.model(name)
         self.store.remove_model(name)
         self._forget_dir(model)
+        self.tree.owners.delete(self.name, name)
         await self.store.commit()
 
     async def unlink(self, name: bytes) -> None:
@@ -398,6 +408,10 @@ class WeightsDir(KindDirectory):
         source = self.store.model(name)
         target = self.store.models.get(new_name)
         await self.store.rename_model(name, new_name, noreplace=bool(flags & RENAME_NOREPLACE))
+        if target is None:
+            self.tree.owners.rename(self.name, name, new_name)  # the model moved: its owner with it
+        else:
+            self.tree.owners.delete(self.name, name)  # published into the target, which keeps its own
         self._forget_dir(source)
         if target is not None and target is not source:
             # The kernel marks a directory replaced by rename as dead: the target model

@@ -1,0 +1,177 @@
+"""Permissions of buffers, models and datasets, tried as a second user (`nobody`) through
+`--allow-other`: their directories honour chmod and chown like POSIX directories, and
+their control files follow the directory, so only who may write a buffer may change its
+state, sampling included."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+import subprocess
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distorefs import client
+from tests.conftest import Mount, fuse_missing, mounted_at
+
+NOBODY = 65534
+
+# Runs as nobody, under Debian's own python3 (the project's venv lives under /root, which
+# nobody cannot enter): each named operation, and its errno (0 when it went through).
+SYSTEM_PYTHON = "/usr/bin/python3"
+PROBE = textwrap.dedent(
+    """
+    import errno, json, os, sys
+    base = sys.argv[1]
+    record = (1).to_bytes(8, "little")
+    def attempt(fn):
+        try:
+            fn()
+            return 0
+        except OSError as exc:
+            return exc.errno
+    def write(path, data):
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+    def read(path):
+        with open(path, "rb") as f:
+            return f.read()
+    b = base + "/buffers/shared"
+    m = base + "/weights/policy"
+    d = base + "/datasets/corpus"
+    operations = {
+        "sample": lambda: read(b + "/sample"),
+        "append": lambda: write(b + "/append", record),
+        "priority": lambda: write(b + "/priority", b"0 2.0\\n"),
+        "config write": lambda: write(b + "/config", b'{"capacity": 7}'),
+        "item write": lambda: write(b + "/items/0", record),
+        "item unlink": lambda: os.unlink(b + "/items/1"),
+        "stats": lambda: read(b + "/stats"),
+        "config read": lambda: read(b + "/config"),
+        "item read": lambda: read(b + "/items/0"),
+        "rmdir buffer": lambda: os.rmdir(b),
+        "publish": lambda: write(m + "/w.bin", b"evil"),
+        "create in model": lambda: open(m + "/new.bin", "wb").close(),
+        "read weights": lambda: read(m + "/w.bin"),
+        "dataset append": lambda: write(d + "/append", record),
+        "dataset records": lambda: read(d + "/records/0"),
+        "mkdir own buffer": lambda: os.mkdir(base + "/buffers/nobodys"),
+    }
+    wanted = sys.argv[2].split(",") if len(sys.argv) > 2 else list(operations)
+    print(json.dumps({name: attempt(operations[name]) for name in wanted}))
+    """
+)
+
+
+@pytest.fixture
+def shared_mount(tmp_path: Path) -> Iterator[Mount]:
+    """A mount with --allow-other at a path `nobody` can reach (pytest's tmp dirs are 0700)."""
+    why = fuse_missing()
+    if why:
+        pytest.skip(why)
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a probe as another user")
+    if not os.access(SYSTEM_PYTHON, os.X_OK):
+        pytest.skip(f"{SYSTEM_PYTHON} (Debian's python3) is missing: nothing to run the probe as nobody")
+    top = Path(tempfile.mkdtemp(prefix="distorefs-perm-", dir="/tmp"))
+    os.chmod(top, 0o755)
+    try:
+        with mounted_at(top / "mnt", tmp_path / "data", "--allow-other") as mount:
+            os.chmod(mount.path, 0o755)
+            yield mount
+    finally:
+        subprocess.run(["rm", "-rf", str(top)], check=False)
+
+
+def probe(mount: Mount, *only: str) -> dict[str, int]:
+    result = subprocess.run(
+        [SYSTEM_PYTHON, "-c", PROBE, str(mount.path), *([",".join(only)] if only else [])],
+        user=NOBODY,
+        group=NOBODY,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+    )
+    assert result.returncode == 0, result.stderr
+    out: dict[str, int] = json.loads(result.stdout)
+    return out
+
+
+def make_objects(mount: Mount) -> None:
+    b = mount.path / "buffers" / "shared"
+    b.mkdir()
+    (b / "config").write_text(json.dumps({"schema": {"x": "int64"}, "batch_size": 2}))
+    client.append(b, np.arange(4, dtype=np.int64).astype([("x", "<i8")]))
+    m = mount.path / "weights" / "policy"
+    m.mkdir()
+    (m / "w.bin").write_bytes(b"weights v1")
+    d = mount.path / "datasets" / "corpus"
+    d.mkdir()
+    (d / "config").write_text(json.dumps({"schema": {"x": "int64"}}))
+    with open(d / "append", "wb") as f:
+        f.write(np.arange(3, dtype=np.int64).tobytes())
+    (d / "state").write_text("seal\n")
+
+
+def state_of(mount: Mount) -> dict[str, object]:
+    stats = json.loads(client.read_all(mount.path / "buffers" / "shared" / "stats"))
+    return {
+        "samples": stats["samples"],
+        "size": stats["size"],
+        "priority": stats["total_priority"],
+        "config": (mount.path / "buffers" / "shared" / "config").read_text(),
+        "weights": (mount.path / "weights" / "policy" / "w.bin").read_bytes(),
+    }
+
+
+def test_without_write_permission_nobody_cannot_change_a_buffers_state(shared_mount: Mount) -> None:
+    mount = shared_mount
+    make_objects(mount)
+    before = state_of(mount)
+    got = probe(mount)
+    for denied in (
+        "sample", "append", "priority", "config write", "item write", "item unlink", "publish", "create in model",
+        "dataset append",
+    ):  # fmt: skip
+        assert got[denied] == errno.EACCES, (denied, got)
+    assert got["rmdir buffer"] == errno.EPERM  # buffers/ is sticky (1777): only the owner removes
+    for allowed in ("stats", "config read", "item read", "read weights", "dataset records", "mkdir own buffer"):
+        assert got[allowed] == 0, (allowed, got)
+    assert state_of(mount) == before
+    mine = mount.path / "buffers" / "nobodys"
+    assert mine.stat().st_uid == NOBODY  # who makes a buffer owns it
+    assert stat.S_IMODE((mount.path / "buffers").stat().st_mode) == 0o1777
+
+
+def test_chmod_and_chown_of_a_buffer_decide_who_samples_and_survive_a_restart(
+    shared_mount: Mount, tmp_path: Path
+) -> None:
+    mount = shared_mount
+    make_objects(mount)
+    b = mount.path / "buffers" / "shared"
+    os.chmod(b, 0o777)
+    assert probe(mount, "sample", "priority", "stats") == {"sample": 0, "priority": 0, "stats": 0}
+    os.chmod(b, 0o755)
+    os.chown(b, NOBODY, NOBODY)
+    assert b.stat().st_uid == NOBODY
+    assert (b / "sample").stat().st_uid == NOBODY  # control files follow the directory
+    assert stat.S_IMODE((b / "sample").stat().st_mode) == 0o400  # readable by who may write
+    assert probe(mount, "sample") == {"sample": 0}
+    with pytest.raises(PermissionError):
+        os.chmod(b / "sample", 0o666)  # a control file's mode follows its directory: EPERM
+    assert mount.unmount() == 0
+    with mounted_at(mount.path, mount.data_dir, "--allow-other") as again:
+        kept = again.path / "buffers" / "shared"
+        assert kept.stat().st_uid == NOBODY
+        assert stat.S_IMODE(kept.stat().st_mode) == 0o755
