@@ -30,6 +30,7 @@ from distorefs.fs.datasets import DatasetsDir
 from distorefs.fs.ops import FsOperations
 from distorefs.fs.virtual import MountInfo, VirtualTree
 from distorefs.fs.weights import WeightsDir
+from distorefs.memory import run_memory_trim
 from distorefs.peers.buffers import BufferPeers, BufferSync
 from distorefs.peers.checkpoints import CheckpointReplicas, CheckpointSync
 from distorefs.peers.core import ClusterConfig, ClusterNode
@@ -206,6 +207,11 @@ class Daemon:
         nursery.start_soon(self.ops.run_invalidations, name="kernel invalidations")
         nursery.start_soon(self.buffers.run_snapshots, config.snapshot_interval_s, name="snapshots")
         nursery.start_soon(self.datasets.run_streams, name="dataset streams")
+        nursery.start_soon(run_memory_trim, self._accounted_bytes, name="memory trim")
+
+    def _accounted_bytes(self) -> int:
+        stats = self.blocks.statistics()
+        return stats.dram_used_bytes + stats.dram_reserved_bytes
 
     async def close(self) -> ShutdownReport:
         """Leave the cluster, stage the last snapshots and persist everything durably.

@@ -285,3 +285,20 @@ def test_stats_name_the_reason_but_never_quote_the_input(mounted: Mount, buffer:
     assert "hunter2" not in stats
     assert "sampler must be one of" in stats
     healthy(mounted)
+
+
+def dataset_snapshot(path: Path) -> dict[str, object]:
+    return {name: (path / name).read_bytes() for name in ("config", "len", "state", "order")}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(target=st.sampled_from(["config", "append", "state", "order", "stream", "len"]), data=hostile_bytes)
+def test_generated_input_to_a_dataset_never_hurts_the_daemon(
+    mounted: Mount, dataset: Path, target: str, data: bytes
+) -> None:
+    before = dataset_snapshot(dataset)
+    try:
+        write_all(dataset / target, data)
+    except OSError:
+        assert dataset_snapshot(dataset) == before  # refused: nothing applied
+    healthy(mounted)

@@ -1,0 +1,63 @@
+"""Giving freed memory back to the system, so the daemon's RSS follows its DRAM budget.
+
+The DRAM cache frees block buffers as it evicts and as items and files go, but glibc's
+malloc keeps freed heap pages (and raises its mmap threshold after the first large free,
+so later 1 MiB buffers come from the heap too): after heavy work the RSS stayed at four
+times the budget while the cache held nothing. A task started by daemon.py checks every
+few seconds whether the process holds much more than its cache accounts for, and if so
+asks malloc to return its free pages (`malloc_trim(0)`, which releases free pages inside
+every arena, not only at the top). On a libc without malloc_trim it does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+from collections.abc import Callable
+
+import trio
+
+log = logging.getLogger(__name__)
+
+# What the daemon holds beyond its accounted DRAM before a trim is worth it: the
+# interpreter and libraries (~60 MiB) plus requests in flight.
+SLACK_BYTES = 96 << 20
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    """This process's resident set, from /proc (no syscall beyond one read)."""
+    with open("/proc/self/statm", encoding="ascii") as f:
+        return int(f.read().split()[1]) * PAGE_BYTES
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
+    if trim is None:
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim  # type: ignore[no-any-return]
+
+
+async def run_memory_trim(accounted: Callable[[], int], interval_s: float = 5.0) -> None:
+    """Background task: when RSS exceeds `accounted()` (DRAM the cache holds or reserved)
+    by more than SLACK_BYTES, return malloc's free pages to the system (in a thread)."""
+    trim = _malloc_trim()
+    if trim is None:
+        log.info("memory: this libc has no malloc_trim; freed memory stays with the process")
+        return
+    while True:
+        await trio.sleep(interval_s)
+        before = rss_bytes()
+        if before <= accounted() + SLACK_BYTES:
+            continue
+        await trio.to_thread.run_sync(trim, 0)
+        after = rss_bytes()
+        if before - after > (16 << 20):
+            log.info("memory: returned %d MiB to the system (RSS %d MiB)", (before - after) >> 20, after >> 20)
