@@ -15,6 +15,14 @@ with 32 readers caught early EOFs when readers used the page cache).
 A writer publishes at its last close, unless its process was exiting at that close (it
 was killed or crashed before closing): the flush that the kernel sends on close is
 checked against the PF_EXITING flag of the writer's process in /proc.
+
+Write-to-temp-then-rename (safetensors, `os.replace`, editors) publishes the target
+once. A *staging name* (one that starts with `.`, or ends in `.tmp`, `.part`,
+`.partial` or `~`) is never published as a file of the model: a writer under such a
+name that closes leaves its bytes staged (visible to lookup, not listed, not
+versioned), and a rename of a staged or still-open file onto a real name publishes that
+name, at the rename if the writer has closed, else at its close. Staged files live
+until renamed or unlinked, or the daemon stops.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import stat
 
 import trio
 
-from distorefs.errors import CrossDevice, NotFound, NotPermitted, ReadOnly
+from distorefs.errors import CrossDevice, Exists, NotFound, NotPermitted, ReadOnly
 from distorefs.fs.buffers import run_waiting
 from distorefs.fs.virtual import (
     Access,
@@ -91,6 +99,14 @@ class ReaderHandle(VirtualHandle):
         self._node.collect()
 
 
+STAGING_SUFFIXES = (b".tmp", b".part", b".partial", b"~")
+
+
+def is_staging(name: bytes) -> bool:
+    """A temporary name of the write-then-rename pattern: never published as a version."""
+    return name.startswith(b".") or name.endswith(STAGING_SUFFIXES)
+
+
 class WriterHandle(VirtualHandle):
     """Fills a private file; a close that follows writes publishes it as `name` of the
     model (the flush the kernel sends on close returns once the version is published).
@@ -106,6 +122,7 @@ class WriterHandle(VirtualHandle):
         self._store = store
         self._dir = model_dir
         self._name = name
+        model_dir.open_writers.setdefault(name, []).append(self)
         self.pending = pending
         self._tgid = thread_group(pid)
         self._killed = False
@@ -135,7 +152,26 @@ class WriterHandle(VirtualHandle):
     async def fsync(self) -> None:
         await self._store.sync(self.pending)
 
+    def retarget(self, new_name: bytes) -> None:
+        """The file was renamed while open: publish it under `new_name` at its close."""
+        writers = self._dir.open_writers
+        writers[self._name].remove(self)
+        if not writers[self._name]:
+            del writers[self._name]
+        self._name = new_name
+        writers.setdefault(new_name, []).append(self)
+
+    def discard(self) -> None:
+        """The file was unlinked while open: its close publishes nothing."""
+        self._killed = True
+
     async def _publish(self) -> None:
+        if is_staging(self._name):
+            await trio.lowlevel.checkpoint()
+            self._dir.stage(self._name, self.pending)
+            self._written = False
+            self._published = True
+            return
         try:
             await self._store.publish(self._dir.model, {self._name: self.pending})
         except NotFound:
@@ -162,6 +198,11 @@ class WriterHandle(VirtualHandle):
         except NotFound:
             pass
         finally:
+            writers = self._dir.open_writers.get(self._name)
+            if writers is not None and self in writers:
+                writers.remove(self)
+                if not writers:
+                    del self._dir.open_writers[self._name]
             self._store.release(self.pending)
             self._dir.kind.node_for(self.pending).collect()
 
@@ -262,17 +303,29 @@ class ModelDir(VirtualDir):
         self.kind = kind
         self.model = model
         self.discarded = 0  # writers that closed without publishing
+        self.open_writers: dict[bytes, list[WriterHandle]] = {}  # by the name they will publish
+        self.staged: dict[bytes, WeightFile] = {}  # closed files under staging names, held
         version = ControlFile(kind.tree.new_ino(), b"version", model.version_line)
         self.children[b"version"] = version.govern(self, Access.READ)
         self.children[b"wait"] = WaitFile(kind, model, kind.tree.new_ino()).govern(self, Access.READ)
         for node in self.children.values():
             kind.tree.register(node)
 
+    def stage(self, name: bytes, wf: WeightFile) -> None:
+        """Keep a closed file under a staging name until it is renamed or unlinked."""
+        self.kind.store.hold(wf)
+        old = self.staged.get(name)
+        self.staged[name] = wf
+        if old is not None:
+            self.kind.store.release(old)
+
     def lookup(self, name: bytes) -> VirtualNode:
         control = self.children.get(name)
         if control is not None:
             return control
-        wf = self.model.files.get(name)
+        wf = self.model.files.get(name) or self.staged.get(name)
+        if wf is None and name in self.open_writers:
+            wf = self.open_writers[name][-1].pending  # created, not closed yet
         if wf is None:
             raise NotFound(f"no file {name.decode(errors='replace')!r} in weights/{self.model.name.decode()}")
         return self.kind.node_for(wf, name).govern(self, Access.READ_WRITE)
@@ -299,6 +352,15 @@ class ModelDir(VirtualDir):
         if name in RESERVED_NAMES:
             await trio.lowlevel.checkpoint()
             return  # control files come back: a no-op, so `rm -r` works
+        staged = self.staged.pop(name, None)
+        writers = self.open_writers.get(name, [])
+        for writer in writers:
+            writer.discard()
+        if staged is not None:
+            self.kind.store.release(staged)
+        if staged is not None or (writers and name not in self.model.files):
+            await trio.lowlevel.checkpoint()
+            return
         await self.kind.store.unlink(self.model, name)
 
     async def rename(self, name: bytes, new_parent: VirtualDir, new_name: bytes, flags: int) -> None:
@@ -306,14 +368,41 @@ class ModelDir(VirtualDir):
             raise CrossDevice("weights files move only between models")
         if name in RESERVED_NAMES:
             raise NotPermitted(f"{name.decode()} is a control file")
+        if new_parent is self and (name in self.staged or name in self.open_writers):
+            await self._rename_pending(name, new_name, noreplace=bool(flags & RENAME_NOREPLACE))
+            return
         await self.kind.store.rename_file(
             self.model, name, new_parent.model, new_name, noreplace=bool(flags & RENAME_NOREPLACE)
         )
+
+    async def _rename_pending(self, name: bytes, new_name: bytes, noreplace: bool) -> None:
+        """A staged or still-open file renamed within the model: the write-then-rename
+        pattern. A staged file publishes `new_name` now; open writers publish it at
+        their close (or stay staged, if `new_name` is a staging name too)."""
+        check_file_name(new_name)
+        if noreplace and (new_name in self.model.files or new_name in self.staged):
+            raise Exists(f"{new_name.decode(errors='replace')} exists in weights/{self.model.name.decode()}")
+        for writer in list(self.open_writers.get(name, [])):
+            writer.retarget(new_name)
+        staged = self.staged.pop(name, None)
+        if staged is None:
+            await trio.lowlevel.checkpoint()
+            return
+        try:
+            if is_staging(new_name):
+                self.stage(new_name, staged)
+            else:
+                await self.kind.store.publish(self.model, {new_name: staged})
+        finally:
+            self.kind.store.release(staged)
 
     async def mkdir(self, name: bytes, mode: int) -> VirtualNode:
         raise NotPermitted("a model holds files only; stage a group in a model of its own and rename it onto this one")
 
     def forget_nodes(self) -> None:
+        for wf in self.staged.values():
+            self.kind.store.release(wf)
+        self.staged.clear()
         for node in [*self.children.values(), self]:
             self.kind.tree.unregister(node.ino)
 
