@@ -15,12 +15,14 @@ has no FUSE_INTERRUPT hook, so this is how a signal interrupts them with EINTR.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import stat
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 import trio
 
 from distorefs.errors import (
@@ -56,6 +58,7 @@ SIGNAL_POLL_S = 0.05
 CONTROL_NAMES = (b"config", b"append", b"sample", b"priority", b"stats")
 MAX_SAMPLE_COUNT = 1 << 20
 PRIORITY_INPUT_BYTES = 64 << 20
+NPY_ALIASES = {b"append.npy": b"append", b"priority.npy": b"priority"}
 
 
 def signal_pending(pid: int) -> bool:
@@ -189,15 +192,30 @@ class AppendHandle(VirtualHandle):
         await self._buffer.persist()
 
 
-class SampleHandle(VirtualHandle):
-    """Draws its batch at the first read; the batch stays fixed for this open."""
+def columnar_npz(batch: bytes) -> bytes:
+    """A schema batch (.npy of packed records) as an .npz of one contiguous array per
+    field, `_index` and `_weight` included: each loads straight into torch.as_tensor."""
+    records = np.load(io.BytesIO(batch), allow_pickle=False)
+    out = io.BytesIO()
+    assert records.dtype.names is not None
+    fields: dict[str, Any] = {name: np.ascontiguousarray(records[name]) for name in records.dtype.names}
+    np.savez(out, **fields)
+    return out.getvalue()
 
-    def __init__(self, buffer: ReplayBuffer, count: int | None, nonblocking: bool, pid: int) -> None:
+
+class SampleHandle(VirtualHandle):
+    """Draws its batch at the first read; the batch stays fixed for this open. With
+    `columnar`, a schema batch is served as an .npz of contiguous fields (`sample.npz`)."""
+
+    def __init__(
+        self, buffer: ReplayBuffer, count: int | None, nonblocking: bool, pid: int, columnar: bool = False
+    ) -> None:
         self._buffer = buffer
         self._count = count
         self._nonblocking = nonblocking
         self._pid = pid
-        self._data: bytearray | ScatteredBytes | None = None
+        self._columnar = columnar
+        self._data: bytearray | bytes | ScatteredBytes | None = None
 
     async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
         if self._data is None:
@@ -207,6 +225,9 @@ class SampleHandle(VirtualHandle):
                 self._pid, self._nonblocking, ready, lambda nb: buffer.sample(count, nonblocking=nb)
             )
             self._data = batch.data
+            if self._columnar:
+                data = batch.data.tobytes() if isinstance(batch.data, ScatteredBytes) else bytes(batch.data)
+                self._data = await trio.to_thread.run_sync(columnar_npz, data)
         else:
             await trio.lowlevel.checkpoint()
         if isinstance(self._data, ScatteredBytes):
@@ -400,6 +421,7 @@ class BufferDir(NamedDir):
         self._add(stats.govern(self, Access.READ))
         self._add(ItemsDir(tree.new_ino(), buffer).govern(self, Access.DIRECTORY))
         self._sized: dict[int, BufferFile] = {}
+        self._npz: BufferFile | None = None
 
     def _add(self, node: VirtualNode) -> None:
         self.children[node.name] = node
@@ -408,7 +430,29 @@ class BufferDir(NamedDir):
     def lookup(self, name: bytes) -> VirtualNode:
         if name.startswith(b"sample.") and name[7:].isdigit():
             return self._sized_sample(int(name[7:]))
+        if name in NPY_ALIASES:  # np.save adds .npy to a path that lacks it
+            return super().lookup(NPY_ALIASES[name])
+        if name == b"sample.npz":
+            return self._columnar_sample()
         return super().lookup(name)
+
+    def _columnar_sample(self) -> BufferFile:
+        """`sample.npz`: the batch as one contiguous array per field (not listed)."""
+        if self.buffer.config.dtype is None:
+            raise NotFound(f"buffers/{self.buffer.name}/sample.npz: only a buffer with a schema has fields")
+        node = self._npz
+        if node is None:
+            b = self.buffer
+            node = self._npz = BufferFile(
+                self._tree.new_ino(),
+                b"sample.npz",
+                0o444,
+                b,
+                lambda flags, pid: SampleHandle(b, None, bool(flags & os.O_NONBLOCK), pid, columnar=True),
+                False,
+            ).govern(self, Access.CHANGES_ON_READ)
+            self._tree.register(node)
+        return node
 
     def _sized_sample(self, count: int) -> BufferFile:
         """`sample.N`: like `sample` with a batch of N (not listed by readdir)."""
@@ -443,7 +487,8 @@ class BufferDir(NamedDir):
             raise NotFound(f"buffers/{self.buffer.name}: no directory {name.decode(errors='replace')!r}")
 
     def forget_nodes(self) -> None:
-        for node in [*self.children.values(), *self._sized.values(), self]:
+        extra = [self._npz] if self._npz is not None else []
+        for node in [*self.children.values(), *self._sized.values(), *extra, self]:
             self._tree.unregister(node.ino)
 
 

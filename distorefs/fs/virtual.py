@@ -328,7 +328,11 @@ class VirtualDir(VirtualNode):
         return out
 
     def refuse(self, what: str) -> ReadOnly:
-        return ReadOnly(f"{self.name.decode()}/ is read-only: cannot {what}")
+        """EROFS for a change this directory does not take, with the real cause: it holds
+        only the files its kind defines (the mount itself stays writable)."""
+        names = ", ".join(name.decode(errors="replace") for name in list(self.children)[:8])
+        holds = f" (it holds {names})" if names else ""
+        return ReadOnly(f"{self.name.decode(errors='replace')}/ cannot {what}{holds}; the mount is not read-only")
 
     async def mkdir(self, name: bytes, mode: int) -> VirtualNode:
         raise self.refuse("create directories")

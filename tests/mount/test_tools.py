@@ -3,12 +3,16 @@ write-to-temp-then-rename pattern, numpy and torch with replay buffers."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from distorefs import client
 from tests.conftest import Mount, dir_for_test
 
 torch = pytest.importorskip("torch")
@@ -61,3 +65,43 @@ def test_an_unlinked_temp_file_publishes_nothing(model: Path) -> None:
     os.unlink(model / "weights.tmp")
     assert version(model) == 0
     assert sorted(os.listdir(model)) == ["version", "wait"]
+
+
+ACTOR_RECORD = np.dtype([("obs", "<f4", (4,)), ("action", "<i8"), ("reward", "<f4"), ("done", "?")])
+
+
+def transitions(n: int) -> np.ndarray:
+    records = np.zeros(n, ACTOR_RECORD)
+    records["obs"] = np.arange(n * 4, dtype=np.float32).reshape(n, 4)
+    records["action"] = np.arange(n) % 2
+    records["reward"] = 1.0
+    return records
+
+
+def test_np_save_to_append_works_though_numpy_adds_npy(buffer: Path) -> None:
+    (buffer / "config").write_text(json.dumps({"schema": {"obs": ["float32", [4]], "action": "int64",
+                                                          "reward": "float32", "done": "bool"}}))  # fmt: skip
+    np.save(buffer / "append", transitions(10))  # numpy writes append.npy
+    stats = json.loads(client.read_all(buffer / "stats"))
+    assert stats["size"] == 10
+    np.save(buffer / "priority", np.array([[0, 5.0], [1, 2.0]]))  # and priority.npy
+    assert json.loads(client.read_all(buffer / "stats"))["total_priority"] > 0
+    assert "append.npy" not in os.listdir(buffer)  # an alias, not a file of its own
+
+
+def test_a_sample_goes_into_torch_without_a_copy_the_user_writes(buffer: Path) -> None:
+    (buffer / "config").write_text(json.dumps({"schema": {"obs": ["float32", [4]], "action": "int64",
+                                                          "reward": "float32", "done": "bool"},
+                                               "batch_size": 8}))  # fmt: skip
+    client.append(buffer, transitions(20))
+    with open(buffer / "sample.npz", "rb") as f:
+        batch = np.load(io.BytesIO(f.read()))
+        tensors = {name: torch.as_tensor(batch[name]) for name in batch.files}
+    assert set(tensors) == {"obs", "action", "reward", "done", "_index", "_weight"}
+    assert tensors["obs"].shape == (8, 4)
+    indices = tensors["_index"].numpy()
+    assert np.array_equal(tensors["obs"].numpy(), transitions(20)["obs"][indices])
+    assert tensors["action"].dtype == torch.int64
+    with open(buffer / "sample", "rb") as f:  # the documented packed .npy stays as it was
+        packed = np.load(f)
+    assert packed.dtype.names == ("obs", "action", "reward", "done", "_index", "_weight")
