@@ -28,6 +28,7 @@ cached until any setting or the shape of the tree under checkpoints/ changes.
 from __future__ import annotations
 
 import logging
+import re
 import stat
 import time
 from collections.abc import Awaitable, Callable
@@ -52,6 +53,22 @@ SETTING_XATTRS = frozenset({KEEP_XATTR, SYNC_CLOSE_XATTR, REPLICAS_XATTR})  # se
 MAX_REPLICAS = 8
 MAX_KEEP_LAST = 1_000_000
 RETRY_S = 1.0
+
+
+STEP_WORD = re.compile(rb"step[s]?[=_-]?(\d+)", re.IGNORECASE)
+NUMBER = re.compile(rb"\d+")
+
+
+def step_of(name: bytes) -> int | None:
+    """The step number a checkpoint entry's name carries: the number after `step`
+    (`epoch=3-step=400.ckpt` -> 400), else the last number in the name
+    (`rl_model_replay_buffer_3000_steps.pkl` -> 3000, `checkpoint-500` -> 500); None
+    when it has none."""
+    found = STEP_WORD.search(name)
+    if found is not None:
+        return int(found.group(1))
+    numbers = NUMBER.findall(name)
+    return int(numbers[-1]) if numbers else None
 
 
 class Replicator(Protocol):
@@ -120,7 +137,22 @@ class CheckpointPolicy:
                 dropped += 1
         if dropped:
             log.warning("checkpoints: removed %d files that were not durable when the daemon stopped", dropped)
+        self._track_tree(self.root)
         return self
+
+    def _track_tree(self, directory: int) -> None:
+        """Track every regular file under `directory` (start-up): each file under
+        checkpoints/ answers `user.distore.state` from the first request on, whatever the
+        kernel still caches about it. All survived start-up, so all are durable."""
+        pending = [directory]
+        while pending:
+            parent = pending.pop()
+            for _name, ino in self._files.entries(parent):
+                inode = self._files.get(ino)
+                if inode.is_dir:
+                    pending.append(ino)
+                elif inode.is_reg:
+                    self.track(ino, parent)
 
     @property
     def files(self) -> FileStore:
@@ -442,8 +474,13 @@ class CheckpointPolicy:
 
     def apply_retention(self, directory: int) -> bool:
         """Under the nearest directory with `keep_last` = N: keep the newest N durable
-        entries (by creation order) and remove every entry older than the N-th. Entries
-        whose names start with `.` are not checkpoints and stay. True if any went."""
+        checkpoints and remove every checkpoint older than the N-th. A checkpoint is the
+        set of entries whose names carry the same step number (`step_of`): SB3's model
+        and replay-buffer pair, Hugging Face's `checkpoint-500/`, Lightning's
+        `epoch=3-step=400.ckpt`, `step-100.pt`; an entry without a number is one on its
+        own. A checkpoint is durable when all its entries are, and its age is that of its
+        newest entry (creation order). Names starting with `.` are not checkpoints and
+        stay. True if any went."""
         if directory not in self._files:
             return False
         found = self._setting(directory, KEEP_XATTR)
@@ -451,23 +488,23 @@ class CheckpointPolicy:
             return False
         run_dir, text = found
         keep = int(text)
-        entries = sorted(
-            ((name, ino) for name, ino in self._files.entries(run_dir) if not name.startswith(b".")),
-            key=lambda entry: entry[1],
-            reverse=True,
-        )
-        durable = [ino for _name, ino in entries if self._entry_durable(ino)]
+        groups: dict[object, list[tuple[bytes, int]]] = {}
+        for name, ino in self._files.entries(run_dir):
+            if not name.startswith(b"."):
+                step = step_of(name)
+                groups.setdefault(("step", step) if step is not None else ("entry", ino), []).append((name, ino))
+        ordered = sorted(groups.values(), key=lambda group: max(ino for _name, ino in group), reverse=True)
+        durable = [i for i, group in enumerate(ordered) if all(self._entry_durable(ino) for _n, ino in group)]
         if len(durable) < keep:
             return False
-        cutoff = durable[keep - 1]
-        for name, ino in entries:
-            if ino < cutoff:
+        older = ordered[durable[keep - 1] + 1 :]
+        for group in older:
+            for name, ino in group:
                 for file_ino in self._files.remove_tree(run_dir, name):
                     self._forget(file_ino)
                 self.removed.post((run_dir, name, ino))
                 self.removed_by_retention += 1
                 log.info("checkpoints: retention removed %s (keep_last=%d)", name.decode(errors="replace"), keep)
-        removed = any(ino < cutoff for _name, ino in entries)
-        if removed:
+        if older:
             self.settings_changed()
-        return removed
+        return bool(older)

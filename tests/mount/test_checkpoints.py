@@ -123,7 +123,9 @@ def test_retention_keeps_the_newest_durable_checkpoints(run_dir: Path) -> None:
         (run_dir / f"loose-{step}.bin").write_bytes(b"loose")
         wait_durable(run_dir / f"loose-{step}.bin")
     deadline = time.monotonic() + DURABLE_WAIT_S
-    while sorted(os.listdir(run_dir)) != [".notes", "loose-4.bin", "step-4"]:
+    # entries with the same step number are one checkpoint: step-4/ and loose-4.bin are
+    # step 4, so keep_last=2 keeps steps 3 and 4 whole
+    while sorted(os.listdir(run_dir)) != [".notes", "loose-3.bin", "loose-4.bin", "step-3", "step-4"]:
         assert time.monotonic() < deadline, sorted(os.listdir(run_dir))
         time.sleep(0.05)
     assert len((run_dir / "step-4" / "model.bin").read_bytes()) == 256 << 10
@@ -275,3 +277,35 @@ def test_torch_safetensors_and_numpy_round_trip_across_remount_and_kill_9(mount_
     mount = mount_factory()
     check(root)
     assert mount.unmount() == 0
+
+
+@pytest.mark.parametrize(
+    ("style", "names"),
+    [
+        ("stable-baselines3", ["rl_model_{s}_steps.zip", "rl_model_replay_buffer_{s}_steps.pkl"]),
+        ("hugging face", ["checkpoint-{s}/model.safetensors", "checkpoint-{s}/optimizer.pt"]),
+        ("lightning", ["epoch={e}-step={s}.ckpt"]),
+        ("plain", ["step-{s}.pt"]),
+    ],
+)
+def test_keep_last_counts_checkpoints_made_of_several_files_by_their_step(
+    run_dir: Path, style: str, names: list[str]
+) -> None:
+    os.setxattr(run_dir, "user.distore.keep_last", b"2")
+    steps = [1000, 2000, 3000, 4000]
+    for epoch, step in enumerate(steps):
+        for pattern in names:
+            path = run_dir / pattern.format(s=step, e=epoch)
+            path.parent.mkdir(exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(os.urandom(4096))
+                os.fsync(f.fileno())
+    want = sorted(
+        {pattern.format(s=s, e=e).split("/")[0] for e, s in enumerate(steps) if s >= 3000 for pattern in names}
+    )
+    deadline = time.monotonic() + DURABLE_WAIT_S
+    while sorted(os.listdir(run_dir)) != want:
+        assert time.monotonic() < deadline, (style, sorted(os.listdir(run_dir)))
+        time.sleep(0.05)
+    for pattern in names:  # every file of a kept checkpoint is there, whole
+        assert (run_dir / pattern.format(s=4000, e=3)).stat().st_size == 4096
