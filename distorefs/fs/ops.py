@@ -176,7 +176,7 @@ class FsOperations(pyfuse3.Operations):
         attr.st_rdev = inode.rdev
         attr.st_size = inode.size
         attr.st_blksize = self.block_bytes
-        attr.st_blocks = (inode.size + 511) // 512
+        attr.st_blocks = self.tree.allocated_bytes(inode) // 512  # a sparse file's real use
         attr.st_atime_ns = inode.atime_ns
         attr.st_mtime_ns = inode.mtime_ns
         attr.st_ctime_ns = inode.ctime_ns
@@ -200,6 +200,7 @@ class FsOperations(pyfuse3.Operations):
             attr.st_mode = stat.S_IFMT(node.mode) | found[0]
             attr.st_uid, attr.st_gid = found[1], found[2]
         attr.st_size = node.size
+        attr.st_blocks = (attr.st_size + 511) // 512  # items, records, weights: dense (du counts them)
         attr.st_blksize = 4096
         attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = node.mtime_ns
         return attr
@@ -523,7 +524,8 @@ class FsOperations(pyfuse3.Operations):
             entries = [(name, node.ino) for name, node in self.virtual.root_nodes.items()] + [
                 (name, ino) for name, ino in entries if name not in self.virtual.root_nodes
             ]
-        return self._new_fh(Handle(inode, virtual=False, entries=entries))
+        dots = [(b".", inode), (b"..", self.tree.parent_of(inode))]  # `ls -a` shows them
+        return self._new_fh(Handle(inode, virtual=False, entries=dots + entries))
 
     @_translate(mutates=False)
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
@@ -546,7 +548,8 @@ class FsOperations(pyfuse3.Operations):
                 continue  # removed since opendir
             if not pyfuse3.readdir_reply(token, name, self._attrs(self.tree.get(ino)), position + 1):
                 return
-            self.tree.ref(ino)  # readdirplus hands the kernel a lookup reference
+            if name not in (b".", b".."):  # the kernel takes no lookup reference for the dots
+                self.tree.ref(ino)  # readdirplus hands the kernel a lookup reference
 
     def _readdir_virtual(
         self, dir_ino: int, listing: Sequence[tuple[bytes, int, int, int]], start_id: int, token: pyfuse3.ReaddirToken
@@ -571,6 +574,7 @@ class FsOperations(pyfuse3.Operations):
             attr.st_ino = ino
             attr.st_mode = mode
             attr.st_size = size
+            attr.st_blocks = (size + 511) // 512
             attr.st_nlink = 2 if stat.S_ISDIR(mode) else 1
             if not pyfuse3.readdir_reply(token, name, attr, position + 1):
                 return

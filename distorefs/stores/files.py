@@ -510,6 +510,10 @@ class FileStore:
         still being written): *logged* once the next commit stages their rows."""
         await self._blocks.flush(ino, full_only=full_only)
 
+    def allocated_bytes(self, inode: Inode) -> int:
+        """Bytes of `inode`'s blocks that hold data (a hole holds none), at most its size."""
+        return min(inode.size, self._blocks.owner_block_count(inode.ino) * self.block_bytes)
+
     def dirty_bytes(self, ino: int) -> int:
         """Bytes of the file held in DRAM that the log does not have yet."""
         return self._blocks.owner_dirty_bytes(ino)

@@ -76,6 +76,13 @@ class PosixTree:
     def unref(self, ino: int, count: int = 1) -> None:
         self.files.unref(ino, count)
 
+    def parent_of(self, directory: int) -> int:
+        return self.files.parent_of(directory)
+
+    def allocated_bytes(self, inode: Inode) -> int:
+        """Bytes the file's data takes (holes take none): what `du` should count."""
+        return self.files.allocated_bytes(inode) if inode.is_reg else 0
+
     def readlink(self, ino: int) -> bytes:
         return self.files.readlink(ino)
 

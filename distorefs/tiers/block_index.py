@@ -74,6 +74,10 @@ class BlockIndex:
         """Block numbers of `owner` with a record (a copy: safe to keep)."""
         return set(self._owned.get(owner, ()))
 
+    def count(self, owner: int) -> int:
+        """How many blocks of `owner` have a record (no copy: for stat)."""
+        return len(self._owned.get(owner, ()))
+
     def owners(self) -> set[int]:
         return set(self._owned)
 

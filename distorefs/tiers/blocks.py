@@ -158,6 +158,11 @@ class BlockStore(ByteRanges, Compaction):
         indices = self._index.numbers(owner) | self._dirty.get(owner, set())
         return [BlockKey(owner, i) for i in indices]
 
+    def owner_block_count(self, owner: int) -> int:
+        """How many of `owner`'s blocks hold data, in the log or dirty in DRAM (no copy)."""
+        logged, dirty = self._index.count(owner), self._dirty.get(owner, ())
+        return logged + sum(1 for number in dirty if BlockKey(owner, number) not in self._index)
+
     def owner_lengths(self, owner: int) -> dict[int, int]:
         """Block number -> stored length for `owner`'s blocks in the index (start-up)."""
         return {n: self._index[BlockKey(owner, n)].length for n in self._index.numbers(owner)}

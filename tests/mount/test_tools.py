@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -105,3 +106,29 @@ def test_a_sample_goes_into_torch_without_a_copy_the_user_writes(buffer: Path) -
     with open(buffer / "sample", "rb") as f:  # the documented packed .npy stays as it was
         packed = np.load(f)
     assert packed.dtype.names == ("obs", "action", "reward", "done", "_index", "_weight")
+
+
+def shell(*cmd: str) -> str:
+    return subprocess.run(list(cmd), check=True, capture_output=True, text=True).stdout
+
+
+def test_ls_shows_dot_and_dotdot_and_du_counts_real_use(mounted: Mount, buffer: Path, model: Path) -> None:
+    sub = mounted.path / "ls-a-dir"
+    sub.mkdir()
+    try:
+        for directory in (mounted.path, sub):
+            assert shell("ls", "-a", str(directory)).split()[:2] == [".", ".."]
+        sparse = sub / "sparse.bin"
+        with open(sparse, "wb") as f:
+            f.truncate(1 << 30)  # an empty 1 GiB sparse file
+        assert os.stat(sparse).st_size == 1 << 30
+        assert os.stat(sparse).st_blocks == 0
+        with open(sparse, "r+b") as f:
+            f.write(b"x" * 4096)
+        assert 0 < os.stat(sparse).st_blocks * 512 <= 1 << 20  # one block of data, not 1 GiB
+    finally:
+        shell("rm", "-rf", str(sub))
+    client.append(buffer, [b"y" * 100_000] * 10)
+    (model / "m.bin").write_bytes(b"z" * 300_000)
+    assert os.stat(model / "m.bin").st_blocks * 512 >= 300_000
+    assert int(shell("du", "-sk", str(buffer)).split()[0]) * 1024 >= 1_000_000  # du sees what it holds
