@@ -272,6 +272,10 @@ class FileNode(VirtualFile):
         store = self.kind.store
         if flags & os.O_ACCMODE == os.O_RDONLY:
             await trio.lowlevel.checkpoint()
+            if self.wf.freed:
+                # Republished and freed between the reader's lookup and its open: it
+                # reads the version now current under the name, never ENOENT.
+                return ReaderHandle(store, self._current_node())
             return ReaderHandle(store, self)
         model_dir = self.kind.dir_holding(self)
         base = None if flags & os.O_TRUNC else self.wf
@@ -283,6 +287,14 @@ class FileNode(VirtualFile):
             if base is not None:
                 store.release(base)
         return WriterHandle(store, model_dir, self.name, pending, pid)
+
+    def _current_node(self) -> FileNode:
+        governor = self.governor
+        if isinstance(governor, ModelDir):
+            current = governor.model.files.get(self.name)
+            if current is not None and not current.freed:
+                return self.kind.node_for(current, self.name).govern(governor, Access.READ_WRITE)
+        raise NotFound(f"{self.name.decode(errors='replace')} is no longer published")
 
     async def resize(self, size: int, handle: VirtualHandle | None) -> None:
         if isinstance(handle, WriterHandle):
