@@ -4,13 +4,15 @@ Owns the FUSE side of weights: the nodes (`weights/<model>/`, its files, `versio
 `wait`), the handles of readers and writers, and how each version meets the kernel's
 caches. The models themselves are stores/weights.py.
 
-Every version of a file gets an inode of its own and its bytes never change; a reader
-holds the version it opened and keeps reading it after newer ones are published. Entries
-of a model are never cached (entry timeout 0): each open asks the daemon which version is
-current. Readers and writers are direct_io: a writer opening a published file with
-O_TRUNC makes the kernel cut that inode's cached size and pages, and writes move its
-size, so nothing about a version may be served from the kernel's caches (a stress test
-with 32 readers caught early EOFs when readers used the page cache).
+Every version of a file has bytes that never change, and every lookup of a model file
+gets an inode of its own for the current version (an alias): a reader holds the version
+it opened and keeps reading it after newer ones are published. Entries of a model are
+never cached (entry timeout 0): each open asks the daemon which version is current.
+libfuse makes the kernel cut the size and page cache of an inode that a writer opens
+with O_TRUNC (atomic_o_trunc), and pyfuse3 cannot turn that off; because a writer's open
+lands on its own alias, never on one a reader opened, readers go through the page cache
+and may map the file (torch.load(mmap=True), safetensors, np.load(mmap_mode='r'))
+without SIGBUS or changed bytes. Writers are direct_io.
 
 A writer publishes at its last close, unless its process was exiting at that close (it
 was killed or crashed before closing): the flush that the kernel sends on close is
@@ -79,11 +81,13 @@ def process_exiting(tgid: int) -> bool:
 
 
 class ReaderHandle(VirtualHandle):
-    """Reads one version of one file. direct_io: a writer that opens the same inode with
-    O_TRUNC makes the kernel cut that inode's size and page cache to 0 (atomic_o_trunc),
-    which a reader going through the page cache would see as an early EOF."""
+    """Reads one version of one file through the kernel page cache, so it can be mapped
+    (MAP_SHARED too: np.load(mmap_mode='r'), safetensors safe_open). Safe because the
+    inode is this lookup's own alias of a version that never changes: no writer opens
+    it, so nothing cuts its size or pages (see WeightsDir.alias_for)."""
 
-    direct_io = True
+    direct_io = False
+    keep_cache = True
 
     def __init__(self, store: WeightStore, node: FileNode) -> None:
         self._store = store
@@ -248,12 +252,13 @@ class FileNode(VirtualFile):
     cache_s = FILE_ATTR_CACHE_S
     entry_cache_s = 0.0
 
-    def __init__(self, kind: WeightsDir, ino: int, name: bytes, wf: WeightFile) -> None:
+    def __init__(self, kind: WeightsDir, ino: int, name: bytes, wf: WeightFile, alias: bool = False) -> None:
         super().__init__(ino, name, stat.S_IFREG | 0o644)
         self.kind = kind
         self.wf = wf
         self.mtime_ns = wf.mtime_ns
         self.lookups = 0
+        self.alias = alias  # one lookup's own inode for the version (see WeightsDir.alias_for)
 
     @property
     def size(self) -> int:
@@ -264,8 +269,9 @@ class FileNode(VirtualFile):
         self.collect()
 
     def collect(self) -> None:
-        """Forget this node once its version is freed and the kernel holds no reference."""
-        if self.wf.freed and self.lookups <= 0:
+        """Forget this node once the kernel holds no reference to it and, for the
+        version's own node, the version is freed."""
+        if self.lookups <= 0 and (self.alias or self.wf.freed):
             self.kind.drop_node(self)
 
     async def open(self, flags: int, pid: int) -> VirtualHandle:
@@ -340,7 +346,7 @@ class ModelDir(VirtualDir):
             wf = self.open_writers[name][-1].pending  # created, not closed yet
         if wf is None:
             raise NotFound(f"no file {name.decode(errors='replace')!r} in weights/{self.model.name.decode()}")
-        return self.kind.node_for(wf, name).govern(self, Access.READ_WRITE)
+        return self.kind.alias_for(wf, name).govern(self, Access.READ_WRITE)
 
     def entries(self) -> list[tuple[bytes, int]]:
         return [(n, c.ino) for n, c in self.children.items()] + [
@@ -468,6 +474,17 @@ class WeightsDir(KindDirectory):
             node.lookups = lookups
             self._files[wf.owner] = node
             self.tree.register(node)
+        return node
+
+    def alias_for(self, wf: WeightFile, name: bytes) -> FileNode:
+        """A fresh inode for one lookup of a version. libfuse makes the kernel cut the
+        size and page cache of the inode a writer opens with O_TRUNC (atomic_o_trunc,
+        which pyfuse3 cannot turn off); every lookup getting its own inode means a
+        writer's open never lands on the inode a reader opened or mapped, so mapped
+        readers (torch.load(mmap=True), safetensors safe_open, np.load(mmap_mode='r'))
+        never see SIGBUS. Dropped once the kernel forgets it."""
+        node = FileNode(self, self.tree.new_ino(), name, wf, alias=True)
+        self.tree.register(node)
         return node
 
     def drop_node(self, node: FileNode) -> None:

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -132,3 +133,48 @@ def test_ls_shows_dot_and_dotdot_and_du_counts_real_use(mounted: Mount, buffer: 
     (model / "m.bin").write_bytes(b"z" * 300_000)
     assert os.stat(model / "m.bin").st_blocks * 512 >= 300_000
     assert int(shell("du", "-sk", str(buffer)).split()[0]) * 1024 >= 1_000_000  # du sees what it holds
+
+
+MAPPED_READER = """
+import sys, os, time, torch
+import numpy as np
+path, stop = sys.argv[1], sys.argv[2]
+loads = 0
+while not os.path.exists(stop) or loads == 0:
+    try:
+        state = torch.load(path, mmap=True)
+    except (FileNotFoundError, EOFError, RuntimeError) as exc:
+        print("error", type(exc).__name__, exc, flush=True)
+        sys.exit(3)
+    w = state["w"]
+    for _ in range(3):  # hold the mapping while the learner republishes, touching every page
+        assert bool((w == w[0]).all()), "a mapped version changed under its reader"
+        time.sleep(0.02)
+    if np.load(path + ".npy", mmap_mode="r")[0] < 0:
+        sys.exit(4)
+    loads += 1
+print(loads)
+"""
+
+
+def test_mapped_readers_keep_their_version_while_torch_save_republishes(model: Path, tmp_path: Path) -> None:
+    path = model / "model.pt"
+    torch.save({"w": torch.zeros(12 << 20)}, path)  # 48 MiB, as in the report
+    np.save(model / "model.pt.npy", np.zeros(1 << 20))
+    stop = tmp_path / "stop"
+    readers = [
+        subprocess.Popen([sys.executable, "-c", MAPPED_READER, str(path), str(stop)], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+        for _ in range(3)
+    ]  # fmt: skip
+    try:
+        for step in range(1, 16):  # the learner: O_TRUNC opens of the file readers map
+            torch.save({"w": torch.full((12 << 20,), float(step))}, path)
+            np.save(model / "model.pt.npy", np.full(1 << 20, float(step)))
+    finally:
+        stop.touch()
+        outs = [reader.communicate(timeout=120)[0] for reader in readers]
+    for reader, out in zip(readers, outs, strict=True):
+        assert reader.returncode == 0, (reader.returncode, out)  # -7 is SIGBUS
+        assert int(out.split()[-1]) >= 1
+    assert torch.load(path, mmap=True)["w"][0].item() == 15.0
