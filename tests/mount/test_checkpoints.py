@@ -309,3 +309,29 @@ def test_keep_last_counts_checkpoints_made_of_several_files_by_their_step(
         time.sleep(0.05)
     for pattern in names:  # every file of a kept checkpoint is there, whole
         assert (run_dir / pattern.format(s=4000, e=3)).stat().st_size == 4096
+
+
+def test_stable_baselines3_checkpoint_callback_with_keep_last(run_dir: Path) -> None:
+    sb3 = pytest.importorskip("stable_baselines3")
+    from stable_baselines3.common.callbacks import CheckpointCallback
+
+    os.setxattr(run_dir, "user.distore.keep_last", b"2")
+    model = sb3.DQN("MlpPolicy", "CartPole-v1", buffer_size=5000, learning_starts=100, seed=0, device="cpu")
+    callback = CheckpointCallback(save_freq=250, save_path=str(run_dir), save_replay_buffer=True)
+    model.learn(total_timesteps=1000, callback=callback)  # checkpoints at 250, 500, 750, 1000 steps
+    want = sorted(
+        [f"rl_model_{step}_steps.zip" for step in (750, 1000)]
+        + [f"rl_model_replay_buffer_{step}_steps.pkl" for step in (750, 1000)]
+    )
+    deadline = time.monotonic() + DURABLE_WAIT_S
+    while sorted(os.listdir(run_dir)) != want:
+        assert time.monotonic() < deadline, sorted(os.listdir(run_dir))
+        time.sleep(0.05)
+    sizes = {}
+    for step in (750, 1000):  # each model with the replay buffer of its own step
+        restored = sb3.DQN.load(str(run_dir / f"rl_model_{step}_steps.zip"), device="cpu")
+        restored.load_replay_buffer(str(run_dir / f"rl_model_replay_buffer_{step}_steps.pkl"))
+        assert restored.num_timesteps == step
+        assert restored.replay_buffer is not None
+        sizes[step] = restored.replay_buffer.size()
+    assert sizes[1000] - sizes[750] == 250
