@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 SQLITE_FULL = 13  # "database or disk is full"
 
-SCHEMA_VERSION = 4  # 2: the buffers table; 3: the weights and ckpt_pending tables; 4: datasets
+# 2: the buffers table; 3: the weights and ckpt_pending tables; 4: datasets; 5: buffer snapshots
+SCHEMA_VERSION = 5
 
 TABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # table: (primary key columns, value columns)
@@ -39,7 +40,10 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "blocks": (("owner", "idx"), ("segment", "offset", "length")),
     "xattrs": (("ino", "name"), ("value",)),
     "kv": (("key",), ("value",)),
+    # `snapshot` is no longer written (version 5 keeps it in `buffer_snapshots`): a row staged
+    # on every append must not carry a blob that grows with the buffer
     "buffers": (("name",), ("owner", "config", "next_index", "inserts", "samples", "removed", "snapshot")),
+    "buffer_snapshots": (("name",), ("data",)),
     "weights": (("model",), ("version", "published_ns", "files")),
     "ckpt_pending": (("ino",), ("since_ns",)),
     "datasets": (("name",), ("owner", "config", "count", "data_bytes", "sealed", "order_spec", "created_ns")),
@@ -79,7 +83,7 @@ class MetaDb:
                 f"CREATE TABLE IF NOT EXISTS {table} ({columns}, PRIMARY KEY ({', '.join(keys)})) WITHOUT ROWID"
             )
         found = conn.execute("SELECT value FROM kv WHERE key = 'schema_version'").fetchone()
-        if found is None or found[0] in (1, 2, 3):  # older versions lacked only tables now created
+        if found is None or found[0] in (1, 2, 3, 4):  # older versions lacked only tables now created
             conn.execute("INSERT OR REPLACE INTO kv VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
         elif found[0] != SCHEMA_VERSION:
             raise RuntimeError(f"{path}: metadata schema {found[0]}, this distorefs reads {SCHEMA_VERSION}")

@@ -362,6 +362,42 @@ async def test_store_restores_items_priorities_and_counters(tmp_path: Path) -> N
     meta.close()
 
 
+async def test_an_append_stages_a_row_that_does_not_grow_with_the_buffer(tiers: tuple[BlockStore, MetaDb]) -> None:
+    blocks, meta = tiers
+    store = BufferStore(blocks, meta)
+    buf = store.create("big", BufferConfig(capacity=100_000))
+    await buf.append([b"x"] * 50_000)
+    store.snapshot()
+    await blocks.commit()
+    await buf.append([b"y"])
+    staged = meta._pending["buffers"][("big",)]
+    assert staged is not None
+    assert staged[-1] is None  # the snapshot has a row of its own, written by snapshots only
+    assert ("big",) not in meta._pending["buffer_snapshots"]
+
+
+async def test_a_snapshot_in_an_older_buffers_row_is_still_restored(tmp_path: Path) -> None:
+    meta = MetaDb.open(str(tmp_path / "meta.sqlite"))
+    blocks = BlockStore(NvmeLog.open(str(tmp_path / "log")), DramCache(64 << 20), meta)
+    store = BufferStore.load(blocks, meta)
+    buf = store.create("old", BufferConfig(capacity=8, sampler="prioritized"))
+    await buf.append([b"a", b"b"])
+    await buf.update_priorities(np.array([0, 1]), np.array([3.0, 7.0]))
+    store.snapshot()
+    await buf.persist()
+    row = next(r for r in meta.rows("buffers") if r[0] == "old")[1:]
+    meta.put("buffers", ("old",), (*row[:-1], buf._snapshot))  # the snapshot in the row, as schema 4 kept it
+    meta.delete("buffer_snapshots", ("old",))
+    await blocks.close()
+    meta.close()
+    meta = MetaDb.open(str(tmp_path / "meta.sqlite"))
+    blocks = BlockStore(NvmeLog.open(str(tmp_path / "log")), DramCache(64 << 20), meta)
+    restored = BufferStore.load(blocks, meta).get("old")
+    assert restored._priority[:2].tolist() == [3.0, 7.0]
+    await blocks.close()
+    meta.close()
+
+
 def test_a_stream_reset_after_bad_input_accepts_later_writes_at_their_offsets() -> None:
     dtype = np.dtype([("a", "<i4")])
     stream = RecordStream(dtype)

@@ -105,7 +105,7 @@ class ReplayBuffer:
         self._news: Outbox[tuple[str, str]] = news if news is not None else Outbox()
         self._changed = trio.Event()
         self._snapshot_dirty = False
-        self._snapshot: bytes | None = None  # the last staged snapshot; every row carries it
+        self._snapshot: bytes | None = None  # the last staged snapshot (its own row, see stage_snapshot)
         self._apply_config(config, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64))
 
     # --- layout ---------------------------------------------------------------------
@@ -530,12 +530,12 @@ class ReplayBuffer:
     # --- persistence ------------------------------------------------------------------
 
     def stage_row(self) -> None:
-        """Stage the buffer's row: config, counters and the last snapshot."""
+        """Stage the buffer's row: config and counters (small: staged on every append)."""
         self._meta.put("buffers", (self.name,), self._row())
 
     def _row(self) -> tuple[object, ...]:
         return (
-            self.owner, self.config.dumps(), self.next_index, self.inserts, self.samples, self.removed, self._snapshot,
+            self.owner, self.config.dumps(), self.next_index, self.inserts, self.samples, self.removed, None,
         )  # fmt: skip
 
     def stage_snapshot(self) -> bool:
@@ -545,6 +545,7 @@ class ReplayBuffer:
         live = self.live_indices()
         slots = live % self.config.capacity
         self._snapshot = encode_snapshot(live, self._priority[slots], self._times[slots], self._size[slots])
+        self._meta.put("buffer_snapshots", (self.name,), (self._snapshot,))
         self._snapshot_dirty = False
         self.stage_row()
         return True

@@ -49,8 +49,11 @@ class BufferStore:
     @classmethod
     def load(cls, blocks: BlockStore, meta: MetaDb, peer: ShardPeer | None = None) -> BufferStore:
         self = cls(blocks, meta, peer)
+        snapshots: dict[str, bytes] = {str(name): bytes(data) for name, data in meta.rows("buffer_snapshots")}
         for name, *row in meta.rows("buffers"):
             owner = row[0]
+            if name in snapshots:  # schema 5 keeps it apart; older rows carry it themselves
+                row[-1] = snapshots[name]
             buf = ReplayBuffer.restore(
                 name, tuple(row), blocks, meta, blocks.owner_lengths(owner), self.news, self.shard_limit
             )
@@ -94,6 +97,7 @@ class BufferStore:
         del self._buffers[name]
         del self._by_owner[buf.owner]
         self._meta.delete("buffers", (name,))
+        self._meta.delete("buffer_snapshots", (name,))
         self.news.post(("deleted", name))
 
     def shard_limit(self) -> int:
