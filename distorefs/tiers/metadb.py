@@ -132,29 +132,13 @@ class MetaDb:
                 return
             self._pending = {t: {} for t in TABLES}
             try:
-                await trio.to_thread.run_sync(self._commit_or_raise, pending, durable, before_commit, checkpoint)
+                await trio.to_thread.run_sync(self._commit_sync, pending, durable, before_commit, checkpoint)
             except BaseException:
                 # Put the changes back, newer staged values winning, so nothing is lost.
                 for table, changes in pending.items():
                     changes.update(self._pending[table])
                     self._pending[table] = changes
                 raise
-
-    def _commit_or_raise(
-        self,
-        pending: Changes,
-        durable: bool,
-        before_commit: Callable[[], Changes | None] | None,
-        checkpoint: bool,
-    ) -> None:
-        """`_commit_sync`, with SQLite's errors as the daemon's: a full disk is ENOSPC
-        (StoreFull), anything else EIO; the transaction was rolled back either way."""
-        try:
-            self._commit_sync(pending, durable, before_commit, checkpoint)
-        except sqlite3.Error as exc:
-            if getattr(exc, "sqlite_errorcode", None) == SQLITE_FULL:
-                raise StoreFull(f"the metadata database's disk is full ({self.path}): {exc}") from None
-            raise Corrupted(f"metadata database {self.path}: {exc}") from None
 
     def _commit_sync(
         self,
@@ -163,42 +147,50 @@ class MetaDb:
         before_commit: Callable[[], Changes | None] | None,
         checkpoint: bool,
     ) -> None:
-        with self._thread_lock:
-            if before_commit is not None:
-                extra = before_commit()
-                if extra:
-                    pending = {t: {**pending[t], **extra.get(t, {})} for t in pending}
-            conn = self._conn
-            if durable:
-                conn.execute("PRAGMA synchronous=FULL")
-            try:
-                conn.execute("BEGIN")
-                for table, changes in pending.items():
-                    if not changes:
-                        continue
-                    keys, values = TABLES[table]
-                    where = " AND ".join(f"{k} = ?" for k in keys)
-                    deletes = [k for k, v in changes.items() if v is None]
-                    upserts = [k + v for k, v in changes.items() if v is not None]
-                    if deletes:
-                        conn.executemany(f"DELETE FROM {table} WHERE {where}", deletes)
-                    if upserts:
-                        marks = ", ".join("?" * (len(keys) + len(values)))
-                        conn.executemany(f"INSERT OR REPLACE INTO {table} VALUES ({marks})", upserts)
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
-            finally:
+        """Write the changes in one transaction (a worker thread). SQLite's errors come out
+        as the daemon's: a full disk is ENOSPC (StoreFull), anything else EIO; the
+        transaction is rolled back either way."""
+        try:
+            with self._thread_lock:
+                if before_commit is not None:
+                    extra = before_commit()
+                    if extra:
+                        pending = {t: {**pending[t], **extra.get(t, {})} for t in pending}
+                conn = self._conn
                 if durable:
-                    conn.execute("PRAGMA synchronous=NORMAL")
-            self.commits += 1
-            if durable and checkpoint:
+                    conn.execute("PRAGMA synchronous=FULL")
                 try:
-                    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-                except sqlite3.Error as exc:  # committed already: the WAL folds in later
-                    log.warning("metadata: WAL checkpoint failed (%s); it is retried at the next one", exc)
+                    conn.execute("BEGIN")
+                    for table, changes in pending.items():
+                        if not changes:
+                            continue
+                        keys, values = TABLES[table]
+                        where = " AND ".join(f"{k} = ?" for k in keys)
+                        deletes = [k for k, v in changes.items() if v is None]
+                        upserts = [k + v for k, v in changes.items() if v is not None]
+                        if deletes:
+                            conn.executemany(f"DELETE FROM {table} WHERE {where}", deletes)
+                        if upserts:
+                            marks = ", ".join("?" * (len(keys) + len(values)))
+                            conn.executemany(f"INSERT OR REPLACE INTO {table} VALUES ({marks})", upserts)
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
+                finally:
+                    if durable:
+                        conn.execute("PRAGMA synchronous=NORMAL")
+                self.commits += 1
+                if durable and checkpoint:
+                    try:
+                        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                    except sqlite3.Error as exc:  # committed already: the WAL folds in later
+                        log.warning("metadata: WAL checkpoint failed (%s); it is retried at the next one", exc)
+        except sqlite3.Error as exc:
+            if getattr(exc, "sqlite_errorcode", None) == SQLITE_FULL:
+                raise StoreFull(f"the metadata database's disk is full ({self.path}): {exc}") from None
+            raise Corrupted(f"metadata database {self.path}: {exc}") from None
 
     def close(self) -> None:
         with self._thread_lock:

@@ -257,23 +257,28 @@ hostile_bytes = st.one_of(
 )
 
 
+def write_hostile(mounted: Mount, path: Path, data: bytes, state: Callable[[], object], stream: bool) -> None:
+    """Write `data` to `path` in one open; when it is refused, `state()` is as it was, and
+    the daemon is healthy either way. Where only the close failed and the file is a
+    stream (a buffer's `append`), the whole records before the incomplete tail were
+    applied in order (docs/namespace.md), so only a refused write must leave no trace."""
+    before = state()
+    try:
+        write_all(path, data)
+    except CloseFailed:
+        if not stream:
+            assert state() == before
+    except OSError:
+        assert state() == before  # a write was refused: nothing applied
+    healthy(mounted)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(target=st.sampled_from(["config", "priority", "append", "items/3", "sample", "stats"]), data=hostile_bytes)
 def test_generated_input_never_hurts_the_daemon_and_a_refusal_changes_nothing(
     mounted: Mount, buffer: Path, target: str, data: bytes
 ) -> None:
-    before = snapshot(buffer)
-    try:
-        write_all(buffer / target, data)
-    except CloseFailed:
-        # only the close failed: `append` is a stream, and the whole records that came
-        # before the incomplete tail were applied in order (docs/namespace.md); any other
-        # file applied nothing
-        if target != "append":
-            assert snapshot(buffer) == before
-    except OSError:
-        assert snapshot(buffer) == before  # a write was refused: nothing applied
-    healthy(mounted)
+    write_hostile(mounted, buffer / target, data, lambda: snapshot(buffer), stream=target == "append")
 
 
 def test_stats_name_the_reason_but_never_quote_the_input(mounted: Mount, buffer: Path) -> None:
@@ -296,9 +301,4 @@ def dataset_snapshot(path: Path) -> dict[str, object]:
 def test_generated_input_to_a_dataset_never_hurts_the_daemon(
     mounted: Mount, dataset: Path, target: str, data: bytes
 ) -> None:
-    before = dataset_snapshot(dataset)
-    try:
-        write_all(dataset / target, data)
-    except OSError:
-        assert dataset_snapshot(dataset) == before  # refused: nothing applied
-    healthy(mounted)
+    write_hostile(mounted, dataset / target, data, lambda: dataset_snapshot(dataset), stream=False)
