@@ -56,7 +56,7 @@ class Handle:
     writable: bool = False
     entries: list[tuple[bytes, int]] = field(default_factory=list)
     listing: Sequence[tuple[bytes, int, int, int]] | None = None  # virtual dirs: name, ino, mode, size
-    write_errno: int = 0  # a refused write, reported again at every close of this open
+    write_errno: int = 0  # a control file refused a write: reported again at every close of this open
 
 
 def _describe(args: tuple[Any, ...]) -> str:
@@ -478,12 +478,12 @@ class FsOperations(pyfuse3.Operations):
     @_translate(mutates=True)
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         handle = self._handles[fh]
+        if handle.vhandle is None:
+            return await self.tree.write(handle.ino, off, buf)  # close and fsync report what the log holds
         try:
-            if handle.vhandle is not None:
-                return await handle.vhandle.write(off, buf)
-            return await self.tree.write(handle.ino, off, buf)
+            return await handle.vhandle.write(off, buf)
         except DistorefsError as exc:
-            handle.write_errno = exc.errno
+            handle.write_errno = exc.errno  # refused input: reported again at every close of this open
             raise
 
     @_translate(mutates=False)
