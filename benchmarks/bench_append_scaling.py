@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.daemon import mounted  # noqa: E402
 from distorefs import client  # noqa: E402
 
 
@@ -33,32 +33,25 @@ def main() -> int:
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     base = Path(tempfile.mkdtemp(prefix="distorefs-append-"))
-    mnt = base / "mnt"
-    mnt.mkdir()
-    distore = [sys.executable, "-m", "distorefs"]
-    subprocess.run(
-        [*distore, "mount", str(mnt), "--data-dir", str(base / "data"), "--dram-budget", "2GiB"],
-        check=True, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
     results = {}
     try:
-        buffer = mnt / "buffers" / "scaling"
-        buffer.mkdir()
-        (buffer / "config").write_text(json.dumps({"capacity": max(sizes) * 2}))
-        item = os.urandom(3000)
-        for held in sizes:
-            need = held - json.loads(client.read_all(buffer / "stats"))["size"]
-            for start in range(0, need, 10_000):
-                client.append(buffer, [item] * min(10_000, need - start))
-            time.sleep(6)  # a snapshot pass (every 5 s) so the snapshot holds them all
-            started, count = time.monotonic(), 0
-            while time.monotonic() - started < args.seconds:
-                client.append(buffer, [item])
-                count += 1
-            results[held] = round(count / (time.monotonic() - started))
+        with mounted(base, "--dram-budget", "2GiB") as mnt:
+            buffer = mnt / "buffers" / "scaling"
+            buffer.mkdir()
+            (buffer / "config").write_text(json.dumps({"capacity": max(sizes) * 2}))
+            item = os.urandom(3000)
+            for held in sizes:
+                need = held - json.loads(client.read_all(buffer / "stats"))["size"]
+                for start in range(0, need, 10_000):
+                    client.append(buffer, [item] * min(10_000, need - start))
+                time.sleep(6)  # a snapshot pass (every 5 s) so the snapshot holds them all
+                started, count = time.monotonic(), 0
+                while time.monotonic() - started < args.seconds:
+                    client.append(buffer, [item])
+                    count += 1
+                results[held] = round(count / (time.monotonic() - started))
         print(json.dumps({"single_appends_per_s_by_items_held": results}, indent=2))
     finally:
-        subprocess.run([*distore, "umount", str(mnt)], check=False, stdout=subprocess.DEVNULL)
         shutil.rmtree(base, ignore_errors=True)
     return 0
 

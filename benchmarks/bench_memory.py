@@ -18,7 +18,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -27,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.daemon import mounted  # noqa: E402
 from distorefs import client  # noqa: E402
 
 MIB = 1 << 20
@@ -80,14 +80,7 @@ def main() -> int:
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="distorefs-mem-"))
-    mnt, data = base / "mnt", base / "data"
-    mnt.mkdir()
-    distore = [sys.executable, "-m", "distorefs"]
-    subprocess.run(
-        [*distore, "mount", str(mnt), "--data-dir", str(data), "--dram-budget", f"{args.budget_mib}MiB"],
-        check=True, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
+    with mounted(base, "--dram-budget", f"{args.budget_mib}MiB") as mnt:
         pid = int(client.read_all(mnt / ".distore" / "status").decode().split('"pid": ')[1].split(",")[0])
         buffer, model = mnt / "buffers" / "mem", mnt / "weights" / "mem"
         buffer.mkdir()
@@ -144,9 +137,7 @@ def main() -> int:
         print(json.dumps(result, indent=2))
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    finally:
-        subprocess.run([*distore, "umount", str(mnt)], check=False, stdout=subprocess.DEVNULL)
-        shutil.rmtree(base, ignore_errors=True)
+    shutil.rmtree(base, ignore_errors=True)
     return 0
 
 
