@@ -18,6 +18,8 @@ command -v fusermount3 >/dev/null 2>&1 || need_apt+=(fuse3)
 dpkg -s libfuse3-dev >/dev/null 2>&1 || need_apt+=(libfuse3-dev)
 command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
 command -v gcc >/dev/null 2>&1 || need_apt+=(gcc)
+# copy tools the tests run against kind directories (cp and tar come with Debian)
+command -v rsync >/dev/null 2>&1 || need_apt+=(rsync)
 # etcd: the cluster tests start a real etcd server on loopback (multi-node mode's registry)
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 "$PYTHON" -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \

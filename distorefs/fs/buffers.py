@@ -116,6 +116,11 @@ async def run_waiting(pid: int, nonblocking: bool, ready: bool, call: Callable[[
     return await interruptible(pid, lambda: call(False))
 
 
+def config_text(buffer: ReplayBuffer) -> bytes:
+    """What a read of `config` returns: the buffer's config as indented JSON."""
+    return (json.dumps(buffer.config.to_json(), indent=2) + "\n").encode()
+
+
 def item_ino(buffer: ReplayBuffer, index: int) -> int:
     return ITEM_BASE | ((buffer.owner - BUFFER_OWNER_BASE) << INDEX_BITS) | index
 
@@ -134,8 +139,7 @@ class ConfigHandle(WholeInputHandle):
     incomplete = "config is not valid JSON"
 
     def __init__(self, buffer: ReplayBuffer) -> None:
-        content = (json.dumps(buffer.config.to_json(), indent=2) + "\n").encode()
-        super().__init__(f"buffers/{buffer.name}", buffer.record_error, content)
+        super().__init__(f"buffers/{buffer.name}", buffer.record_error, config_text(buffer))
         self._buffer = buffer
 
     async def _apply_if_complete(self, pending: bytearray) -> bool:
@@ -347,6 +351,7 @@ class ItemNode(VirtualFile):
 
     def __init__(self, buffer: ReplayBuffer, index: int) -> None:
         super().__init__(item_ino(buffer, index), str(index).encode(), stat.S_IFREG | 0o644)
+        self.mtime_ns = buffer.loaded_ns  # one node per lookup: a stable time, or tar sees a change
         self.buffer = buffer
         self.index = index
 
@@ -368,6 +373,7 @@ class ItemsDir(VirtualDir):
     def __init__(self, ino: int, buffer: ReplayBuffer) -> None:
         super().__init__(ino, b"items", stat.S_IFDIR | 0o755)
         self.buffer = buffer
+        self.mtime_ns = buffer.loaded_ns  # readdir hands its items this directory's times
 
     def lookup(self, name: bytes) -> VirtualNode:
         if not name.isdigit():
@@ -416,7 +422,11 @@ class BufferDir(NamedDir):
             (b"priority", 0o664, lambda flags, pid: PriorityHandle(b), True, Access.WRITE),
         ]  # fmt: skip
         for name, mode, make, writable, access in files:
-            self._add(BufferFile(tree.new_ino(), name, mode, buffer, make, writable).govern(self, access))
+            node = BufferFile(tree.new_ino(), name, mode, buffer, make, writable).govern(self, access)
+            if name == b"config":
+                node.snapshot = lambda: config_text(b)  # its size: copy tools read it whole
+            node.acts_on_read = name == b"sample"
+            self._add(node)
         stats = ControlFile(tree.new_ino(), b"stats", lambda: (json.dumps(b.stats(), indent=2) + "\n").encode())
         self._add(stats.govern(self, Access.READ))
         self._add(ItemsDir(tree.new_ino(), buffer).govern(self, Access.DIRECTORY))
@@ -451,6 +461,7 @@ class BufferDir(NamedDir):
                 lambda flags, pid: SampleHandle(b, None, bool(flags & os.O_NONBLOCK), pid, columnar=True),
                 False,
             ).govern(self, Access.CHANGES_ON_READ)
+            node.acts_on_read = True
             self._tree.register(node)
         return node
 
@@ -469,6 +480,7 @@ class BufferDir(NamedDir):
                 lambda flags, pid: SampleHandle(b, count, bool(flags & os.O_NONBLOCK), pid),
                 False,
             ).govern(self, Access.CHANGES_ON_READ)
+            node.acts_on_read = True
             if len(self._sized) < 64:  # a few sizes are kept; others are made per lookup
                 self._sized[count] = node
             self._tree.register(node)

@@ -51,6 +51,14 @@ CONTROL_NAMES = (b"config", b"append", b"state", b"order", b"len", b"stats", b"s
 MAX_WORLD = 1 << 16
 
 
+def config_text(ds: Dataset) -> bytes:
+    return (json.dumps(asdict(ds.config), indent=2) + "\n").encode()
+
+
+def state_text(ds: Dataset) -> bytes:
+    return b"sealed\n" if ds.sealed else b"open\n"
+
+
 def record_ino(ds: Dataset, index: int) -> int:
     return RECORD_BASE | ((ds.owner - DATASET_OWNER_BASE) // OWNERS_PER_DATASET << INDEX_BITS) | index
 
@@ -74,7 +82,7 @@ class ConfigHandle(WholeInputHandle):
     incomplete = "config is not valid JSON"
 
     def __init__(self, ds: Dataset) -> None:
-        content = (json.dumps(asdict(ds.config), indent=2) + "\n").encode()
+        content = config_text(ds)
         super().__init__(_label(ds, "config"), ds.record_error, content)
         self._ds = ds
 
@@ -125,7 +133,7 @@ class StateHandle(RenderedHandle):
     """Reads `open` or `sealed`; a write of `seal` seals (durably, before it returns)."""
 
     def __init__(self, ds: Dataset) -> None:
-        super().__init__(b"sealed\n" if ds.sealed else b"open\n")
+        super().__init__(state_text(ds))
         self._ds = ds
         self._pending = bytearray()
 
@@ -240,6 +248,8 @@ class DatasetFile(VirtualFile):
 class StreamFile(VirtualFile):
     """`stream` (rank 0 of 1) or `stream-RANK-of-WORLD`."""
 
+    acts_on_read = True  # each open streams an epoch (and prefetches for it)
+
     def __init__(self, ino: int, name: bytes, ds: Dataset, store: DatasetStore, rank: int, world: int) -> None:
         super().__init__(ino, name, stat.S_IFREG | 0o444)
         self.ds = ds
@@ -260,6 +270,7 @@ class RecordNode(VirtualFile):
 
     def __init__(self, ds: Dataset, index: int) -> None:
         super().__init__(record_ino(ds, index), b"%d" % index, stat.S_IFREG | 0o444)
+        self.mtime_ns = ds.loaded_ns  # one node per lookup: a stable time, or tar sees a change
         self.ds = ds
         self.index = index
 
@@ -308,6 +319,7 @@ class RecordsDir(VirtualDir):
     def __init__(self, ino: int, ds: Dataset) -> None:
         super().__init__(ino, b"records", stat.S_IFDIR | 0o555)
         self.ds = ds
+        self.mtime_ns = ds.loaded_ns  # readdir hands its records this directory's times
 
     def lookup(self, name: bytes) -> VirtualNode:
         if not name.isdigit() or int(name) >= self.ds.count or (len(name) > 1 and name.startswith(b"0")):
@@ -339,8 +351,11 @@ class DatasetDir(NamedDir):
             (b"state", 0o664, lambda flags: StateHandle(ds), True, Access.READ_WRITE),
             (b"order", 0o664, lambda flags: OrderHandle(ds), True, Access.READ_WRITE),
         ]
+        snapshots = {b"config": lambda: config_text(ds), b"state": lambda: state_text(ds)}
         for name, mode, make, writable, access in files:
-            self._add(DatasetFile(tree.new_ino(), name, mode, ds, make, writable).govern(self, access))
+            node = DatasetFile(tree.new_ino(), name, mode, ds, make, writable).govern(self, access)
+            node.snapshot = snapshots.get(name)  # sizes for copy tools (the order is not rendered to stat)
+            self._add(node)
         self._add(ControlFile(tree.new_ino(), b"len", lambda: b"%d\n" % ds.count).govern(self, Access.READ))
         self._add(ControlFile(tree.new_ino(), b"stats", self._render_stats).govern(self, Access.READ))
         self._add(StreamFile(tree.new_ino(), b"stream", ds, store, 0, 1).govern(self, Access.READ))

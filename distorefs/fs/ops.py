@@ -441,6 +441,7 @@ class FsOperations(pyfuse3.Operations):
             node = self.virtual.get(inode)
             if not isinstance(node, VirtualFile):
                 raise NotPermitted("not a file")
+            node.check_open(flags)
             vhandle = await node.open(flags, ctx.pid)
             fh = self._new_fh(Handle(inode, virtual=True, vhandle=vhandle))
             return pyfuse3.FileInfo(fh=fh, direct_io=vhandle.direct_io, keep_cache=vhandle.keep_cache)

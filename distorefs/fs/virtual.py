@@ -24,7 +24,15 @@ from typing import Any, Self
 import trio
 
 from distorefs import __version__
-from distorefs.errors import DistorefsError, FileTooLarge, InvalidArgument, IsADirectory, NotFound, ReadOnly
+from distorefs.errors import (
+    DistorefsError,
+    FileTooLarge,
+    InvalidArgument,
+    IsADirectory,
+    NotFound,
+    NotPermitted,
+    ReadOnly,
+)
 from distorefs.ids import VIRTUAL_BASE
 from distorefs.stores.files import ROOT_INODE, FileStore
 from distorefs.stores.owners import Owner, OwnerTable
@@ -223,9 +231,30 @@ class WholeInputHandle(RenderedHandle):
 
 
 class VirtualFile(VirtualNode):
-    """A file whose opens get handles from `open`."""
+    """A file whose opens get handles from `open`.
+
+    `snapshot`, where set, renders what a read of the file returns now: its length is the
+    file's size, so copy tools that read `st_size` bytes (tar, rsync) take it whole.
+    `acts_on_read` marks files whose reading changes state or waits (`sample`, `wait`,
+    `stream`): an open with O_NOFOLLOW, which is how cp -a, tar and rsync open every
+    file, is refused with EPERM, so a copy of a directory never draws a batch or hangs.
+    """
 
     writable = False
+    snapshot: Callable[[], bytes] | None = None
+    acts_on_read = False
+
+    @property
+    def size(self) -> int:
+        return 0 if self.snapshot is None else len(self.snapshot())
+
+    def check_open(self, flags: int) -> None:
+        """EPERM for a copy tool's open of a file that acts when read."""
+        if self.acts_on_read and flags & os.O_NOFOLLOW:
+            raise NotPermitted(
+                f"{self.name.decode(errors='replace')} acts when read (it draws, waits or streams), and an"
+                " O_NOFOLLOW open is a copy tool's (cp -a, tar, rsync): back up with the documented commands"
+            )
 
     async def open(self, flags: int, pid: int) -> VirtualHandle:
         raise NotImplementedError
@@ -251,6 +280,7 @@ class ControlFile(VirtualFile):
     def __init__(self, ino: int, name: bytes, render: Callable[[], bytes]) -> None:
         super().__init__(ino, name, stat.S_IFREG | 0o444)
         self.render = render
+        self.snapshot = render
 
     async def open(self, flags: int, pid: int) -> VirtualHandle:
         if flags & os.O_ACCMODE != os.O_RDONLY:

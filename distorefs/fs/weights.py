@@ -426,6 +426,8 @@ class ModelDir(VirtualDir):
 
 
 class WaitFile(VirtualFile):
+    acts_on_read = True  # a read waits for the next version
+
     def __init__(self, kind: WeightsDir, model: Model, ino: int) -> None:
         super().__init__(ino, b"wait", stat.S_IFREG | 0o444)
         self._kind = kind

@@ -107,6 +107,7 @@ class Dataset:
         self._order_cache: tuple[OrderSpec, np.ndarray] | None = None
         self._changed = False
         self.errors: list[str] = []
+        self.loaded_ns = time.time_ns()  # when this daemon made or restored it: its records' mtime
         # Cluster mode: news for the other nodes, and the node that writes this dataset
         # when it is a copy of another node's (None: written here).
         self.news: Outbox[tuple[str, str]] = Outbox()

@@ -99,6 +99,7 @@ class ReplayBuffer:
         self.blocked_readers = 0
         self.blocked_writers = 0
         self.errors: list[str] = []
+        self.loaded_ns = time.time_ns()  # when this daemon made or restored it: its items' mtime
         self.deleted = False
         self._shard_limit = shard_limit
         self._spread: Spread | None = None  # set by the store when it spreads the buffer over nodes
