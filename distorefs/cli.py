@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     mount.add_argument("--segment-size", default="64MiB", help="log segment size (default 64MiB)")
     mount.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="also serve Prometheus metrics (as .distore/metrics) over HTTP on 127.0.0.1:PORT",
+    )
+    mount.add_argument(
         "--compaction-reserve",
         default=None,
         help="disk held back from writes so that compaction can run on a full disk (default: 2 segments)",
@@ -183,6 +189,7 @@ def _daemon_config(args: argparse.Namespace) -> Any:
         allow_other=args.allow_other,
         segment_bytes=parse_size(args.segment_size),
         reserve_bytes=None if args.compaction_reserve is None else parse_size(args.compaction_reserve),
+        metrics_port=args.metrics_port,
         flush_interval_s=args.flush_interval,
         sync_interval_s=args.sync_interval,
         compact_interval_s=args.compact_interval,
@@ -266,6 +273,8 @@ def start_background(config: Any, args: argparse.Namespace) -> int:
         ]  # fmt: skip
     if config.allow_other:
         argv.append("--allow-other")
+    if config.metrics_port is not None:
+        argv += ["--metrics-port", str(config.metrics_port)]
     if args.debug:
         argv.append("--debug")
     log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)

@@ -65,6 +65,7 @@ class DaemonConfig:
     block_bytes: int = DEFAULT_BLOCK_BYTES
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
     reserve_bytes: int | None = None  # None: two segments (room for compaction on a full disk)
+    metrics_port: int | None = None  # also serve Prometheus metrics over HTTP on 127.0.0.1
     flush_interval_s: float = 1.0
     sync_interval_s: float = 5.0
     compact_interval_s: float = 5.0
@@ -105,6 +106,8 @@ class DaemonConfig:
         window = self.prefetch_window_bytes
         if window is not None and not MIN_WINDOW_BYTES <= window <= self.dram_budget_bytes:
             raise ConfigError(f"--prefetch-window must be between 4MiB and the DRAM budget, got {window} bytes")
+        if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be 1..65535, got {self.metrics_port}")
         if not 0.0 < self.compact_min_dead_ratio <= 1.0:
             raise ConfigError(f"compact_min_dead_ratio must be in (0, 1], got {self.compact_min_dead_ratio}")
 
@@ -299,6 +302,8 @@ async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb) -> Dae
     virtual.add_status(weights.statistics)
     virtual.add_status(checkpoints.statistics)
     ops = FsOperations(PosixTree(files, checkpoints), virtual, config.data_dir, config.block_bytes)
+    ops.metrics.watch(virtual.status, buffers)
+    virtual.add_control(b"metrics", ops.metrics.render)
     if node is not None and replicas is not None:
         node.add(BufferSync(node, buffers))
         node.add(WeightSync(node, weights))
@@ -346,6 +351,8 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
                     daemon.start_tasks(config, nursery)
                     nursery.start_soon(_stop_on_signal, name="signals")
                     nursery.start_soon(_tune_after_init, config.mountpoint, name="tune")
+                    if config.metrics_port is not None:
+                        daemon.ops.metrics.serve(config.metrics_port)
                     ready(f"distorefs: mounted {config.mountpoint} (pid {os.getpid()}, data dir {data_dir})")
                     await pyfuse3.main()
                     nursery.cancel_scope.cancel()

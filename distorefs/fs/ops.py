@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import stat
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
@@ -32,6 +33,7 @@ import pyfuse3
 import trio
 
 from distorefs.errors import Busy, CrossDevice, DistorefsError, Exists, NameTooLong, NotPermitted, ReadOnly
+from distorefs.fs.metrics import Metrics
 from distorefs.fs.virtual import KindDirectory, VirtualDir, VirtualFile, VirtualHandle, VirtualNode, VirtualTree
 from distorefs.stores.files import NAME_MAX, ROOT_INODE, Inode
 from distorefs.stores.tree import PosixTree
@@ -83,24 +85,31 @@ def _translate(mutates: bool) -> Callable[[Callable[P, Coroutine[Any, Any, R]]],
             assert isinstance(self, FsOperations)
             if mutates and self.degraded:
                 raise pyfuse3.FUSEError(errno.EROFS)
+            started, failed = time.perf_counter(), 0
             try:
                 return await fn(*args, **kwargs)
-            except pyfuse3.FUSEError:
+            except pyfuse3.FUSEError as exc:
+                failed = exc.errno
                 raise
             except DistorefsError as exc:
+                failed = exc.errno
                 log.debug("%s%r: %s", fn.__name__, args[1:], exc.message)
                 raise pyfuse3.FUSEError(exc.errno) from None
             except AssertionError as exc:
+                failed = errno.EIO
                 log.exception("broken invariant in %s(%s); the mount is now degraded", fn.__name__, _describe(args[1:]))
                 self.degrade(f"{fn.__name__}: broken invariant: {exc}")
                 raise pyfuse3.FUSEError(errno.EIO) from None
             except Exception as exc:
+                failed = errno.EIO
                 log.exception(
                     "unexpected error in %s(%s); the request fails with EIO", fn.__name__, _describe(args[1:])
                 )
                 self.virtual.internal_errors += 1
                 self.virtual.last_internal_error = f"{fn.__name__}: {type(exc).__name__}"
                 raise pyfuse3.FUSEError(errno.EIO) from None
+            finally:
+                self.metrics.observe(fn.__name__, started, failed)
 
         return wrapper
 
@@ -117,6 +126,7 @@ class FsOperations(pyfuse3.Operations):
         super().__init__()
         self.tree = tree
         self.virtual = virtual
+        self.metrics = Metrics()
         self._stale_send, self._stale_recv = trio.open_memory_channel[int](math.inf)
         self.data_dir = data_dir
         self.block_bytes = block_bytes

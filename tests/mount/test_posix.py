@@ -19,7 +19,7 @@ pytestmark = pytest.mark.mount
 def test_root_holds_the_reserved_directories(mounted: Mount) -> None:
     names = set(os.listdir(mounted.path))
     assert {"buffers", "weights", "checkpoints", "datasets", ".distore"} <= names
-    assert sorted(os.listdir(mounted.path / ".distore")) == ["peers", "status", "version"]
+    assert sorted(os.listdir(mounted.path / ".distore")) == ["metrics", "peers", "status", "version"]
 
 
 def test_peers_of_a_single_node_daemon_says_so(mounted: Mount) -> None:
