@@ -22,7 +22,7 @@ from typing import Any
 
 from distorefs import __version__
 from distorefs.errors import ConfigError
-from distorefs.units import format_size, parse_size
+from distorefs.units import SIZE_RULE, format_size, parse_size
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 READY_TIMEOUT_S = 120.0
@@ -58,7 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument(
         "--data-dir", default=None, help=f"where the log and metadata live (default {default_data_dir()})"
     )
-    mount.add_argument("--dram-budget", default="1GiB", help="DRAM cache size, e.g. 512MiB, 4GiB (default 1GiB)")
+    mount.add_argument(
+        "--dram-budget",
+        default="1GiB",
+        help=f"DRAM cache size, e.g. 512MiB, 4GiB (default 1GiB; at most the machine's memory). Sizes: {SIZE_RULE}",
+    )
+    mount.add_argument(
+        "--nonempty", action="store_true", help="mount over a directory that is not empty (hiding what is in it)"
+    )
     mount.add_argument("--foreground", action="store_true", help="stay in the foreground, log to stderr")
     mount.add_argument("--allow-other", action="store_true", help="let other users access the mount")
     mount.add_argument("--debug", action="store_true", help="log every failed request")
@@ -128,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 # --- mount -------------------------------------------------------------------------------
 
 
-def check_mountpoint(mountpoint: str) -> None:
+def check_mountpoint(mountpoint: str, nonempty: bool = False) -> None:
     if not os.path.exists("/dev/fuse"):
         raise CliError("no /dev/fuse: load the fuse module (modprobe fuse) or give the container /dev/fuse")
     if os.geteuid() != 0 and shutil.which("fusermount3") is None:
@@ -146,6 +153,10 @@ def check_mountpoint(mountpoint: str) -> None:
     if os.path.ismount(mountpoint) or _is_mount(mountpoint):
         raise CliError(f"mount point {mountpoint} is already mounted")
     del st
+    if not nonempty and os.listdir(mountpoint):
+        raise CliError(
+            f"mount point {mountpoint} is not empty: its files would be hidden (use --nonempty to mount anyway)"
+        )
 
 
 def _is_mount(path: str) -> bool:
@@ -208,7 +219,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         config = _daemon_config(args)
     except ConfigError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
-    check_mountpoint(args.mountpoint)
+    check_mountpoint(args.mountpoint, args.nonempty)
     if args.foreground:
         return run_foreground(config, args)
     return start_background(config, args)
@@ -273,6 +284,8 @@ def start_background(config: Any, args: argparse.Namespace) -> int:
         ]  # fmt: skip
     if config.allow_other:
         argv.append("--allow-other")
+    if args.nonempty:
+        argv.append("--nonempty")
     if config.metrics_port is not None:
         argv += ["--metrics-port", str(config.metrics_port)]
     if args.debug:

@@ -94,6 +94,11 @@ class DaemonConfig:
     def validate(self) -> None:
         if self.dram_budget_bytes < MIN_DRAM_BUDGET_BYTES:
             raise ConfigError(f"--dram-budget must be >= 8MiB, got {self.dram_budget_bytes} bytes")
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if self.dram_budget_bytes > memory:
+            raise ConfigError(
+                f"--dram-budget of {self.dram_budget_bytes} bytes is more than this machine's memory ({memory} bytes)"
+            )
         for name in (
             "flush_interval_s",
             "sync_interval_s",

@@ -21,7 +21,12 @@ _UNITS = {
     "mib": 1024**2,
     "gib": 1024**3,
     "tib": 1024**4,
+    "ki": 1024,
+    "mi": 1024**2,
+    "gi": 1024**3,
+    "ti": 1024**4,
 }
+SIZE_RULE = "K, KB, M, MB, G, GB, T, TB are powers of 1000; Ki, KiB, Mi, MiB, Gi, GiB, Ti, TiB powers of 1024"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 
@@ -36,7 +41,7 @@ def parse_size(text: str) -> int:
     number, unit = match.groups()
     factor = _UNITS.get(unit.lower())
     if factor is None:
-        raise ConfigError(f"unknown size unit {unit!r} in {text!r} (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
+        raise ConfigError(f"unknown size unit {unit!r} in {text!r} ({SIZE_RULE})")
     return int(float(number) * factor)
 
 

@@ -91,7 +91,8 @@ def test_mount_errors_are_one_line_and_nonzero(mounted: Mount, tmp_path: Path) -
         (("mount", str(mounted.path), "--data-dir", str(tmp_path / "d")), 1,
          f"distore mount: mount point {mounted.path} is already mounted"),
         (("mount", str(tmp_path), "--dram-budget", "5XB"), 2,
-         "distore mount: unknown size unit 'XB' in '5XB' (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"),
+         "distore mount: unknown size unit 'XB' in '5XB' (K, KB, M, MB, G, GB, T, TB are powers of 1000;"
+         " Ki, KiB, Mi, MiB, Gi, GiB, Ti, TiB powers of 1024)"),
         (("mount", str(tmp_path), "--dram-budget", "1MiB"), 2,
          "distore mount: --dram-budget must be >= 8MiB, got 1048576 bytes"),
         (("umount", str(tmp_path)), 1, f"distore umount: {tmp_path} is not mounted"),
@@ -101,6 +102,23 @@ def test_mount_errors_are_one_line_and_nonzero(mounted: Mount, tmp_path: Path) -
         result = distore(*args)
         assert (result.returncode, result.stderr.strip()) == (code, message), args
         assert result.stdout == ""
+
+
+def test_a_non_empty_mount_point_and_a_budget_over_memory_are_refused(tmp_path: Path) -> None:
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "left-here").write_text("x")
+    result = distore("mount", str(busy), "--data-dir", str(tmp_path / "d"))
+    assert (result.returncode, result.stderr.strip()) == (
+        1,
+        f"distore mount: mount point {busy} is not empty: its files would be hidden (use --nonempty to mount anyway)",
+    )
+    result = distore("mount", str(tmp_path / "d2"), "--dram-budget", "100000TiB")
+    assert result.returncode == 2
+    assert result.stderr.startswith(
+        "distore mount: --dram-budget of 109951162777600000 bytes is more than this machine"
+    )
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_data_dir_locked_by_another_daemon(mounted: Mount, tmp_path: Path) -> None:

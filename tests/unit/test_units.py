@@ -8,7 +8,17 @@ from distorefs.units import format_size, parse_size
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("4096", 4096), ("512MiB", 512 * 2**20), ("4GiB", 4 * 2**30), ("1.5GB", 1_500_000_000), ("64 kib", 65536)],
+    [
+        ("4096", 4096),
+        ("512MiB", 512 * 2**20),
+        ("4GiB", 4 * 2**30),
+        ("1.5GB", 1_500_000_000),
+        ("64 kib", 65536),
+        ("4G", 4 * 10**9),
+        ("4GB", 4 * 10**9),
+        ("4Gi", 4 * 2**30),
+        ("2Mi", 2 * 2**20),
+    ],  # fmt: skip
 )
 def test_parse_size_accepts_binary_and_decimal_units(text: str, expected: int) -> None:
     assert parse_size(text) == expected
