@@ -246,14 +246,29 @@ def run_foreground(config: Any, args: argparse.Namespace) -> int:
 
     try:
         trio.run(serve, config, ready)
-    except ConfigError as exc:
-        if ready_fd is not None:
+    except BaseException as exc:
+        # Start-up and shutdown failures are one line, also when they come out of the
+        # daemon's nursery wrapped in an ExceptionGroup.
+        found = _first_of(exc, (ConfigError, ShutdownIncomplete))
+        if found is None:
+            raise
+        if ready_fd is not None and isinstance(found, ConfigError):
             with contextlib.suppress(OSError):
-                os.write(ready_fd, f"ERROR {exc}\n".encode())
-        raise CliError(str(exc)) from None
-    except ShutdownIncomplete as exc:
-        raise CliError(str(exc)) from None
+                os.write(ready_fd, f"ERROR {found}\n".encode())
+        raise CliError(str(found)) from None
     return EXIT_OK
+
+
+def _first_of(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
+    """`exc` itself if it is one of `kinds`, else the first such inside its exception groups."""
+    if isinstance(exc, kinds):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _first_of(inner, kinds)
+            if found is not None:
+                return found
+    return None
 
 
 def start_background(config: Any, args: argparse.Namespace) -> int:

@@ -121,6 +121,20 @@ def test_a_non_empty_mount_point_and_a_budget_over_memory_are_refused(tmp_path: 
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_failure_inside_the_daemons_nursery_is_one_line_too(tmp_path: Path) -> None:
+    mount_point = tmp_path / "mnt"
+    mount_point.mkdir()
+    result = distore(
+        "mount", str(mount_point), "--data-dir", str(tmp_path / "d"),
+        "--cluster", "http://127.0.0.1:9", "--node", "n1", "--peer-timeout", "1",
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.startswith("distore mount: cannot join the cluster at http://127.0.0.1:9: ")
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "ExceptionGroup" not in result.stderr
+    assert not os.path.ismount(mount_point)
+
+
 def test_data_dir_locked_by_another_daemon(mounted: Mount, tmp_path: Path) -> None:
     other = tmp_path / "other"
     other.mkdir()
