@@ -156,14 +156,19 @@ class WriterHandle(VirtualHandle):
     async def fsync(self) -> None:
         await self._store.sync(self.pending)
 
+    def _unregister(self) -> None:
+        writers = self._dir.open_writers
+        named = writers.get(self._name)
+        if named is not None and self in named:
+            named.remove(self)
+            if not named:
+                del writers[self._name]
+
     def retarget(self, new_name: bytes) -> None:
         """The file was renamed while open: publish it under `new_name` at its close."""
-        writers = self._dir.open_writers
-        writers[self._name].remove(self)
-        if not writers[self._name]:
-            del writers[self._name]
+        self._unregister()
         self._name = new_name
-        writers.setdefault(new_name, []).append(self)
+        self._dir.open_writers.setdefault(new_name, []).append(self)
 
     def discard(self) -> None:
         """The file was unlinked while open: its close publishes nothing."""
@@ -202,11 +207,7 @@ class WriterHandle(VirtualHandle):
         except NotFound:
             pass
         finally:
-            writers = self._dir.open_writers.get(self._name)
-            if writers is not None and self in writers:
-                writers.remove(self)
-                if not writers:
-                    del self._dir.open_writers[self._name]
+            self._unregister()
             self._store.release(self.pending)
             self._dir.kind.node_for(self.pending).collect()
 
