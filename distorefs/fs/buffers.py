@@ -44,7 +44,6 @@ from distorefs.fs.virtual import (
     VirtualNode,
     VirtualTree,
     WholeInputHandle,
-    derived_bits,
     json_object,
 )
 from distorefs.ids import BUFFER_OWNER_BASE, INDEX_BITS, ITEM_BASE, ITEM_SPAN
@@ -389,8 +388,7 @@ class ItemsDir(VirtualDir):
     def listing(self) -> list[tuple[bytes, int, int, int]]:
         live, sizes = self.buffer.live_items()
         base = item_ino(self.buffer, 0)
-        found = self.permissions()
-        mode = stat.S_IFREG | (0o644 if found is None else derived_bits(found[0], Access.READ_WRITE))
+        mode = stat.S_IFREG | self.child_bits(Access.READ_WRITE, 0o644)
         return [(b"%d" % i, base | i, mode, s) for i, s in zip(live.tolist(), sizes.tolist(), strict=True)]
 
     async def unlink(self, name: bytes) -> None:

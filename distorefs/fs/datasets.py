@@ -36,7 +36,6 @@ from distorefs.fs.virtual import (
     VirtualNode,
     VirtualTree,
     WholeInputHandle,
-    derived_bits,
     json_object,
 )
 from distorefs.ids import DATASET_OWNER_BASE, INDEX_BITS, OWNERS_PER_DATASET, RECORD_BASE, RECORD_SPAN
@@ -327,8 +326,7 @@ class RecordsDir(VirtualDir):
         return RecordNode(self.ds, int(name)).govern(self.governor or self, Access.READ)
 
     def listing(self) -> Sequence[tuple[bytes, int, int, int]]:
-        found = self.permissions()
-        return RecordListing(self.ds, 0o444 if found is None else derived_bits(found[0], Access.READ))
+        return RecordListing(self.ds, self.child_bits(Access.READ, 0o444))
 
     async def unlink(self, name: bytes) -> None:
         """Records are not removed one by one: a no-op, so `rm -r` of a dataset works."""

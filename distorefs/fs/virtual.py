@@ -115,6 +115,12 @@ class VirtualNode:
         found = self.permissions()
         return self.mode if found is None else stat.S_IFMT(self.mode) | found[0]
 
+    def child_bits(self, access: Access, default: int) -> int:
+        """The permission bits a child with `access` shows inside this node (`default` when
+        it follows no owner): for listings that make no node per entry."""
+        found = self.permissions()
+        return default if found is None else derived_bits(found[0], access)
+
     @property
     def size(self) -> int:
         return 0

@@ -45,7 +45,6 @@ from distorefs.fs.virtual import (
     VirtualHandle,
     VirtualNode,
     VirtualTree,
-    derived_bits,
 )
 from distorefs.stores.files import RENAME_NOREPLACE
 from distorefs.stores.weights import RESERVED_NAMES, Model, WeightFile, WeightStore, check_file_name
@@ -356,7 +355,7 @@ class ModelDir(VirtualDir):
 
     def listing(self) -> list[tuple[bytes, int, int, int]]:
         out = [(n, c.ino, c.effective_mode(), 0) for n, c in self.children.items()]
-        file_mode = stat.S_IFREG | derived_bits(self.owner().mode, Access.READ_WRITE)
+        file_mode = stat.S_IFREG | self.child_bits(Access.READ_WRITE, 0o644)
         for name, wf in self.model.files.items():
             out.append((name, self.kind.node_for(wf, name).govern(self, Access.READ_WRITE).ino, file_mode, wf.size))
         return out

@@ -156,11 +156,6 @@ class ReplayBuffer:
     def live_tree(self) -> SegmentTree:
         return self._live
 
-    @property
-    def spread(self) -> Spread | None:
-        """How the buffer is spread over nodes; None when this node holds all of it."""
-        return self._spread
-
     def spread_over(self, spread: Spread | None) -> None:
         """The store places the buffer: over nodes (`spread`), or all on this node (None)."""
         self._spread = spread
