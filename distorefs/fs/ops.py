@@ -12,8 +12,8 @@ An unexpected exception is logged with its request (the handler and its argument
 the bytes written) and answered with EIO; it fails that request and nothing else, and is
 counted in `.distore/status`. Only a broken internal invariant (an AssertionError: the
 store's own state may be corrupt) turns the mount degraded: reads go on, changes get
-EROFS, and `.distore/status` says why. A write refused with an errno is reported again
-at the close of that open, so a writer that ignores write errors still sees it.
+EROFS, and `.distore/status` says why. A write that a control file refused is reported
+again at every close of that open, so a writer that ignores write errors still sees it.
 """
 
 from __future__ import annotations
@@ -105,8 +105,7 @@ def _translate(mutates: bool) -> Callable[[Callable[P, Coroutine[Any, Any, R]]],
                 log.exception(
                     "unexpected error in %s(%s); the request fails with EIO", fn.__name__, _describe(args[1:])
                 )
-                self.virtual.internal_errors += 1
-                self.virtual.last_internal_error = f"{fn.__name__}: {type(exc).__name__}"
+                self._count_internal_error(fn.__name__, exc)
                 raise pyfuse3.FUSEError(errno.EIO) from None
             finally:
                 self.metrics.observe(fn.__name__, started, failed)
@@ -133,6 +132,11 @@ class FsOperations(pyfuse3.Operations):
         self.degraded = False
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
+
+    def _count_internal_error(self, op: str, exc: Exception) -> None:
+        """An unexpected error failed one request: `.distore/status` counts it."""
+        self.virtual.internal_errors += 1
+        self.virtual.last_internal_error = f"{op}: {type(exc).__name__}"
 
     def degrade(self, reason: str) -> None:
         """Reads go on, changes get EROFS until a restart."""
@@ -286,8 +290,7 @@ class FsOperations(pyfuse3.Operations):
                         node.looked_up(-nlookup)
             except Exception as exc:
                 log.exception("unexpected error in forget(%d, %d)", ino, nlookup)
-                self.virtual.internal_errors += 1
-                self.virtual.last_internal_error = f"forget: {type(exc).__name__}"
+                self._count_internal_error("forget", exc)
 
     @_translate(mutates=False)
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
