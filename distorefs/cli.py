@@ -18,9 +18,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
-from distorefs import __version__
+from distorefs import __version__, logs, progress, service
 from distorefs.errors import ConfigError
 from distorefs.units import SIZE_RULE, format_size, parse_size
 
@@ -66,9 +67,23 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument(
         "--nonempty", action="store_true", help="mount over a directory that is not empty (hiding what is in it)"
     )
-    mount.add_argument("--foreground", action="store_true", help="stay in the foreground, log to stderr")
+    mount.add_argument(
+        "--foreground", action="store_true",
+        help="stay in the foreground; log to stderr (to journald when systemd runs it) unless --log-file",
+    )  # fmt: skip
+    mount.add_argument(
+        "--log-file", default=None, metavar="PATH",
+        help="log here, one line per event (default: DATA_DIR/daemon.log, or stderr with --foreground)",
+    )  # fmt: skip
+    mount.add_argument(
+        "--log-rotate", default="16MiB", metavar="SIZE",
+        help="rotate the log file at this size, keeping 4 old ones (default 16MiB; 0: never rotate, reopen the "
+        "file when logrotate moves it)",
+    )  # fmt: skip
     mount.add_argument("--allow-other", action="store_true", help="let other users access the mount")
-    mount.add_argument("--debug", action="store_true", help="log every failed request")
+    mount.add_argument(
+        "--debug", action="store_true", help="log at DEBUG, with every failed request (also ENOENT and the like)"
+    )
     mount.add_argument("--flush-interval", type=_positive_float, default=1.0, metavar="S")
     mount.add_argument("--sync-interval", type=_positive_float, default=5.0, metavar="S")
     mount.add_argument("--compact-interval", type=_positive_float, default=5.0, metavar="S")
@@ -129,6 +144,25 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show the daemon's state")
     status.add_argument("mountpoint")
     status.add_argument("--json", action="store_true", help="print JSON")
+
+    top = sub.add_parser("top", help="a live view of a mount: requests/s, bytes/s, DRAM, lag, busiest buffers")
+    top.add_argument("mountpoint")
+    top.add_argument("--interval", type=_positive_float, default=1.0, metavar="S", help="refresh every S (default 1)")
+    top.add_argument("--once", action="store_true", help="print one frame (rates over one interval) and exit")
+
+    install = sub.add_parser(
+        "install-service",
+        help=f"install the systemd unit {service.UNIT_NAME} and the mount helpers for /etc/fstab (needs root)",
+    )
+    install.add_argument(
+        "--unit-dir", default=service.DEFAULT_UNIT_DIR, help=f"where the unit goes (default {service.DEFAULT_UNIT_DIR})"
+    )
+    install.add_argument(
+        "--sbin-dir", default=service.DEFAULT_SBIN_DIR,
+        help=f"where {service.MOUNT_HELPER} and {service.UMOUNT_HELPER} are linked "
+        f"(default {service.DEFAULT_SBIN_DIR})",
+    )  # fmt: skip
+    install.add_argument("--print", action="store_true", help="print the unit and change nothing")
     return parser
 
 
@@ -217,6 +251,7 @@ def _daemon_config(args: argparse.Namespace) -> Any:
 def cmd_mount(args: argparse.Namespace) -> int:
     try:
         config = _daemon_config(args)
+        parse_size(args.log_rotate)
     except ConfigError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
     check_mountpoint(args.mountpoint, args.nonempty)
@@ -230,14 +265,15 @@ def run_foreground(config: Any, args: argparse.Namespace) -> int:
 
     from distorefs.daemon import serve
 
-    logging.basicConfig(
-        level=logging.DEBUG if args.debug else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    try:
+        logs.setup(debug=args.debug, log_file=args.log_file, rotate_bytes=parse_size(args.log_rotate))
+    except OSError as exc:
+        raise CliError(f"cannot open the log file {args.log_file}: {exc.strerror}") from None
     ready_fd = args.ready_fd
 
     def ready(message: str) -> None:
         print(message, flush=True)
+        service.notify(f"READY=1\nSTATUS={message}")
         if ready_fd is not None:
             os.write(ready_fd, f"READY {message}\n".encode())
             os.close(ready_fd)
@@ -273,7 +309,10 @@ def _first_of(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> Bas
 
 def start_background(config: Any, args: argparse.Namespace) -> int:
     os.makedirs(config.data_dir, mode=0o700, exist_ok=True)
-    log_path = os.path.join(config.data_dir, "daemon.log")
+    log_path = args.log_file or os.path.join(config.data_dir, "daemon.log")
+    # the daemon logs to log_path itself (rotating it); its stdout and stderr (a crash
+    # that logging never saw) go next to it
+    out_path = os.path.join(config.data_dir, "daemon.out")
     read_fd, write_fd = os.pipe()
     argv = [
         sys.executable, "-m", "distorefs", "mount", config.mountpoint, "--foreground",
@@ -283,6 +322,7 @@ def start_background(config: Any, args: argparse.Namespace) -> int:
         "--flush-interval", str(config.flush_interval_s), "--sync-interval", str(config.sync_interval_s),
         "--compact-interval", str(config.compact_interval_s),
         "--snapshot-interval", str(config.snapshot_interval_s), "--ready-fd", str(write_fd),
+        "--log-file", log_path, "--log-rotate", args.log_rotate,
     ]  # fmt: skip
     argv += ["--wait-timeout", str(config.wait_timeout_s)]
     if config.checkpoint_sync_close:
@@ -305,7 +345,7 @@ def start_background(config: Any, args: argparse.Namespace) -> int:
         argv += ["--metrics-port", str(config.metrics_port)]
     if args.debug:
         argv.append("--debug")
-    log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    log_fd = os.open(out_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
     with os.fdopen(log_fd, "ab") as log_file:
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
@@ -361,17 +401,55 @@ def read_status(mountpoint: str) -> dict[str, Any]:
         raise CliError(f"{path} is not valid JSON: {exc}") from None
 
 
-def wait_pid_exit(pid: int, timeout_s: float) -> bool:
-    """Wait until process `pid` has exited; False on timeout."""
+def wait_pid_exit(pid: int, timeout_s: float, while_waiting: Callable[[], None] | None = None) -> bool:
+    """Wait until process `pid` has exited; False on timeout. `while_waiting` is called
+    every half second of the wait."""
     try:
         pidfd = os.pidfd_open(pid)
     except ProcessLookupError:
         return True
+    deadline = time.monotonic() + timeout_s
     try:
-        readable, _, _ = select.select([pidfd], [], [], timeout_s)
-        return bool(readable)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            readable, _, _ = select.select([pidfd], [], [], min(left, 0.5))
+            if readable:
+                return True
+            if while_waiting is not None:
+                while_waiting()
     finally:
         os.close(pidfd)
+
+
+class PersistProgress:
+    """What `distore umount` shows while the daemon persists: the bytes left, as the
+    daemon writes them into its shutdown report (a bar on a terminal, lines otherwise)."""
+
+    def __init__(self, data_dir: str, pid: int) -> None:
+        self._data_dir, self._pid = data_dir, pid
+        self._progress: progress.Progress | None = None
+
+    def __call__(self) -> None:
+        report = read_shutdown_report(self._data_dir, self._pid)
+        left = report.get("unpersisted_bytes")
+        if report.get("error") != "persisting" or not isinstance(left, int) or left <= 0:
+            return
+        if self._progress is None:
+            out = logging.getLogger("distorefs.umount")
+            if not out.handlers:
+                handler = logging.StreamHandler(sys.stderr)
+                handler.setFormatter(logging.Formatter("distore umount: %(message)s"))
+                out.addHandler(handler)
+                out.setLevel(logging.INFO)
+                out.propagate = False
+            self._progress = progress.Progress(f"daemon {self._pid} persisting", left, "bytes", out, every_s=1.0)
+        self._progress.update(self._progress.total - left)
+
+    def finish(self) -> None:
+        if self._progress is not None:
+            self._progress.finish()
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
@@ -384,7 +462,12 @@ def cmd_umount(args: argparse.Namespace) -> int:
     if result.returncode != 0:
         reason = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "unknown error"
         raise CliError(f"cannot unmount {mountpoint}: {reason}")
-    if not wait_pid_exit(pid, args.timeout):
+    shown = PersistProgress(str(status["data_dir"]), pid)
+    try:
+        exited = wait_pid_exit(pid, args.timeout, shown)
+    finally:
+        shown.finish()
+    if not exited:
         raise CliError(f"unmounted, but daemon {pid} is still persisting after {args.timeout:.0f} s")
     report = read_shutdown_report(str(status["data_dir"]), pid)
     if not report.get("persisted"):
@@ -435,9 +518,43 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_top(args: argparse.Namespace) -> int:
+    from distorefs import top
+
+    try:
+        top.run(os.path.abspath(args.mountpoint), args.interval, args.once)
+    except FileNotFoundError:
+        raise CliError(f"{args.mountpoint} is not a distorefs mount") from None
+    except OSError as exc:
+        raise CliError(f"cannot read the metrics of {args.mountpoint}: {exc.strerror}") from None
+    return EXIT_OK
+
+
+def cmd_install_service(args: argparse.Namespace) -> int:
+    try:
+        if args.print:
+            print(service.unit_text(service.distore_command()), end="")
+            return EXIT_OK
+        written = service.install(args.unit_dir, args.sbin_dir)
+    except service.UsageError as exc:
+        raise CliError(str(exc)) from None
+    except OSError as exc:
+        raise CliError(f"cannot install into {exc.filename}: {exc.strerror} (run as root?)") from None
+    for path in written:
+        print(f"installed {path}")
+    print(
+        "next: systemctl daemon-reload && systemctl enable --now distore@$(systemd-escape --path /mnt/distore)\n"
+        f"  or an /etc/fstab line: /var/lib/distorefs/main /mnt/distore {service.FS_TYPE} dram_budget=4GiB,nofail 0 0"
+    )
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"mount": cmd_mount, "umount": cmd_umount, "status": cmd_status}
+    handlers = {
+        "mount": cmd_mount, "umount": cmd_umount, "status": cmd_status, "top": cmd_top,
+        "install-service": cmd_install_service,
+    }  # fmt: skip
     try:
         return handlers[args.command](args)
     except CliError as exc:
@@ -445,6 +562,31 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code
     except KeyboardInterrupt:
         return 130
+
+
+def mount_helper() -> int:
+    """The `mount.fuse.distorefs` command that mount(8) runs."""
+    try:
+        args = service.mount_arguments(sys.argv[1:])
+    except service.UsageError as exc:
+        print(f"{service.MOUNT_HELPER}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0 if args is None else main(args)
+
+
+def umount_helper() -> int:
+    """The `umount.fuse.distorefs MOUNTPOINT [-flnrv] [-t TYPE]` command that umount(8)
+    runs: persist everything and wait for the daemon, like `distore umount`; `-l` (lazy)
+    detaches at once and leaves the daemon to persist on its own."""
+    args = sys.argv[1:]
+    flags = "".join(arg[1:] for arg in args if arg.startswith("-") and arg != "-t")
+    positional = [arg for i, arg in enumerate(args) if not arg.startswith("-") and (i == 0 or args[i - 1] != "-t")]
+    if len(positional) != 1:
+        print(f"usage: {service.UMOUNT_HELPER} MOUNTPOINT [-l]", file=sys.stderr)
+        return EXIT_USAGE
+    if "l" in flags:
+        return subprocess.run(["fusermount3", "-u", "-z", positional[0]], check=False).returncode
+    return main(["umount", positional[0]])
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from typing import Any
 import pyfuse3
 import trio
 
+from distorefs import progress, service
 from distorefs.errors import ConfigError, DistorefsError
 from distorefs.fs.buffers import BuffersDir
 from distorefs.fs.datasets import DatasetsDir
@@ -221,16 +222,23 @@ class Daemon:
         stats = self.blocks.statistics()
         return stats.dram_used_bytes + stats.dram_reserved_bytes
 
-    async def close(self) -> ShutdownReport:
-        """Leave the cluster, stage the last snapshots and persist everything durably.
-        Never raises for a failed persist (a full disk): the report says what was left."""
+    async def close(self, report_fd: int | None = None) -> ShutdownReport:
+        """Leave the cluster, stage the last snapshots and persist everything durably,
+        showing progress (and writing it to the shutdown report at `report_fd`, where
+        `distore umount` follows it). Never raises for a failed persist (a full disk):
+        the report says what was left."""
         if self.node is not None:
             await self.node.stop()
         self.buffers.snapshot()
         self.checkpoints.persisted_all()
         error = ""
+
+        def left_now(left: int) -> None:
+            if report_fd is not None:
+                _write_report(report_fd, ShutdownReport(os.getpid(), False, left, "persisting"), close=False)
+
         try:
-            await self.blocks.close()
+            await progress.watch("persisting", lambda: self.blocks.dirty_bytes, self.blocks.close, log, left_now)
         except (DistorefsError, OSError) as exc:
             error = str(exc)
             log.error("the final persist failed: %s", exc)
@@ -270,14 +278,17 @@ def _report_fd(data_dir: str) -> int:
     return fd
 
 
-def _write_report(fd: int, report: ShutdownReport) -> None:
+def _write_report(fd: int, report: ShutdownReport, close: bool = True) -> None:
+    """Write `report` over the placeholder; the final one (`close`) is fsync'ed and closes `fd`."""
     try:
         os.pwrite(fd, report.render(), 0)
-        os.fsync(fd)
+        if close:
+            os.fsync(fd)
     except OSError as exc:
         log.error("could not write the shutdown report: %s", exc)
     finally:
-        os.close(fd)
+        if close:
+            os.close(fd)
 
 
 async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb) -> Daemon:
@@ -307,7 +318,7 @@ async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb) -> Dae
     virtual.add_status(weights.statistics)
     virtual.add_status(checkpoints.statistics)
     ops = FsOperations(PosixTree(files, checkpoints), virtual, config.data_dir, config.block_bytes)
-    ops.metrics.watch(virtual.status, buffers)
+    ops.metrics.watch(virtual.status, buffers, weights, node.peers_report if node is not None else None)
     virtual.add_control(b"metrics", ops.metrics.render)
     if node is not None and replicas is not None:
         node.add(BufferSync(node, buffers))
@@ -336,7 +347,10 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
         meta = MetaDb.open(os.path.join(data_dir, "meta.sqlite"))
         report_fd = _report_fd(data_dir)
         try:
-            daemon = await assemble(config, nvme_log, meta)
+            with progress.Progress("recovery: metadata rows", meta.count_rows(), "rows", log) as loading:
+                meta.progress = loading.advance
+                daemon = await assemble(config, nvme_log, meta)
+                meta.progress = None
             await daemon.blocks.commit(durable=True)
             log.info(
                 "recovered %s in %.2f s (torn tail dropped: %d bytes)",
@@ -360,12 +374,13 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
                         daemon.ops.metrics.serve(config.metrics_port)
                     ready(f"distorefs: mounted {config.mountpoint} (pid {os.getpid()}, data dir {data_dir})")
                     await pyfuse3.main()
+                    service.notify("STOPPING=1\nSTATUS=unmounted; persisting")
                     nursery.cancel_scope.cancel()
             finally:
                 pyfuse3.close(unmount=True)
                 log.info("unmounted %s; persisting", config.mountpoint)
                 with trio.CancelScope(shield=True):
-                    report = await daemon.close()
+                    report = await daemon.close(report_fd)
                 _write_report(report_fd, report)
                 report_fd = -1
         finally:

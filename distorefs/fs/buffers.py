@@ -135,6 +135,8 @@ def _recorded(buffer: ReplayBuffer, exc: DistorefsError) -> DistorefsError:
 class ConfigHandle(WholeInputHandle):
     """Reads the config as JSON; a write of a complete JSON object applies it (or none)."""
 
+    kind = "buffers"
+
     incomplete = "config is not valid JSON"
 
     def __init__(self, buffer: ReplayBuffer) -> None:
@@ -155,6 +157,8 @@ class ConfigHandle(WholeInputHandle):
 
 class AppendHandle(VirtualHandle):
     """Applies each complete record (or frame) as it arrives; close makes them logged."""
+
+    kind = "buffers"
 
     def __init__(self, buffer: ReplayBuffer, nonblocking: bool, pid: int) -> None:
         self._buffer = buffer
@@ -210,6 +214,8 @@ class SampleHandle(VirtualHandle):
     """Draws its batch at the first read; the batch stays fixed for this open. With
     `columnar`, a schema batch is served as an .npz of contiguous fields (`sample.npz`)."""
 
+    kind = "buffers"
+
     def __init__(
         self, buffer: ReplayBuffer, count: int | None, nonblocking: bool, pid: int, columnar: bool = False
     ) -> None:
@@ -241,6 +247,8 @@ class SampleHandle(VirtualHandle):
 class PriorityHandle(WholeInputHandle):
     """Applies each complete chunk of (index, priority) pairs whole, or none of it."""
 
+    kind = "buffers"
+
     incomplete = "priority input ended mid-record; not applied"
     max_input_bytes = PRIORITY_INPUT_BYTES  # one chunk: a .npy, or lines up to a newline
 
@@ -260,6 +268,8 @@ class ItemHandle(VirtualHandle):
     """Reads an item; writes build its replacement, applied whole at close. A write past
     the item limit refuses the whole replacement: it and every later write of this open
     get EFBIG, and the close applies nothing."""
+
+    kind = "buffers"
 
     def __init__(self, buffer: ReplayBuffer, index: int, truncate: bool) -> None:
         self._buffer = buffer

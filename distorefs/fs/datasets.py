@@ -78,6 +78,8 @@ def _recorded(ds: Dataset, exc: DistorefsError) -> DistorefsError:
 class ConfigHandle(WholeInputHandle):
     """Reads the config as JSON; a write of a complete JSON object applies it (or none)."""
 
+    kind = "datasets"
+
     incomplete = "config is not valid JSON"
 
     def __init__(self, ds: Dataset) -> None:
@@ -100,6 +102,8 @@ class ConfigHandle(WholeInputHandle):
 class AppendHandle(VirtualHandle):
     """Adds each complete record (or frame) as it arrives; close acknowledges them, fsync
     makes them durable."""
+
+    kind = "datasets"
 
     def __init__(self, ds: Dataset) -> None:
         if ds.sealed:
@@ -130,6 +134,8 @@ class AppendHandle(VirtualHandle):
 
 class StateHandle(RenderedHandle):
     """Reads `open` or `sealed`; a write of `seal` seals (durably, before it returns)."""
+
+    kind = "datasets"
 
     def __init__(self, ds: Dataset) -> None:
         super().__init__(state_text(ds))
@@ -163,6 +169,8 @@ class StateHandle(RenderedHandle):
 
 class OrderHandle(VirtualHandle):
     """Reads the current order as a `.npy` of int64; takes the next one (OrderInput)."""
+
+    kind = "datasets"
 
     def __init__(self, ds: Dataset) -> None:
         self._ds = ds
@@ -200,6 +208,8 @@ class OrderHandle(VirtualHandle):
 class StreamHandle(VirtualHandle):
     """One stream: the order as it was at open, this rank's share, read as far as read."""
 
+    kind = "datasets"
+
     def __init__(self, store: DatasetStore, stream: Stream) -> None:
         self._store = store
         self.stream = stream
@@ -213,6 +223,8 @@ class StreamHandle(VirtualHandle):
 
 
 class RecordHandle(VirtualHandle):
+    kind = "datasets"
+
     def __init__(self, ds: Dataset, index: int) -> None:
         self._ds = ds
         self._index = index

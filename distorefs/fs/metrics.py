@@ -2,10 +2,13 @@
 prometheus_client.
 
 Owns the registry: a counter and a latency histogram of FUSE requests per operation
-(the fs layer observes each request), and a collector that reads the daemon's numbers at
-scrape time: `.distore/status` (DRAM, log, checkpoints, weights, degraded state, internal
-errors) and, per buffer, its size, inserts, samples and blocked readers and writers.
-Label sets are bounded: at most MAX_LABELLED buffers are labelled by name.
+(the fs layer observes each request), bytes read and written and the latency of reads and
+writes per kind of file (tree, checkpoints, buffers, weights, datasets, control), and a
+collector that reads the daemon's numbers at scrape time: `.distore/status` (DRAM, log,
+flush and fsync lag, compaction, checkpoints, weights, degraded state, internal errors),
+per buffer its size, inserts, samples and blocked readers and writers, per model its
+current version, and per peer the calls, failures and bytes of cluster traffic.
+Label sets are bounded: at most MAX_LABELLED buffers, models and peers are labelled.
 """
 
 from __future__ import annotations
@@ -19,18 +22,29 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from distorefs.stores.replay.store import BufferStore
+from distorefs.stores.weights import WeightStore
 
 MAX_LABELLED = 200
 LATENCY_BUCKETS = (50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 BUFFER_GAUGES = ("size", "inserts", "samples", "removed", "bytes_stored", "blocked_readers", "blocked_writers")
+PEER_GAUGES = ("calls", "failures", "retries", "bytes_sent", "bytes_received", "rtt_ms")
+KINDS = ("tree", "checkpoints", "buffers", "weights", "datasets", "control")
 
 
 class DaemonCollector(Collector):
     """The daemon's numbers, read at each scrape."""
 
-    def __init__(self, status: Callable[[], dict[str, object]], buffers: BufferStore) -> None:
+    def __init__(
+        self,
+        status: Callable[[], dict[str, object]],
+        buffers: BufferStore,
+        weights: WeightStore,
+        peers: Callable[[], dict[str, Any]] | None,
+    ) -> None:
         self._status = status
         self._buffers = buffers
+        self._weights = weights
+        self._peers = peers
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         status = self._status()
@@ -54,6 +68,29 @@ class DaemonCollector(Collector):
                 family.add_metric([name], float(stats[key]))
         yield from families.values()
         yield GaugeMetricFamily("distorefs_buffers", "replay buffers", value=float(len(self._buffers.names())))
+        versions = GaugeMetricFamily("distorefs_weights_version", "a model's current version", labels=["model"])
+        for model_name in sorted(self._weights.models)[:MAX_LABELLED]:
+            model = self._weights.models[model_name]
+            versions.add_metric([model_name.decode(errors="replace")], float(model.version))
+        yield versions
+        if self._peers is not None:
+            yield from self._peer_families(self._peers())
+
+    @staticmethod
+    def _peer_families(report: dict[str, Any]) -> Iterator[GaugeMetricFamily]:
+        families = {
+            name: GaugeMetricFamily(f"distorefs_peer_{name}", f"calls to a peer: {name}", labels=["peer"])
+            for name in PEER_GAUGES
+        }
+        nodes = [n for n in report.get("live_nodes", []) + report.get("unreachable_or_gone", []) if "calls" in n]
+        for node in nodes[:MAX_LABELLED]:
+            for name, family in families.items():
+                family.add_metric([str(node["node"])], float(node[name]))
+        yield from families.values()
+        live = sum(1 for n in report.get("live_nodes", []) if not n.get("self"))
+        yield GaugeMetricFamily("distorefs_peers_live", "other live nodes of the cluster", value=float(live))
+        for key in ("requests_served", "request_errors"):
+            yield GaugeMetricFamily(f"distorefs_peer_{key}", f"peer server: {key}", value=float(report.get(key, 0)))
 
 
 class Metrics:
@@ -69,10 +106,36 @@ class Metrics:
             "distorefs_request_seconds", "FUSE request latency inside the daemon", ["op"],
             buckets=LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
+        self._bytes = Counter(
+            "distorefs_bytes", "bytes read and written through the mount, by kind of file",
+            ["kind", "direction"], registry=self.registry,
+        )  # fmt: skip
+        self._data_latency = Histogram(
+            "distorefs_data_request_seconds", "read and write latency inside the daemon, by kind of file",
+            ["kind", "op"], buckets=LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
         self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
+        directions = {"read": "out", "write": "in"}
+        self._data_children = {
+            (kind, op): (self._bytes.labels(kind, direction), self._data_latency.labels(kind, op))
+            for kind in KINDS
+            for op, direction in directions.items()
+        }
 
-    def watch(self, status: Callable[[], dict[str, object]], buffers: BufferStore) -> None:
-        self.registry.register(DaemonCollector(status, buffers))
+    def watch(
+        self,
+        status: Callable[[], dict[str, object]],
+        buffers: BufferStore,
+        weights: WeightStore,
+        peers: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        self.registry.register(DaemonCollector(status, buffers, weights, peers))
+
+    def transferred(self, kind: str, op: str, size: int, started: float) -> None:
+        """A read or write (`op`) of `size` bytes of a `kind` file, begun at `started`."""
+        counter, latency = self._data_children[kind, op]
+        counter.inc(size)
+        latency.observe(time.perf_counter() - started)
 
     def observe(self, op: str, started: float, errno: int) -> None:
         """One request of `op` that began at `started` (time.perf_counter) and ended with `errno`."""

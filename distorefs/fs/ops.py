@@ -35,6 +35,7 @@ import trio
 from distorefs.errors import Busy, CrossDevice, DistorefsError, Exists, NameTooLong, NotPermitted, ReadOnly
 from distorefs.fs.metrics import Metrics
 from distorefs.fs.virtual import KindDirectory, VirtualDir, VirtualFile, VirtualHandle, VirtualNode, VirtualTree
+from distorefs.logs import FailureLog
 from distorefs.stores.files import NAME_MAX, ROOT_INODE, Inode
 from distorefs.stores.tree import PosixTree
 from distorefs.types import FileHandle
@@ -59,19 +60,39 @@ class Handle:
     entries: list[tuple[bytes, int]] = field(default_factory=list)
     listing: Sequence[tuple[bytes, int, int, int]] | None = None  # virtual dirs: name, ino, mode, size
     write_errno: int = 0  # a control file refused a write: reported again at every close of this open
+    kind: str = "tree"  # for metrics: tree, checkpoints, or the virtual handle's kind
 
 
-def _describe(args: tuple[Any, ...]) -> str:
-    """A request's arguments for the log: names and numbers, sizes instead of data."""
+# A client's ordinary answers (a lookup of a name that is not there, a getxattr of an
+# attribute never set, a non-blocking sample of an empty buffer): logged at DEBUG only.
+ORDINARY_ERRNOS = frozenset(
+    {errno.ENOENT, errno.ENODATA, errno.EAGAIN, errno.EEXIST, errno.ENOTEMPTY, errno.EINTR, errno.ERANGE,
+     errno.ENOSYS, errno.EOPNOTSUPP}
+)  # fmt: skip
+failures = FailureLog(log)
+
+
+def _describe(args: tuple[Any, ...], op: str = "") -> str:
+    """A request's arguments for the log: names and numbers, sizes instead of data (a
+    write's data is never quoted, however short)."""
     parts = []
-    for arg in args:
-        if isinstance(arg, (bytes, bytearray, memoryview)) and len(arg) > 256:
+    for i, arg in enumerate(args):
+        if isinstance(arg, (bytes, bytearray, memoryview)) and (len(arg) > 256 or (op == "write" and i == 2)):
             parts.append(f"<{len(arg)} bytes>")
         elif hasattr(arg, "uid") and hasattr(arg, "pid"):  # a request context
             parts.append(f"ctx(uid={arg.uid}, pid={arg.pid})")
         else:
             parts.append(repr(arg)[:300])
     return ", ".join(parts)
+
+
+def _log_failure(op: str, args: tuple[Any, ...], code: int, message: str) -> None:
+    """A failed request's line: WARNING (bounded by `failures`) unless its errno is ordinary."""
+    if code in ORDINARY_ERRNOS:
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s(%s) -> %s: %s", op, _describe(args, op), errno.errorcode.get(code, code), message)
+        return
+    failures.failed(op, _describe(args, op), code, message)
 
 
 def _translate(mutates: bool) -> Callable[[Callable[P, Coroutine[Any, Any, R]]], Callable[P, Coroutine[Any, Any, R]]]:
@@ -86,25 +107,25 @@ def _translate(mutates: bool) -> Callable[[Callable[P, Coroutine[Any, Any, R]]],
             if mutates and self.degraded:
                 raise pyfuse3.FUSEError(errno.EROFS)
             started, failed = time.perf_counter(), 0
+            op = fn.__name__
             try:
                 return await fn(*args, **kwargs)
             except pyfuse3.FUSEError as exc:
                 failed = exc.errno
+                _log_failure(fn.__name__, args[1:], failed, "")
                 raise
             except DistorefsError as exc:
                 failed = exc.errno
-                log.debug("%s%r: %s", fn.__name__, args[1:], exc.message)
+                _log_failure(fn.__name__, args[1:], failed, exc.message)
                 raise pyfuse3.FUSEError(exc.errno) from None
             except AssertionError as exc:
                 failed = errno.EIO
-                log.exception("broken invariant in %s(%s); the mount is now degraded", fn.__name__, _describe(args[1:]))
+                log.exception("broken invariant in %s(%s); the mount is now degraded", op, _describe(args[1:], op))
                 self.degrade(f"{fn.__name__}: broken invariant: {exc}")
                 raise pyfuse3.FUSEError(errno.EIO) from None
             except Exception as exc:
                 failed = errno.EIO
-                log.exception(
-                    "unexpected error in %s(%s); the request fails with EIO", fn.__name__, _describe(args[1:])
-                )
+                log.exception("unexpected error in %s(%s); the request fails with EIO", op, _describe(args[1:], op))
                 self._count_internal_error(fn.__name__, exc)
                 raise pyfuse3.FUSEError(errno.EIO) from None
             finally:
@@ -456,12 +477,12 @@ class FsOperations(pyfuse3.Operations):
                 raise NotPermitted("not a file")
             node.check_open(flags)
             vhandle = await node.open(flags, ctx.pid)
-            fh = self._new_fh(Handle(inode, virtual=True, vhandle=vhandle))
+            fh = self._new_fh(Handle(inode, virtual=True, vhandle=vhandle, kind=vhandle.kind))
             return pyfuse3.FileInfo(fh=fh, direct_io=vhandle.direct_io, keep_cache=vhandle.keep_cache)
         if flags & os.O_TRUNC and self.degraded:
             raise ReadOnly("the mount is degraded (read-only) after an internal error")
         writable = await self.tree.open(inode, flags)
-        fh = self._new_fh(Handle(inode, virtual=False, writable=writable))
+        fh = self._new_fh(Handle(inode, virtual=False, writable=writable, kind=self.tree.kind_of(inode)))
         # The kernel page cache stays valid across opens: every change to a tree file
         # passes through this kernel, which updates or drops its pages itself.
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
@@ -474,31 +495,39 @@ class FsOperations(pyfuse3.Operations):
         vdir = self._virtual_dir(parent_inode)
         if vdir is not None:
             node, vhandle = await vdir.create(name, mode, flags, ctx.pid)
-            fh = self._new_fh(Handle(node.ino, virtual=True, vhandle=vhandle))
+            fh = self._new_fh(Handle(node.ino, virtual=True, vhandle=vhandle, kind=vhandle.kind))
             info = pyfuse3.FileInfo(fh=fh, direct_io=vhandle.direct_io, keep_cache=vhandle.keep_cache)
             return info, self._virtual_entry(node)
         self._guard_reserved(parent_inode, name, "create it")
         inode = self.tree.create(parent_inode, name, mode, ctx.uid, ctx.gid)
-        fh = self._new_fh(Handle(inode.ino, virtual=False, writable=True))
+        fh = self._new_fh(Handle(inode.ino, virtual=False, writable=True, kind=self.tree.kind_of(inode.ino)))
         return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._entry(inode)
 
     @_translate(mutates=False)
     async def read(self, fh: int, off: int, size: int) -> bytes | bytearray | memoryview:  # type: ignore[override]
         handle = self._handles[fh]
+        started = time.perf_counter()
         if handle.vhandle is not None:
-            return await handle.vhandle.read(off, size)
-        return await self.tree.read(handle.ino, off, size)
+            data = await handle.vhandle.read(off, size)
+        else:
+            data = await self.tree.read(handle.ino, off, size)
+        self.metrics.transferred(handle.kind, "read", len(data), started)
+        return data
 
     @_translate(mutates=True)
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         handle = self._handles[fh]
+        started = time.perf_counter()
         if handle.vhandle is None:
-            return await self.tree.write(handle.ino, off, buf)  # close and fsync report what the log holds
-        try:
-            return await handle.vhandle.write(off, buf)
-        except DistorefsError as exc:
-            handle.write_errno = exc.errno  # refused input: reported again at every close of this open
-            raise
+            written = await self.tree.write(handle.ino, off, buf)  # close and fsync report what the log holds
+        else:
+            try:
+                written = await handle.vhandle.write(off, buf)
+            except DistorefsError as exc:
+                handle.write_errno = exc.errno  # refused input: reported again at every close of this open
+                raise
+        self.metrics.transferred(handle.kind, "write", written, started)
+        return written
 
     @_translate(mutates=False)
     async def flush(self, fh: int) -> None:

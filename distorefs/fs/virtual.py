@@ -136,6 +136,7 @@ class VirtualHandle:
 
     direct_io = True
     keep_cache = False  # True only where the node's bytes never change (weights versions)
+    kind = "control"  # for metrics: which kind of file this opens (each kind's handles say)
 
     async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
         await trio.lowlevel.checkpoint()

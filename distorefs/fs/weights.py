@@ -85,6 +85,8 @@ class ReaderHandle(VirtualHandle):
     inode is this lookup's own alias of a version that never changes: no writer opens
     it, so nothing cuts its size or pages (see WeightsDir.alias_for)."""
 
+    kind = "weights"
+
     direct_io = False
     keep_cache = True
 
@@ -118,6 +120,8 @@ class WriterHandle(VirtualHandle):
     published version never changes. A handle closed without any write publishes its
     (empty or copied) file at its last close.
     """
+
+    kind = "weights"
 
     direct_io = True
 
@@ -214,6 +218,8 @@ class WriterHandle(VirtualHandle):
 class WaitHandle(VirtualHandle):
     """Each read returns one line `VERSION TIME`: the first at once, each later one when
     a version newer than the last one returned is published. EOF once the model is gone."""
+
+    kind = "weights"
 
     def __init__(self, store: WeightStore, model: Model, timeout_s: float, nonblocking: bool, pid: int) -> None:
         self._store = store

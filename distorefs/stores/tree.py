@@ -56,6 +56,10 @@ class PosixTree:
         if self.checkpoints.tracks(ino):
             self.checkpoints.changed(ino)
 
+    def kind_of(self, ino: int) -> str:
+        """ "checkpoints" for a file the checkpoint policy follows, else "tree" (for metrics)."""
+        return "checkpoints" if self.checkpoints.tracks(ino) else "tree"
+
     # --- names and attributes -------------------------------------------------------------
 
     def __contains__(self, ino: int) -> bool:

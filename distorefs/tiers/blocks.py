@@ -66,6 +66,8 @@ class BlockStatistics:
     gathered_log_parts: int
     gathered_log_spans: int
     remote_loaded_blocks: int
+    flush_lag_s: float  # age bound of the oldest write still only in DRAM (0: none)
+    durable_lag_s: float  # age bound of the oldest log record not yet fsync'ed (0: none)
 
 
 class BlockStore(ByteRanges, Compaction):
@@ -105,6 +107,9 @@ class BlockStore(ByteRanges, Compaction):
         self._flush_wanted = trio.Event()
         self._room_freed = trio.Event()
         self._flushed_bytes = 0
+        self._dirty_since: float | None = None
+        self._undurable_since: float | None = None
+        self._last_logged = 0.0
         # compaction (tiers/compaction.py)
         self._compacted_segments = 0
         self._reclaimed_bytes = 0
@@ -433,4 +438,5 @@ class BlockStore(ByteRanges, Compaction):
             gathered_log_parts=self._gathered_parts,
             gathered_log_spans=self._gathered_spans,
             remote_loaded_blocks=self._remote_loads,
+            **self.lags(),
         )

@@ -30,6 +30,7 @@ SQLITE_FULL = 13  # "database or disk is full"
 # 2: the buffers table; 3: the weights and ckpt_pending tables; 4: datasets; 5: buffer snapshots
 SCHEMA_VERSION = 5
 
+PROGRESS_ROWS = 8192
 TABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # table: (primary key columns, value columns)
     "inodes": (
@@ -66,6 +67,7 @@ class MetaDb:
     def __init__(self, path: str, conn: sqlite3.Connection) -> None:
         self.path = path
         self._conn = conn
+        self.progress: Callable[[int], None] | None = None  # told of rows read at start-up (rows())
         self._pending: Changes = {t: {} for t in TABLES}
         self._lock = trio.Lock()
         self._thread_lock = threading.Lock()
@@ -90,9 +92,18 @@ class MetaDb:
         return cls(path, conn)
 
     def rows(self, table: str) -> Iterator[Row]:
-        """Yield the committed rows of `table` (startup only: it reads on the caller's thread)."""
+        """Yield the committed rows of `table` (startup only: it reads on the caller's thread).
+        `progress`, when set, is told how many rows were read, every PROGRESS_ROWS rows."""
         keys, values = TABLES[table]
-        yield from self._conn.execute(f"SELECT {', '.join(keys + values)} FROM {table}")
+        cursor = self._conn.execute(f"SELECT {', '.join(keys + values)} FROM {table}")
+        while batch := cursor.fetchmany(PROGRESS_ROWS):
+            yield from batch
+            if self.progress is not None:
+                self.progress(len(batch))
+
+    def count_rows(self) -> int:
+        """Committed rows in all tables (what a start-up will read)."""
+        return sum(self._conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0] for table in TABLES)
 
     def get_kv(self, key: str, default: Any = None) -> Any:
         staged = self._pending["kv"].get((key,), ...)

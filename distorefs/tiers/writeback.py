@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Iterable
 
 import trio
@@ -40,6 +41,28 @@ class WriteBack(BlockTierBase):
     _flush_wanted: trio.Event
     _room_freed: trio.Event
     _flushed_bytes: int
+    _dirty_since: float | None  # no DRAM block has been dirty for longer than since this
+    _undurable_since: float | None  # no log record written before this is waiting for fsync
+    _last_logged: float  # when the log was last appended to
+
+    def lags(self) -> dict[str, float]:
+        """flush_lag_s and durable_lag_s: bounds of how long the oldest write has waited
+        for the log, and the oldest log record for fsync (0 when nothing waits)."""
+        now = time.monotonic()
+        return {
+            "flush_lag_s": 0.0 if self._dirty_since is None else round(now - self._dirty_since, 3),
+            "durable_lag_s": 0.0 if self._undurable_since is None else round(now - self._undurable_since, 3),
+        }
+
+    def _logged(self) -> None:
+        self._last_logged = time.monotonic()
+        if self._undurable_since is None:
+            self._undurable_since = self._last_logged
+
+    def _synced(self, started: float) -> None:
+        """An fsync of the log that began at `started` completed."""
+        if self._undurable_since is not None:
+            self._undurable_since = None if self._last_logged < started else started
 
     def owner_dirty_bytes(self, owner: int) -> int:
         """Bytes of `owner` in DRAM that the log does not have yet."""
@@ -62,6 +85,8 @@ class WriteBack(BlockTierBase):
             await self.flush()
 
     def _mark_dirty(self, key: BlockKey, block: Block) -> None:
+        if self._dirty_since is None:
+            self._dirty_since = time.monotonic()
         self._dram.mark_dirty(block)
         self._dirty.setdefault(key.owner, set()).add(key.number)
         if self._dram.dirty_bytes > self._dram.budget_bytes // 4:
@@ -73,6 +98,8 @@ class WriteBack(BlockTierBase):
             indices.discard(key.number)
             if not indices:
                 del self._dirty[key.owner]
+                if not self._dirty:
+                    self._dirty_since = None
 
     @property
     def dirty_bytes(self) -> int:
@@ -86,6 +113,7 @@ class WriteBack(BlockTierBase):
         `commit` makes the index say where it is.
         """
         async with self._flush_lock:
+            started = time.monotonic()
             if owner is None:
                 keys = [BlockKey(o, i) for o, idx in self._dirty.items() for i in sorted(idx)]
             else:
@@ -96,6 +124,9 @@ class WriteBack(BlockTierBase):
             try:
                 for start in range(0, len(keys), per_batch):
                     await self._flush_batch(keys[start : start + per_batch])
+                if owner is None and not full_only and self._dirty_since is not None:
+                    # everything dirty when the pass began is in the log now
+                    self._dirty_since = max(self._dirty_since, started)
             finally:
                 self._wake_room_waiters()
 
@@ -156,6 +187,7 @@ class WriteBack(BlockTierBase):
             locations = await trio.to_thread.run_sync(self._log.append_many, records, limiter=self._io_limiter)
         finally:
             self._thaw(snapshots, records)
+        self._logged()
         self._apply_flushed(snapshots, locations, staged=True)
         self._wake_room_waiters()
 
@@ -181,10 +213,15 @@ class WriteBack(BlockTierBase):
                     self._log.sync()
                 return {"blocks": {tuple(r[0]): tuple(loc) for r, loc in zip(records, locations, strict=True)}}
 
+            started = time.monotonic()
             try:
                 await self._meta.commit(durable=durable, before_commit=append_then_rows, checkpoint=durable)
             finally:
                 self._thaw(snapshots, records)
+            if durable:
+                self._synced(started)
+            elif records:
+                self._logged()
             if locations:
                 self._apply_flushed(snapshots, locations, staged=False)
                 self._wake_room_waiters()
@@ -196,7 +233,9 @@ class WriteBack(BlockTierBase):
     async def commit(self, durable: bool = False) -> None:
         """Commit staged metadata; `durable` fsyncs the log first, then commits with FULL."""
         if durable:
+            started = time.monotonic()
             await self._meta.commit(durable=True, before_commit=self._log.sync, checkpoint=True)
+            self._synced(started)
         else:
             await self._meta.commit()
 

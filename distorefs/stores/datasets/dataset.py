@@ -16,6 +16,7 @@ last commit says, and bytes past it are ignored and overwritten by the next appe
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -24,12 +25,15 @@ import crc32c
 import numpy as np
 import trio
 
+from distorefs import progress
 from distorefs.errors import Busy, Corrupted, InvalidArgument, NotFound, ReadOnly, describe
 from distorefs.news import Outbox
 from distorefs.stores.datasets.formats import INDEX_DTYPE, MAX_RECORD_BYTES, OrderSpec, shuffled
 from distorefs.stores.replay.config import parse_schema, schema_to_json
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.metadb import MetaDb
+
+log = logging.getLogger(__name__)
 
 MIN_WINDOW_BYTES = 4 << 20
 
@@ -263,7 +267,12 @@ class Dataset:
             if not self.sealed:
                 self.sealed = True
                 self._changed = True
-            await self.persist(durable=True)
+
+            def left() -> int:
+                blocks = self._blocks
+                return blocks.owner_dirty_bytes(self.data_owner) + blocks.owner_dirty_bytes(self.index_owner)
+
+            await progress.watch(f"sealing datasets/{self.name}", left, lambda: self.persist(durable=True), log)
         self.news.post(("sealed", self.name))
 
     async def read_run(self, start: int, max_bytes: int) -> tuple[np.ndarray, bytes | bytearray | memoryview]:
