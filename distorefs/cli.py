@@ -430,6 +430,8 @@ class PersistProgress:
     def __init__(self, data_dir: str, pid: int) -> None:
         self._data_dir, self._pid = data_dir, pid
         self._progress: progress.Progress | None = None
+        self._out = logging.getLogger(f"distorefs.umount.{pid}")
+        self._handler: logging.Handler | None = None
 
     def __call__(self) -> None:
         report = read_shutdown_report(self._data_dir, self._pid)
@@ -437,19 +439,19 @@ class PersistProgress:
         if report.get("error") != "persisting" or not isinstance(left, int) or left <= 0:
             return
         if self._progress is None:
-            out = logging.getLogger("distorefs.umount")
-            if not out.handlers:
-                handler = logging.StreamHandler(sys.stderr)
-                handler.setFormatter(logging.Formatter("distore umount: %(message)s"))
-                out.addHandler(handler)
-                out.setLevel(logging.INFO)
-                out.propagate = False
-            self._progress = progress.Progress(f"daemon {self._pid} persisting", left, "bytes", out, every_s=1.0)
+            self._handler = logging.StreamHandler(sys.stderr)
+            self._handler.setFormatter(logging.Formatter("distore umount: %(message)s"))
+            self._out.addHandler(self._handler)
+            self._out.setLevel(logging.INFO)
+            self._out.propagate = False
+            self._progress = progress.Progress(f"daemon {self._pid} persisting", left, "bytes", self._out, every_s=1.0)
         self._progress.update(self._progress.total - left)
 
     def finish(self) -> None:
         if self._progress is not None:
             self._progress.finish()
+        if self._handler is not None:
+            self._out.removeHandler(self._handler)
 
 
 def cmd_umount(args: argparse.Namespace) -> int:

@@ -113,6 +113,7 @@ def install(unit_dir: str, sbin_dir: str) -> list[str]:
     with open(unit_path, "w", encoding="utf-8") as f:
         f.write(unit_text(distore))
     written.append(unit_path)
+    os.makedirs(sbin_dir, exist_ok=True)
     for helper in (MOUNT_HELPER, UMOUNT_HELPER):
         target, link = os.path.join(bin_dir, helper), os.path.join(sbin_dir, helper)
         if not os.path.exists(target):

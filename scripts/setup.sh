@@ -20,6 +20,13 @@ command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
 command -v gcc >/dev/null 2>&1 || need_apt+=(gcc)
 # copy tools the tests run against kind directories (cp and tar come with Debian)
 command -v rsync >/dev/null 2>&1 || need_apt+=(rsync)
+# getfattr/setfattr: the README's shell blocks use them
+command -v getfattr >/dev/null 2>&1 || need_apt+=(attr)
+# systemd-analyze: the test of the unit file `distore install-service` writes (the package
+# only installs; nothing is started in a container)
+command -v systemd-analyze >/dev/null 2>&1 || need_apt+=(systemd)
+# mount(8)/umount(8) run the fstab helpers; util-linux's mount comes with Debian
+command -v mount >/dev/null 2>&1 || need_apt+=(mount)
 # etcd: the cluster tests start a real etcd server on loopback (multi-node mode's registry)
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 "$PYTHON" -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \

@@ -83,7 +83,7 @@ class Mount:
         self._close_pipe()
 
 
-def start_daemon(path: Path, data_dir: Path, *extra: str) -> Mount:
+def start_daemon(path: Path, data_dir: Path, *extra: str, env: dict[str, str] | None = None) -> Mount:
     """Run `distore mount --foreground` and wait, under a deadline, for its ready line."""
     path.mkdir(parents=True, exist_ok=True)
     log_path = data_dir.parent / f"{data_dir.name}.daemon.log"
@@ -98,6 +98,7 @@ def start_daemon(path: Path, data_dir: Path, *extra: str) -> Mount:
         stdout=subprocess.PIPE,
         stderr=log_file,
         stdin=subprocess.DEVNULL,
+        env=None if env is None else {**os.environ, **env},
     )
     log_file.close()
     assert proc.stdout is not None
@@ -120,9 +121,9 @@ def start_daemon(path: Path, data_dir: Path, *extra: str) -> Mount:
 
 
 @contextlib.contextmanager
-def mounted_at(path: Path, data_dir: Path, *extra: str) -> Iterator[Mount]:
+def mounted_at(path: Path, data_dir: Path, *extra: str, env: dict[str, str] | None = None) -> Iterator[Mount]:
     """A mount for the block's duration; unmounts cleanly and checks the exit status."""
-    mount = start_daemon(path, data_dir, *extra)
+    mount = start_daemon(path, data_dir, *extra, env=env)
     try:
         yield mount
     except BaseException:

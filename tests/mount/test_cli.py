@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -200,3 +201,49 @@ def test_allow_other_lets_other_users_in_and_the_kernel_checks_modes(open_dir: P
     # Without --allow-other, FUSE keeps every other user out, whatever the modes say.
     with mounted_at(open_dir / "mnt", open_dir / "data") as mount:
         assert read_as_nobody(mount.path / "checkpoints" / "public") == 13
+
+
+def test_background_daemon_logs_a_failed_request_as_one_line_without_the_data(background: tuple[Path, Path]) -> None:
+    mnt, data = background
+    assert distore("mount", str(mnt), "--data-dir", str(data), "--log-rotate", "64KiB").returncode == 0
+    (mnt / "buffers" / "b").mkdir()
+    with pytest.raises(OSError) as refused:
+        (mnt / "buffers" / "b" / "config").write_text('{"capacity": "SECRET-VALUE"')
+    assert refused.value.errno == errno.EINVAL
+    assert distore("umount", str(mnt)).returncode == 0
+    lines = (data / "daemon.log").read_text().splitlines()
+    failed = [line for line in lines if "request failed:" in line]
+    assert len(failed) >= 1
+    assert " WARNING distorefs.fs.ops: request failed: " in failed[0] and "-> EINVAL (Invalid argument)" in failed[0]
+    assert "SECRET-VALUE" not in (data / "daemon.log").read_text()
+    assert any("recovered" in line for line in lines)  # the daemon's own lines go to daemon.log ...
+    assert "recovered" not in (data / "daemon.out").read_text()  # ... and only a crash to daemon.out
+
+
+def test_top_once_shows_requests_bytes_and_the_busiest_buffer(background: tuple[Path, Path]) -> None:
+    mnt, data = background
+    assert distore("mount", str(mnt), "--data-dir", str(data)).returncode == 0
+    buffer = mnt / "buffers" / "busy"
+    buffer.mkdir()
+    writer = subprocess.Popen(
+        [sys.executable, "-c",
+         f"from distorefs import client\nfor _ in range(400): client.append({str(buffer)!r}, [b'x' * 100] * 4)"],
+    )  # fmt: skip
+    try:
+        result = distore("top", str(mnt), "--once", "--interval", "1")
+    finally:
+        writer.wait(timeout=120)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for label in ("DRAM", "log", "lag", "requests/s", "bytes/s", "busiest buffers"):
+        assert label in out
+    row = next(line for line in out.splitlines() if " busy " in line)
+    inserts = int(row.split("│")[3].strip().replace(",", ""))
+    assert inserts > 0
+    assert distore("umount", str(mnt)).returncode == 0
+
+
+def test_top_of_a_directory_that_is_not_a_mount_says_so(tmp_path: Path) -> None:
+    result = distore("top", str(tmp_path), "--once")
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"distore top: {tmp_path} is not a distorefs mount"

@@ -50,3 +50,26 @@ def test_metrics_file_and_port_serve_requests_state_and_buffers(tmp_path: Path) 
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
             served = samples(reply.read().decode())
         assert served[("distorefs_buffer_size", (("buffer", "m"),))] == 5
+
+
+def test_metrics_count_bytes_per_kind_model_versions_and_lags(tmp_path: Path) -> None:
+    with mounted_at(tmp_path / "mnt", tmp_path / "data") as mount:
+        (mount.path / "tree.bin").write_bytes(b"t" * 300_000)
+        (mount.path / "checkpoints" / "step-1.pt").write_bytes(b"c" * 200_000)
+        assert (mount.path / "checkpoints" / "step-1.pt").read_bytes() == b"c" * 200_000
+        (mount.path / "weights" / "policy").mkdir()
+        for _ in range(2):
+            (mount.path / "weights" / "policy" / "model.bin").write_bytes(b"w" * 1000)
+        got = samples(client.read_all(mount.path / ".distore" / "metrics").decode())
+
+        def moved(kind: str, direction: str) -> float:
+            return got[("distorefs_bytes_total", (("direction", direction), ("kind", kind)))]
+
+        assert moved("tree", "in") == 300_000
+        assert moved("checkpoints", "in") == 200_000
+        assert moved("weights", "in") == 2000
+        assert moved("control", "out") == 0  # this read of metrics is counted after it is rendered
+        assert got[("distorefs_data_request_seconds_count", (("kind", "tree"), ("op", "write")))] >= 1
+        assert got[("distorefs_weights_version", (("model", "policy"),))] == 2
+        for lag in ("distorefs_blocks_flush_lag_s", "distorefs_blocks_durable_lag_s"):
+            assert got[(lag, ())] >= 0

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import trio
 
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.dram import DramCache
@@ -139,4 +140,24 @@ async def test_get_many_reads_cold_blocks_in_one_go_and_handles_duplicates(tmp_p
     ]
     assert blocks[0] is blocks[2]
     assert store.statistics().dram_blocks == 2
+    await store.close()
+
+
+async def test_lags_say_how_long_the_oldest_write_waits_for_the_log_and_for_fsync(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    assert store.lags() == {"flush_lag_s": 0.0, "durable_lag_s": 0.0}
+    await store.write(BlockKey(5, 0), 0, b"abc")
+    await trio.sleep(0.05)
+    assert store.lags()["flush_lag_s"] >= 0.05
+    await store.flush()
+    lags = store.lags()
+    assert lags["flush_lag_s"] == 0.0  # in the log now ...
+    await trio.sleep(0.05)
+    assert store.lags()["durable_lag_s"] >= 0.05  # ... but not fsync'ed
+    await store.commit(durable=True)
+    assert store.lags() == {"flush_lag_s": 0.0, "durable_lag_s": 0.0}
+    await store.persist(7, durable=False)
+    await store.write(BlockKey(7, 0), 0, b"x")
+    await store.persist(7, durable=True)
+    assert store.lags() == {"flush_lag_s": 0.0, "durable_lag_s": 0.0}
     await store.close()
