@@ -214,7 +214,8 @@ def test_background_daemon_logs_a_failed_request_as_one_line_without_the_data(ba
     lines = (data / "daemon.log").read_text().splitlines()
     failed = [line for line in lines if "request failed:" in line]
     assert len(failed) >= 1
-    assert " WARNING distorefs.fs.ops: request failed: " in failed[0] and "-> EINVAL (Invalid argument)" in failed[0]
+    assert " WARNING distorefs.fs.ops: request failed: " in failed[0]
+    assert "-> EINVAL (Invalid argument)" in failed[0]
     assert "SECRET-VALUE" not in (data / "daemon.log").read_text()
     assert any("recovered" in line for line in lines)  # the daemon's own lines go to daemon.log ...
     assert "recovered" not in (data / "daemon.out").read_text()  # ... and only a crash to daemon.out

@@ -46,7 +46,8 @@ def test_a_traceback_is_one_line(tmp_path: Path) -> None:
     )
     lines = log_file.read_text().splitlines()
     assert len(lines) == 1
-    assert "failed\\nbadly" in lines[0] and "ZeroDivisionError" in lines[0]
+    assert "failed\\nbadly" in lines[0]
+    assert "ZeroDivisionError" in lines[0]
 
 
 def test_under_systemd_lines_carry_the_journal_priority_and_no_time(tmp_path: Path) -> None:
@@ -72,7 +73,9 @@ def test_failure_lines_are_bounded_per_operation_and_say_what_was_left_out(caplo
         failures.failed("write", "fh 3, 0, <4 bytes>", 22, "config is not valid JSON")
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 5
-    assert lines[0] == "request failed: write(fh 3, 0, <4 bytes>) -> EINVAL (Invalid argument): config is not valid JSON"
+    assert lines[0] == (
+        "request failed: write(fh 3, 0, <4 bytes>) -> EINVAL (Invalid argument): config is not valid JSON"
+    )
     assert lines[3] == "request failed: setxattr(ino 5) -> EPERM (Operation not permitted)"
     assert lines[4].endswith("(7 more failures of write left out of the log)")
 
@@ -101,7 +104,8 @@ async def test_watch_follows_the_bytes_left_while_the_work_runs(caplog: pytest.L
     with caplog.at_level(logging.INFO, logger="test.watch"):
         result = await progress.watch("persisting", lambda: left[0], work, logging.getLogger("test.watch"), seen.append)
     assert result == "done"
-    assert seen[0] == 3 << 20 and min(seen) < 3 << 20  # sampled as it fell
+    assert seen[0] == 3 << 20
+    assert min(seen) < 3 << 20
     assert seen == sorted(seen, reverse=True)
 
 
