@@ -7,13 +7,15 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "plot.py"
 
 
-def load_plot():  # type: ignore[no-untyped-def]
+def load_plot() -> Any:
     spec = importlib.util.spec_from_file_location("bench_plot", SCRIPT)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
