@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     mount = sub.add_parser("mount", help="mount distorefs (single node, embedded default)")
-    mount.add_argument("mountpoint")
+    mount.add_argument("mountpoint", help="an empty directory to mount on")
     mount.add_argument(
         "--data-dir", default=None, help=f"where the log and metadata live (default {default_data_dir()})"
     )
@@ -84,9 +84,18 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument(
         "--debug", action="store_true", help="log at DEBUG, with every failed request (also ENOENT and the like)"
     )
-    mount.add_argument("--flush-interval", type=_positive_float, default=1.0, metavar="S")
-    mount.add_argument("--sync-interval", type=_positive_float, default=5.0, metavar="S")
-    mount.add_argument("--compact-interval", type=_positive_float, default=5.0, metavar="S")
+    mount.add_argument(
+        "--flush-interval", type=_positive_float, default=1.0, metavar="S",
+        help="write dirty DRAM blocks to the log at least this often (default 1 s)",
+    )  # fmt: skip
+    mount.add_argument(
+        "--sync-interval", type=_positive_float, default=5.0, metavar="S",
+        help="fsync the log this often: the most closed-but-not-fsynced data a power loss can take (default 5 s)",
+    )  # fmt: skip
+    mount.add_argument(
+        "--compact-interval", type=_positive_float, default=5.0, metavar="S",
+        help="look for sparse log segments to compact this often (default 5 s)",
+    )  # fmt: skip
     mount.add_argument(
         "--snapshot-interval", type=_positive_float, default=5.0, metavar="S",
         help="how often buffer priorities are persisted (default 5 s)",
@@ -138,15 +147,18 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
 
     umount = sub.add_parser("umount", help="persist everything, unmount, wait for the daemon to exit")
-    umount.add_argument("mountpoint")
-    umount.add_argument("--timeout", type=_positive_float, default=120.0, metavar="S")
+    umount.add_argument("mountpoint", help="a distorefs mount point")
+    umount.add_argument(
+        "--timeout", type=_positive_float, default=120.0, metavar="S",
+        help="give up waiting for the daemon's persist after S (default 120 s)",
+    )  # fmt: skip
 
     status = sub.add_parser("status", help="show the daemon's state")
-    status.add_argument("mountpoint")
+    status.add_argument("mountpoint", help="a distorefs mount point")
     status.add_argument("--json", action="store_true", help="print JSON")
 
     top = sub.add_parser("top", help="a live view of a mount: requests/s, bytes/s, DRAM, lag, busiest buffers")
-    top.add_argument("mountpoint")
+    top.add_argument("mountpoint", help="a distorefs mount point")
     top.add_argument("--interval", type=_positive_float, default=1.0, metavar="S", help="refresh every S (default 1)")
     top.add_argument("--once", action="store_true", help="print one frame (rates over one interval) and exit")
 

@@ -55,3 +55,20 @@ def test_notify_sends_one_datagram_to_the_notify_socket(tmp_path: Path, monkeypa
 def test_notify_without_systemd_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     assert not service.notify("READY=1")
+
+
+def test_every_option_of_every_command_has_help_text() -> None:
+    import argparse
+
+    from distorefs.cli import build_parser
+
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [
+        f"{name} {action.dest}"
+        for name, sub in subcommands.choices.items()
+        for action in sub._actions
+        if not isinstance(action, argparse._HelpAction) and not action.help
+    ]
+    assert missing == []
+    assert sorted(subcommands.choices) == ["install-service", "mount", "status", "top", "umount"]
