@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from distorefs import client
 from tests.cluster.conftest import Etcd, NodeFactory, wait_for
@@ -129,6 +130,16 @@ def test_weights_published_on_one_node_wake_wait_and_are_fetched_once_per_node(t
     for mount in (b, c):
         wait_for(lambda m=mount: client.model_version(m.path / "weights" / "policy") == 2, what="version 2")
         assert (mount.path / "weights" / "policy" / "params.bin").read_bytes() == tensor[::-1]
+    # the metrics of a node that fetched: peer traffic by peer, live peers, the model's version
+    metrics = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families((b.path / ".distore" / "metrics").read_text())
+        for sample in family.samples
+    }
+    assert metrics[("distorefs_peer_bytes_received", (("peer", "n0"),))] >= 2 * len(tensor)
+    assert metrics[("distorefs_peer_calls", (("peer", "n0"),))] >= 2
+    assert metrics[("distorefs_peers_live", ())] == 2
+    assert metrics[("distorefs_weights_version", (("model", "policy"),))] == 2
 
 
 def test_a_sharded_buffer_samples_across_nodes_by_priority_with_global_weights(three: list[Mount]) -> None:

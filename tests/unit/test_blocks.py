@@ -161,3 +161,18 @@ async def test_lags_say_how_long_the_oldest_write_waits_for_the_log_and_for_fsyn
     await store.persist(7, durable=True)
     assert store.lags() == {"flush_lag_s": 0.0, "durable_lag_s": 0.0}
     await store.close()
+
+
+async def test_recovery_reports_every_metadata_row_it_reads(tmp_path: Path) -> None:
+    store = open_store(tmp_path, budget=64 * BLOCK, segment=64 * BLOCK)
+    for i in range(20):
+        await store.write(BlockKey(9, i), 0, b"r" * 100)
+    await store.close()
+    meta = MetaDb.open(str(tmp_path / "meta.sqlite"))
+    told: list[int] = []
+    meta.progress = told.append
+    rows = list(meta.rows("blocks"))
+    assert len(rows) == 20
+    assert sum(told) == 20
+    assert meta.count_rows() >= 20
+    meta.close()
