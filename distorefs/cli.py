@@ -299,6 +299,8 @@ def run_foreground(config: Any, args: argparse.Namespace) -> int:
         # daemon's nursery wrapped in an ExceptionGroup.
         found = _first_of(exc, (ConfigError, ShutdownIncomplete))
         if found is None:
+            if not isinstance(exc, KeyboardInterrupt):
+                logging.getLogger("distorefs.daemon").critical("the daemon failed", exc_info=exc)
             raise
         if ready_fd is not None and isinstance(found, ConfigError):
             with contextlib.suppress(OSError):
