@@ -216,8 +216,11 @@ class WriterHandle(VirtualHandle):
 
 
 class WaitHandle(VirtualHandle):
-    """Each read returns one line `VERSION TIME`: the first at once, each later one when
-    a version newer than the last one returned is published. EOF once the model is gone."""
+    """Reads return lines `VERSION TIME`: the first at once, each later one when a version
+    newer than the last one returned is published. A read shorter than the line returns
+    its start, and the next reads the rest before waiting again (a reader that reads a
+    byte at a time, as unbuffered readline does, gets whole lines). EOF once the model is
+    gone."""
 
     kind = "weights"
 
@@ -228,8 +231,18 @@ class WaitHandle(VirtualHandle):
         self._nonblocking = nonblocking
         self._pid = pid
         self._last: int | None = None
+        self._rest = b""  # what a short read left of the current line
 
     async def read(self, offset: int, size: int) -> bytes:
+        if not self._rest:
+            line = await self._next_line()
+            if not line:
+                return b""
+            self._rest = line
+        out, self._rest = self._rest[:size], self._rest[size:]
+        return out
+
+    async def _next_line(self) -> bytes:
         model = self._model
         if self._last is not None:
             last = self._last
@@ -245,7 +258,7 @@ class WaitHandle(VirtualHandle):
         else:
             await trio.lowlevel.checkpoint()
         self._last = model.version
-        return model.version_line()[:size]
+        return model.version_line()
 
 
 # --- nodes ------------------------------------------------------------------------------

@@ -212,6 +212,23 @@ def test_wait_nonblocking_says_eagain(model: Path) -> None:
         os.close(fd)
 
 
+def test_wait_read_a_byte_at_a_time_gives_whole_lines(model: Path) -> None:
+    (model / "w").write_bytes(b"1")
+    fd = os.open(model / "wait", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        line = b""
+        while not line.endswith(b"\n"):  # how unbuffered readline reads
+            line += os.read(fd, 1)
+        assert line == (model / "version").read_bytes()
+        with pytest.raises(BlockingIOError):  # the line is used up: the next waits for a new version
+            os.read(fd, 1)
+        (model / "w").write_bytes(b"2")
+        with open(fd, "rb", buffering=0, closefd=False) as raw:
+            assert raw.readline().split()[0] == b"2"
+    finally:
+        os.close(fd)
+
+
 def test_a_signal_interrupts_a_blocked_wait(model: Path) -> None:
     queue: multiprocessing.Queue[str] = multiprocessing.Queue()
     waiter = multiprocessing.get_context("fork").Process(target=blocked_read, args=(str(model / "wait"), queue, 1))
