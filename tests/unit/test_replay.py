@@ -273,6 +273,18 @@ async def test_priority_update_with_one_bad_pair_applies_none(tiers: tuple[Block
     assert (buf._priority == before).all()
 
 
+async def test_priority_of_an_item_that_left_is_skipped_and_the_rest_applied(tiers: tuple[BlockStore, MetaDb]) -> None:
+    buf = make(tiers, sampler="prioritized", capacity=2)
+    await buf.append([b"a", b"b", b"c"])  # item 0 left (FIFO) after a learner could have sampled it
+    await buf.update_priorities(np.array([0, 1, 2]), np.array([5.0, 6.0, 7.0]))
+    assert buf._priority[1 % 2] == 6.0
+    assert buf._priority[2 % 2] == 7.0
+    assert buf.stats()["priority_updates_skipped"] == 1
+    with pytest.raises(InvalidArgument, match="no live item 3; none applied"):  # never appended
+        await buf.update_priorities(np.array([1, 3]), np.array([1.0, 1.0]))
+    assert buf._priority[1 % 2] == 6.0
+
+
 async def test_new_items_get_the_current_max_priority(tiers: tuple[BlockStore, MetaDb]) -> None:
     buf = make(tiers, sampler="prioritized")
     await buf.append([b"a"])

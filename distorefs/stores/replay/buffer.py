@@ -92,6 +92,7 @@ class ReplayBuffer:
         self._meta = meta
         self._rng = np.random.default_rng()
         self.next_index = 0
+        self.priority_updates_skipped = 0  # pairs of items that had left (not persisted: a counter)
         self.inserts = 0
         self.samples = 0
         self.removed = 0
@@ -409,16 +410,23 @@ class ReplayBuffer:
 
     def set_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> None:
         """Set priorities of this shard's items; all are checked first, so a bad pair
-        applies none of them."""
+        applies none of them. A pair of an item that was appended and has left since (FIFO
+        past the capacity, max_times_sampled: the learner sampled it just before) is
+        skipped and counted in `priority_updates_skipped`, as Reverb does; an index never
+        appended is a bad pair."""
         check_priorities(self.name, indices, priorities)
         if len(indices) == 0:
             return
         slots = indices % self.config.capacity
-        dead = (indices < 0) | (self._slot_index[slots] != indices)
-        if dead.any():
+        never = (indices < 0) | (indices >= self.next_index)
+        if never.any():
             raise InvalidArgument(
-                f"buffers/{self.name}: no live item {int(indices[int(np.argmax(dead))])}; none applied"
+                f"buffers/{self.name}: no live item {int(indices[int(np.argmax(never))])}; none applied"
             )
+        live = self._slot_index[slots] == indices
+        if not live.all():
+            self.priority_updates_skipped += int((~live).sum())
+            indices, priorities, slots = indices[live], priorities[live], slots[live]
         self._priority[slots] = priorities
         self._tree.update(slots, self._scaled(priorities))
         self._snapshot_dirty = True
@@ -595,6 +603,7 @@ class ReplayBuffer:
             "inserts": self.inserts,
             "samples": self.samples,
             "removed": self.removed,
+            "priority_updates_skipped": self.priority_updates_skipped,
             "bytes_stored": self.stored_bytes,
             "bytes_dram": self._blocks.dram_bytes(self.owner),
             "bytes_remote_memory": self._blocks.remote_bytes(self.owner),
