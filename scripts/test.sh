@@ -13,8 +13,8 @@ export OMP_NUM_THREADS=1
 # DISTOREFS_SKIP_CHECKS=1 skips them (handy with -k while iterating).
 if [ "${DISTOREFS_SKIP_CHECKS:-0}" != 1 ]; then
     echo "test: ruff check, ruff format --check, mypy"
-    "$VENV/bin/ruff" check distorefs tests benchmarks
-    "$VENV/bin/ruff" format --check distorefs tests benchmarks
+    "$VENV/bin/ruff" check distorefs tests benchmarks docs/examples
+    "$VENV/bin/ruff" format --check distorefs tests benchmarks docs/examples
     "$VENV/bin/mypy"
 fi
 exec "$VENV/bin/python" -m pytest "$@"

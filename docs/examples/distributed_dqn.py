@@ -1,0 +1,368 @@
+"""Distributed DQN on CartPole, with every piece of state in distorefs and nothing but
+file calls between the processes.
+
+    python docs/examples/distributed_dqn.py run --mount /mnt/distore --actors 2 --seconds 120 --out /tmp/dqn
+
+- `actor` processes play CartPole-v1 with an epsilon-greedy copy of the policy and append
+  their transitions to a prioritized replay buffer (`np.save` to `buffers/cartpole/append`,
+  16 per open). They load the policy from `weights/policy/model.pt` and learn of new
+  versions by reading `weights/policy/wait`, which blocks until one is published.
+- One `learner` samples batches (`np.load` of `buffers/cartpole/sample.npz`, with
+  `_index` and `_weight`), trains a double DQN with importance weights, writes the new priorities
+  (`np.save` to `priority`), publishes the policy every `--publish-every` steps and
+  checkpoints every `--checkpoint-every` steps to `checkpoints/dqn/` (fsync'ed, with
+  `user.distore.keep_last` = 3). The buffer's rate limiter (`samples_per_insert`) keeps
+  the actors and the learner in step, however many actors there are.
+- A learner that is killed (`run --kill-learner-at S` does it with SIGKILL) and started
+  again resumes from the newest checkpoint whose `user.distore.state` is `durable`, with
+  the same buffer: only the steps after that checkpoint are done again.
+- `run` starts them all for a bounded time, prints the learning curve (mean episode
+  return per interval) and writes it as JSON, and as a plot where matplotlib is
+  installed. `scripts/example.sh` mounts a fresh distorefs and runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+BUFFER, MODEL, CHECKPOINTS = "buffers/cartpole", "weights/policy", "checkpoints/dqn"
+RECORD = np.dtype(
+    [("obs", "<f4", (4,)), ("action", "<i8"), ("reward", "<f4"), ("next_obs", "<f4", (4,)), ("done", "<f4")]
+)
+SCHEMA = {
+    "obs": {"dtype": "<f4", "shape": [4]},
+    "action": "<i8",
+    "reward": "<f4",
+    "next_obs": {"dtype": "<f4", "shape": [4]},
+    "done": "<f4",
+}
+PER_APPEND = 16
+BATCH = 64
+GAMMA = 0.99
+
+
+def q_network() -> Any:
+    import torch.nn as nn
+
+    return nn.Sequential(nn.Linear(4, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 2))
+
+
+def set_up(mount: Path, samples_per_insert: float) -> None:
+    """Make the buffer, the model and the checkpoint directory (each once)."""
+    buffer = mount / BUFFER
+    if not buffer.exists():
+        buffer.mkdir(parents=True)
+        config = {
+            "capacity": 50_000, "sampler": "prioritized", "batch_size": BATCH, "alpha": 0.6, "beta": 0.4,
+            "min_size_to_sample": 1000, "samples_per_insert": samples_per_insert, "schema": SCHEMA,
+        }  # fmt: skip
+        (buffer / "config").write_text(json.dumps(config))
+    (mount / MODEL).mkdir(parents=True, exist_ok=True)
+    checkpoints = mount / CHECKPOINTS
+    if not checkpoints.exists():
+        checkpoints.mkdir(parents=True)
+        os.setxattr(checkpoints, "user.distore.keep_last", b"3")
+
+
+# --- actor ---------------------------------------------------------------------------------
+
+
+class PolicyVersions:
+    """Follows `weights/policy/wait` in a thread: each line it reads is a new version."""
+
+    def __init__(self, mount: Path) -> None:
+        self.path = mount / MODEL / "wait"
+        self.latest = 0
+        self.changed = threading.Event()
+        threading.Thread(target=self._follow, daemon=True).start()
+
+    def _follow(self) -> None:
+        while True:
+            try:
+                with open(self.path, "rb") as f:
+                    for line in f:  # blocks until the next version is published
+                        self.latest = int(line.split()[0])
+                        self.changed.set()
+            except OSError as exc:
+                if exc.errno != errno.ETIMEDOUT:  # no new version within --wait-timeout: read on
+                    raise
+
+
+def load_policy(mount: Path) -> tuple[int, Any]:
+    import torch
+
+    net = q_network()
+    with open(mount / MODEL / "model.pt", "rb") as f:
+        saved = torch.load(f)
+    net.load_state_dict(saved["net"])
+    return int(saved["step"]), net
+
+
+def actor(mount: Path, rank: int, seconds: float, log_path: Path, seed: int) -> None:
+    import gymnasium as gym
+    import torch
+
+    torch.set_num_threads(1)
+    versions = PolicyVersions(mount)
+    while versions.latest < 1:  # the learner publishes the first policy at its start
+        versions.changed.wait(timeout=1.0)
+        versions.changed.clear()
+    learner_step, net = load_policy(mount)
+    env = gym.make("CartPole-v1")
+    rng = np.random.default_rng(seed)
+    obs, _ = env.reset(seed=seed)
+    pending, episode_return, steps, deadline = [], 0.0, 0, time.monotonic() + seconds
+    with open(log_path, "a", encoding="utf-8") as log:
+        while time.monotonic() < deadline:
+            if versions.changed.is_set():
+                versions.changed.clear()
+                learner_step, net = load_policy(mount)
+            epsilon = max(0.02, 1.0 - learner_step / 2000)  # explore less as the learner learns
+            if rng.random() < epsilon:
+                action = int(rng.integers(2))
+            else:
+                with torch.no_grad():
+                    action = int(net(torch.as_tensor(obs)).argmax())
+            next_obs, reward, terminated, truncated, _ = env.step(action)
+            pending.append((obs, action, reward, next_obs, float(terminated)))
+            episode_return += float(reward)
+            steps += 1
+            obs = next_obs
+            if terminated or truncated:
+                log.write(f"{time.time():.3f},{rank},{episode_return:.0f},{steps}\n")
+                log.flush()
+                obs, _ = env.reset()
+                episode_return = 0.0
+            if len(pending) >= PER_APPEND:
+                append(mount, pending, deadline)
+                pending = []
+
+
+def append(mount: Path, transitions: list[tuple[Any, ...]], deadline: float) -> None:
+    """One open of `append` with a .npy of records; waits out the rate limiter (EAGAIN)
+    until `deadline` (time.monotonic)."""
+    records = np.array(transitions, dtype=RECORD)
+    while time.monotonic() < deadline:
+        try:
+            np.save(mount / BUFFER / "append", records)
+            return
+        except OSError as exc:
+            if exc.errno != errno.EAGAIN:
+                raise
+
+
+# --- learner -------------------------------------------------------------------------------
+
+
+def newest_durable_checkpoint(mount: Path) -> Path | None:
+    for path in sorted((mount / CHECKPOINTS).glob("step-*.pt"), reverse=True):
+        try:
+            if os.getxattr(path, "user.distore.state") == b"durable":
+                return path
+        except OSError:
+            continue
+    return None
+
+
+def sample(mount: Path, deadline: float) -> dict[str, np.ndarray] | None:
+    """One batch, a contiguous array per field with `_index` and `_weight` (`sample.npz`,
+    so each goes into torch as it is); waits while the buffer is too small or the rate
+    limiter holds the learner back (EAGAIN), until `deadline`: None then."""
+    while time.monotonic() < deadline:
+        try:
+            with open(mount / BUFFER / "sample.npz", "rb") as f:
+                with np.load(io.BytesIO(f.read())) as batch:
+                    return {name: batch[name] for name in batch.files}
+        except OSError as exc:
+            if exc.errno != errno.EAGAIN:
+                raise
+    return None
+
+
+def learner(mount: Path, seconds: float, publish_every: int, checkpoint_every: int, log_path: Path) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    net, target = q_network(), q_network()
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
+    step = 0
+    resumed = newest_durable_checkpoint(mount)
+    if resumed is not None:
+        with open(resumed, "rb") as f:
+            state = torch.load(f)
+        net.load_state_dict(state["net"])
+        target.load_state_dict(state["target"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = int(state["step"])
+    else:
+        target.load_state_dict(net.state_dict())
+    with open(log_path, "a", encoding="utf-8") as log:
+        start = {"event": "start", "time": time.time(), "step": step, "resumed_from": str(resumed)}
+        log.write(json.dumps(start) + "\n")
+        log.flush()
+
+        def publish() -> None:
+            torch.save({"net": net.state_dict(), "step": step}, mount / MODEL / "model.pt")
+
+        publish()
+        deadline = time.monotonic() + seconds
+        while (batch := sample(mount, deadline)) is not None:
+            obs = torch.as_tensor(batch["obs"])
+            next_obs = torch.as_tensor(batch["next_obs"])
+            action = torch.as_tensor(batch["action"])
+            reward = torch.as_tensor(batch["reward"])
+            done = torch.as_tensor(batch["done"])
+            weight = torch.as_tensor(batch["_weight"])
+            with torch.no_grad():  # double DQN target
+                best = net(next_obs).argmax(dim=1, keepdim=True)
+                target_q = reward + GAMMA * (1 - done) * target(next_obs).gather(1, best).squeeze(1)
+            q = net(obs).gather(1, action.unsqueeze(1)).squeeze(1)
+            loss = (weight * F.smooth_l1_loss(q, target_q, reduction="none")).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 10.0)
+            optimizer.step()
+            step += 1
+            pairs = np.zeros(len(batch["_index"]), dtype=[("index", "<i8"), ("priority", "<f8")])
+            pairs["index"] = batch["_index"]
+            pairs["priority"] = (q - target_q).abs().detach().numpy() + 1e-3
+            np.save(mount / BUFFER / "priority", pairs)
+            if step % 250 == 0:
+                target.load_state_dict(net.state_dict())
+            if step % publish_every == 0:
+                publish()
+            if step % checkpoint_every == 0:
+                state = {
+                    "net": net.state_dict(), "target": target.state_dict(),
+                    "optimizer": optimizer.state_dict(), "step": step,
+                }  # fmt: skip
+                with open(mount / CHECKPOINTS / f"step-{step:08d}.pt", "wb") as f:
+                    torch.save(state, f)
+                    f.flush()
+                    os.fsync(f.fileno())  # durable: a restart may resume from it
+                log.write(json.dumps({"event": "checkpoint", "time": time.time(), "step": step}) + "\n")
+                log.flush()
+        log.write(json.dumps({"event": "end", "time": time.time(), "step": step}) + "\n")
+
+
+# --- run -----------------------------------------------------------------------------------
+
+
+def curve(out: Path, started: float, bucket_s: float) -> list[dict[str, float]]:
+    """Mean episode return per `bucket_s` of wall time, over all actors."""
+    rows = []
+    for path in out.glob("actor-*.csv"):
+        for line in path.read_text().splitlines():
+            at, _rank, ret, _steps = line.split(",")
+            rows.append((float(at) - started, float(ret)))
+    buckets: dict[int, list[float]] = {}
+    for at, ret in rows:
+        buckets.setdefault(int(at // bucket_s), []).append(ret)
+    return [
+        {"t_s": (b + 1) * bucket_s, "episodes": len(v), "mean_return": float(np.mean(v))}
+        for b, v in sorted(buckets.items())
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    mount, out = Path(args.mount), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    set_up(mount, args.samples_per_insert)
+    me = [sys.executable, os.path.abspath(__file__)]
+    common = ["--mount", str(mount), "--out", str(out)]
+    started = time.time()
+
+    def start_learner(seconds: float) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([*me, "learner", *common, "--seconds", str(seconds),
+                                 "--publish-every", str(args.publish_every),
+                                 "--checkpoint-every", str(args.checkpoint_every)])  # fmt: skip
+
+    actors = [
+        subprocess.Popen([*me, "actor", *common, "--rank", str(i), "--seconds", str(args.seconds)])
+        for i in range(args.actors)
+    ]
+    learner_proc = start_learner(args.seconds)
+    if args.kill_learner_at:
+        time.sleep(args.kill_learner_at)
+        learner_proc.send_signal(signal.SIGKILL)
+        learner_proc.wait()
+        print(f"killed the learner (kill -9) at {time.time() - started:.0f} s; starting it again", flush=True)
+        learner_proc = start_learner(args.seconds - args.kill_learner_at)
+    codes = [p.wait() for p in [learner_proc, *actors]]
+    points = curve(out, started, args.bucket)
+    events = [json.loads(line) for line in (out / "learner.jsonl").read_text().splitlines()]
+    elapsed = time.time() - started
+    logs = [p.read_text().splitlines() for p in out.glob("actor-*.csv")]
+    env_steps = sum(int(lines[-1].split(",")[3]) for lines in logs if lines)  # up to each actor's last episode
+    updates = max(e["step"] for e in events)  # the learner's step at the end (work redone after a kill not counted)
+    summary = {
+        "curve": points, "learner": events, "exit_codes": codes, "seconds": elapsed,
+        "env_steps_per_s": env_steps / elapsed, "learner_updates_per_s": updates / elapsed,
+    }  # fmt: skip
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"{'t (s)':>6} {'episodes':>8} {'mean return':>12}")
+    for p in points:
+        print(f"{p['t_s']:>6.0f} {p['episodes']:>8} {p['mean_return']:>12.1f}  {'#' * int(p['mean_return'] // 10)}")
+    print(f"env steps/s {summary['env_steps_per_s']:.0f}, learner updates/s {summary['learner_updates_per_s']:.0f}")
+    for event in events:
+        if event["event"] == "start" and event["resumed_from"] != "None":
+            print(f"learner resumed at step {event['step']} from {event['resumed_from']}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot([p["t_s"] for p in points], [p["mean_return"] for p in points], marker="o")
+        ax.set_xlabel("wall time (s)")
+        ax.set_ylabel("mean episode return")
+        ax.set_title(f"distributed DQN on CartPole through distorefs ({args.actors} actors)")
+        fig.tight_layout()
+        fig.savefig(out / "curve.png", dpi=110)
+        print(f"plot: {out / 'curve.png'}")
+    except ImportError:
+        pass
+    return 0 if all(code == 0 for code in codes) else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("role", choices=("run", "actor", "learner"))
+    parser.add_argument("--mount", required=True, help="a distorefs mount point")
+    parser.add_argument("--out", required=True, help="where logs, the curve and the plot go (not the mount)")
+    parser.add_argument("--seconds", type=float, default=120.0, help="how long to run")
+    parser.add_argument("--actors", type=int, default=2)
+    parser.add_argument("--rank", type=int, default=0, help="(actor) its number")
+    parser.add_argument("--publish-every", type=int, default=50, help="learner steps between published policies")
+    parser.add_argument("--checkpoint-every", type=int, default=500, help="learner steps between checkpoints")
+    parser.add_argument("--samples-per-insert", type=float, default=8.0, help="the buffer's rate limiter")
+    parser.add_argument("--kill-learner-at", type=float, default=0.0, help="(run) kill -9 the learner after S")
+    parser.add_argument("--bucket", type=float, default=10.0, help="(run) seconds per point of the curve")
+    args = parser.parse_args()
+    mount, out = Path(args.mount), Path(args.out)
+    if args.role == "actor":
+        actor(mount, args.rank, args.seconds, out / f"actor-{args.rank}.csv", seed=args.rank)
+    elif args.role == "learner":
+        learner(mount, args.seconds, args.publish_every, args.checkpoint_every, out / "learner.jsonl")
+    else:
+        return run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
