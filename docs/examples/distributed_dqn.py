@@ -329,6 +329,9 @@ def run(args: argparse.Namespace) -> int:
 
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot([p["t_s"] for p in points], [p["mean_return"] for p in points], marker="o")
+        if args.kill_learner_at:
+            ax.axvline(args.kill_learner_at, color="red", linestyle="--", label="learner killed (kill -9)")
+            ax.legend(fontsize=8)
         ax.set_xlabel("wall time (s)")
         ax.set_ylabel("mean episode return")
         ax.set_title(f"distributed DQN on CartPole through distorefs ({args.actors} actors)")
