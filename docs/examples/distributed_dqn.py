@@ -60,8 +60,9 @@ def q_network() -> Any:
     return nn.Sequential(nn.Linear(4, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 2))
 
 
-def set_up(mount: Path, samples_per_insert: float) -> None:
-    """Make the buffer, the model and the checkpoint directory (each once)."""
+def set_up(mount: Path, samples_per_insert: float, shards: int) -> None:
+    """Make the buffer (spread over `shards` nodes in a cluster), the model and the
+    checkpoint directory (each once)."""
     buffer = mount / BUFFER
     if not buffer.exists():
         buffer.mkdir(parents=True)
@@ -69,6 +70,8 @@ def set_up(mount: Path, samples_per_insert: float) -> None:
             "capacity": 50_000, "sampler": "prioritized", "batch_size": BATCH, "alpha": 0.6, "beta": 0.4,
             "min_size_to_sample": 1000, "samples_per_insert": samples_per_insert, "schema": SCHEMA,
         }  # fmt: skip
+        if shards > 1:
+            config["shards"] = shards
         (buffer / "config").write_text(json.dumps(config))
     (mount / MODEL).mkdir(parents=True, exist_ok=True)
     checkpoints = mount / CHECKPOINTS
@@ -278,10 +281,22 @@ def curve(out: Path, started: float, bucket_s: float) -> list[dict[str, float]]:
     ]
 
 
+def wait_until_visible(mounts: list[Path], timeout_s: float = 30.0) -> None:
+    """In a cluster, the buffer and the model made on the first node appear on the others."""
+    deadline = time.monotonic() + timeout_s
+    for mount in mounts[1:]:
+        while not ((mount / BUFFER / "config").exists() and (mount / MODEL).is_dir()):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{mount}: the buffer and model of the first node did not appear")
+            time.sleep(0.2)
+
+
 def run(args: argparse.Namespace) -> int:
-    mount, out = Path(args.mount), Path(args.out)
+    mounts = [Path(m) for m in args.mount.split(",")]
+    mount, out = mounts[0], Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    set_up(mount, args.samples_per_insert)
+    set_up(mount, args.samples_per_insert, args.shards)
+    wait_until_visible(mounts)
     me = [sys.executable, os.path.abspath(__file__)]
     common = ["--mount", str(mount), "--out", str(out)]
     started = time.time()
@@ -291,10 +306,11 @@ def run(args: argparse.Namespace) -> int:
                                  "--publish-every", str(args.publish_every),
                                  "--checkpoint-every", str(args.checkpoint_every)])  # fmt: skip
 
-    actors = [
-        subprocess.Popen([*me, "actor", *common, "--rank", str(i), "--seconds", str(args.seconds)])
+    actors = [  # actor i on node i % len(mounts); the learner on the first
+        subprocess.Popen([*me, "actor", "--mount", str(mounts[i % len(mounts)]), "--out", str(out),
+                          "--rank", str(i), "--seconds", str(args.seconds)])
         for i in range(args.actors)
-    ]
+    ]  # fmt: skip
     learner_proc = start_learner(args.seconds)
     if args.kill_learner_at:
         time.sleep(args.kill_learner_at)
@@ -334,7 +350,8 @@ def run(args: argparse.Namespace) -> int:
             ax.legend(fontsize=8)
         ax.set_xlabel("wall time (s)")
         ax.set_ylabel("mean episode return")
-        ax.set_title(f"distributed DQN on CartPole through distorefs ({args.actors} actors)")
+        nodes = f", {len(mounts)} nodes" if len(mounts) > 1 else ""
+        ax.set_title(f"distributed DQN on CartPole through distorefs ({args.actors} actors{nodes})")
         fig.tight_layout()
         fig.savefig(out / "curve.png", dpi=110)
         print(f"plot: {out / 'curve.png'}")
@@ -346,7 +363,11 @@ def run(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("role", choices=("run", "actor", "learner"))
-    parser.add_argument("--mount", required=True, help="a distorefs mount point")
+    parser.add_argument(
+        "--mount", required=True,
+        help="a distorefs mount point; for run, several nodes' mount points separated by commas",
+    )  # fmt: skip
+    parser.add_argument("--shards", type=int, default=1, help="(run) spread the buffer over this many nodes")
     parser.add_argument("--out", required=True, help="where logs, the curve and the plot go (not the mount)")
     parser.add_argument("--seconds", type=float, default=120.0, help="how long to run")
     parser.add_argument("--actors", type=int, default=2)

@@ -1,0 +1,39 @@
+"""The distributed DQN example in its cluster form: three daemons on a local etcd, the
+buffer sharded over them, an actor on each node and the learner on the first."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.cluster.conftest import NodeFactory, wait_for
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "distributed_dqn.py"
+RANDOM_RETURN = 22
+
+
+def test_distributed_dqn_learns_with_its_buffer_sharded_over_three_nodes(
+    cluster_node: NodeFactory, tmp_path: Path
+) -> None:
+    nodes = [cluster_node(f"n{i}") for i in range(3)]
+    wait_for(lambda: len(json.loads((nodes[0].path / ".distore" / "peers").read_text())["live_nodes"]) == 3)
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE), "run", "--mount", ",".join(str(n.path) for n in nodes), "--shards", "3",
+         "--out", str(out), "--seconds", "60", "--actors", "3"],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    returns = [point["mean_return"] for point in summary["curve"]]
+    assert returns[0] < 2 * RANDOM_RETURN
+    assert max(returns) >= 80, returns  # a clear rise above random on 2 cores shared by 3 daemons
+    stats = json.loads((nodes[0].path / "buffers" / "cartpole" / "stats").read_text())
+    shards = stats["cluster"]["shards"]
+    assert sorted(s["node"] for s in shards) == ["n0", "n1", "n2"]
+    assert all(s["size"] > 0 for s in shards)  # each node's actor appended to its own shard
+    assert stats["cluster"]["remote_draws"] > 0  # the learner drew from the other nodes' shards
+    for i in range(3):
+        assert (out / f"actor-{i}.csv").read_text().count("\n") > 0
