@@ -195,9 +195,28 @@ def sample(mount: Path, deadline: float) -> dict[str, np.ndarray] | None:
     return None
 
 
-def learner(mount: Path, seconds: float, publish_every: int, checkpoint_every: int, log_path: Path) -> None:
+def train_step(net: Any, target: Any, optimizer: Any, batch: dict[str, np.ndarray]) -> np.ndarray:
+    """One double-DQN update with importance weights; returns the |TD errors|."""
     import torch
     import torch.nn.functional as F
+
+    obs, next_obs = torch.as_tensor(batch["obs"]), torch.as_tensor(batch["next_obs"])
+    action, reward, done = (torch.as_tensor(batch[k]) for k in ("action", "reward", "done"))
+    with torch.no_grad():
+        best = net(next_obs).argmax(dim=1, keepdim=True)
+        target_q = reward + GAMMA * (1 - done) * target(next_obs).gather(1, best).squeeze(1)
+    q = net(obs).gather(1, action.unsqueeze(1)).squeeze(1)
+    loss = (torch.as_tensor(batch["_weight"]) * F.smooth_l1_loss(q, target_q, reduction="none")).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 10.0)
+    optimizer.step()
+    errors: np.ndarray = (q - target_q).abs().detach().numpy()
+    return errors
+
+
+def learner(mount: Path, seconds: float, publish_every: int, checkpoint_every: int, log_path: Path) -> None:
+    import torch
 
     torch.set_num_threads(1)
     net, target = q_network(), q_network()
@@ -224,25 +243,11 @@ def learner(mount: Path, seconds: float, publish_every: int, checkpoint_every: i
         publish()
         deadline = time.monotonic() + seconds
         while (batch := sample(mount, deadline)) is not None:
-            obs = torch.as_tensor(batch["obs"])
-            next_obs = torch.as_tensor(batch["next_obs"])
-            action = torch.as_tensor(batch["action"])
-            reward = torch.as_tensor(batch["reward"])
-            done = torch.as_tensor(batch["done"])
-            weight = torch.as_tensor(batch["_weight"])
-            with torch.no_grad():  # double DQN target
-                best = net(next_obs).argmax(dim=1, keepdim=True)
-                target_q = reward + GAMMA * (1 - done) * target(next_obs).gather(1, best).squeeze(1)
-            q = net(obs).gather(1, action.unsqueeze(1)).squeeze(1)
-            loss = (weight * F.smooth_l1_loss(q, target_q, reduction="none")).mean()
-            optimizer.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 10.0)
-            optimizer.step()
+            errors = train_step(net, target, optimizer, batch)
             step += 1
             pairs = np.zeros(len(batch["_index"]), dtype=[("index", "<i8"), ("priority", "<f8")])
             pairs["index"] = batch["_index"]
-            pairs["priority"] = (q - target_q).abs().detach().numpy() + 1e-3
+            pairs["priority"] = errors + 1e-3
             np.save(mount / BUFFER / "priority", pairs)
             if step % 250 == 0:
                 target.load_state_dict(net.state_dict())
