@@ -4,7 +4,8 @@ Run as root (it drops the kernel page cache between phases):
 
     .venv/bin/python benchmarks/bench_posix.py [--size-mib 1024] [--files 5000] [--entries 100000]
 
-Prints a Markdown table of rates and ratios (distorefs / baseline) and writes the raw
+Baselines: the bare pyfuse3 filesystem of ceiling_fs.py (the FUSE ceiling), tmpfs and
+the local disk. Prints a Markdown table of rates and ratios (distorefs / baseline) and writes the raw
 numbers as JSON next to it (--json PATH). No thresholds here: docs/benchmarks.md keeps
 the results and the aims they are read against.
 """
@@ -90,6 +91,28 @@ def remove_entries(root: Path) -> None:
         os.unlink(root / name)
 
 
+class Ceiling:
+    """The bare pyfuse3 filesystem of benchmarks/ceiling_fs.py: the FUSE ceiling."""
+
+    def __init__(self, base: Path) -> None:
+        self.mnt = base / "ceiling"
+        self.mnt.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Path:
+        script = Path(__file__).resolve().parent / "ceiling_fs.py"
+        self.proc = subprocess.Popen([sys.executable, str(script), str(self.mnt)], stdout=subprocess.PIPE)
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != b"ready":
+            raise RuntimeError("the ceiling filesystem did not mount")
+        return self.mnt
+
+    def __exit__(self, *exc: object) -> None:
+        subprocess.run(["fusermount3", "-u", str(self.mnt)], check=False)
+        if self.proc is not None:
+            self.proc.wait(timeout=30)
+
+
 class Distore:
     """A distorefs daemon for the benchmark, started and stopped with the CLI."""
 
@@ -140,18 +163,18 @@ def main() -> int:
     disk.mkdir()
     budget = f"{max(2 * args.size_mib, 512)}MiB"
     try:
-        with Distore(base, budget) as fs:
-            targets = {"distorefs": fs, "tmpfs": tmpfs, "disk": disk}
+        with Distore(base, budget) as fs, Ceiling(base) as ceiling:
+            targets = {"distorefs": fs, "ceiling": ceiling, "tmpfs": tmpfs, "disk": disk}
 
             # Sequential write of one big file, 1 MiB writes, then close (write-back).
             for name, root in targets.items():
                 seconds = timed(lambda r=root: write_file(r / "big", size, payload))
                 results.setdefault("seq_write_MBps", {})[name] = size / seconds / 1e6
 
-            # Hot read: distorefs serves from its DRAM (kernel page cache dropped); the
-            # baselines read from memory (tmpfs) and from the page cache (disk).
+            # Hot read: distorefs and the ceiling serve from their memory (kernel page cache
+            # dropped); the baselines read from memory (tmpfs) and from the page cache (disk).
             for name, root in targets.items():
-                if name == "distorefs":
+                if name in ("distorefs", "ceiling"):
                     drop_caches()
                 else:
                     read_file(root / "big")  # make sure the disk's page cache is warm
@@ -215,8 +238,8 @@ def main() -> int:
 
 
 def print_table(results: dict[str, dict[str, float]], can_drop: bool) -> None:
-    print("| measure | distorefs | tmpfs | disk | vs tmpfs | vs disk |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| measure | distorefs | ceiling | tmpfs | disk | vs ceiling | vs tmpfs | vs disk |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     lower_is_better = {"dir_20k_create_list_remove_s", "readdir_100k_s"}
     for measure, row in results.items():
         ours = row.get("distorefs")
@@ -227,8 +250,8 @@ def print_table(results: dict[str, dict[str, float]], can_drop: bool) -> None:
             value = row[base] / ours if measure in lower_is_better else ours / row[base]
             return f"{value:.2f}x"
 
-        cells = [f"{row[k]:,.1f}" if k in row else "" for k in ("distorefs", "tmpfs", "disk")]
-        print(f"| {measure} | {' | '.join(cells)} | {ratio('tmpfs')} | {ratio('disk')} |")
+        cells = [f"{row[k]:,.1f}" if k in row else "" for k in ("distorefs", "ceiling", "tmpfs", "disk")]
+        print(f"| {measure} | {' | '.join(cells)} | {ratio('ceiling')} | {ratio('tmpfs')} | {ratio('disk')} |")
     if not can_drop:
         print("\n(not root: page cache could not be dropped; hot/cold reads are not what they say)")
 
