@@ -117,3 +117,22 @@ async def test_watch_with_nothing_to_do_shows_nothing(caplog: pytest.LogCaptureF
     with caplog.at_level(logging.INFO):
         assert await progress.watch("persisting", lambda: 0, work, logging.getLogger("test.watch")) == 7
     assert caplog.records == []
+
+
+def test_umount_shows_the_bytes_the_daemon_reports_left(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from distorefs.cli import PersistProgress
+    from distorefs.daemon import SHUTDOWN_REPORT, ShutdownReport
+
+    pid = os.getpid()
+    report = tmp_path / SHUTDOWN_REPORT
+    shown = PersistProgress(str(tmp_path), pid)
+    shown()  # no report yet: nothing to show
+    report.write_bytes(ShutdownReport(pid, False, 8 << 20, "persisting").render())
+    shown()
+    time.sleep(1.1)
+    report.write_bytes(ShutdownReport(pid, False, 2 << 20, "persisting").render())
+    shown()
+    shown.finish()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith(f"distore umount: daemon {pid} persisting: 6.0 MiB of 8.0 MiB (75%), ")
+    assert lines[-1].startswith(f"distore umount: daemon {pid} persisting: 6.0 MiB in ")
