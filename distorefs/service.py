@@ -146,7 +146,9 @@ def mount_arguments(argv: Sequence[str]) -> list[str] | None:
             options += [option for option in arg[2:].split(",") if option]
         elif arg.startswith("-") and len(arg) > 1:
             fake = fake or "f" in arg[1:]
-            if set(arg[1:]) - set("sfnvrw"):
+            if "r" in arg[1:]:
+                raise UsageError("distorefs mounts read-write only (-r asks for read-only)")
+            if set(arg[1:]) - set("sfnvw"):
                 raise UsageError(f"unknown flag {arg}")
         else:
             positional.append(arg)

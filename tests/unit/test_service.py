@@ -37,6 +37,7 @@ def test_a_fake_mount_runs_nothing() -> None:
         (["/m"], "usage"),
         (["/d", "/m", "-o"], "-o needs a value"),
         (["/d", "/m", "-x"], "unknown flag -x"),
+        (["/d", "/m", "-r"], "read-write only"),
     ],
 )
 def test_a_bad_mount_command_line_is_refused_with_its_reason(argv: list[str], message: str) -> None:
