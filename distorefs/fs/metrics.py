@@ -133,7 +133,8 @@ class Metrics:
 
     def transferred(self, kind: str, op: str, size: int, started: float) -> None:
         """A read or write (`op`) of `size` bytes of a `kind` file, begun at `started`."""
-        counter, latency = self._data_children[kind, op]
+        children = self._data_children.get((kind, op)) or self._data_children["control", op]
+        counter, latency = children
         counter.inc(size)
         latency.observe(time.perf_counter() - started)
 
