@@ -2,7 +2,8 @@
 
 Owns how progress is shown: a rich progress bar when stderr is a terminal, and otherwise
 (a log file, journald, a pipe) an INFO line at most every `every_s` seconds and one when
-the work ends, with the amount done, the total and the rate. `watch` follows work whose
+the work ends, with the amount done, the total and the rate. Work that ends within
+`every_s` shows nothing either way. `watch` follows work whose
 progress is a number of bytes still to go (dirty bytes to persist), sampled while the
 work runs. What counts as progress is the caller's.
 """
@@ -38,15 +39,18 @@ class Progress:
         self._log = logger
         self._every_s = every_s
         self._started = self._logged = time.monotonic()
-        self._bar: RichProgress | None = None
-        if sys.stderr.isatty() if tty is None else tty:
-            amount = DownloadColumn() if unit == "bytes" else MofNCompleteColumn()
-            self._bar = RichProgress(
-                TextColumn("{task.description}"), BarColumn(), amount, TimeRemainingColumn(),
-                console=Console(stderr=True), transient=False,
-            )  # fmt: skip
-            self._task = self._bar.add_task(what, total=self.total)
-            self._bar.start()
+        self._tty = sys.stderr.isatty() if tty is None else tty
+        self._bar: RichProgress | None = None  # drawn once the work has taken every_s
+
+    def _start_bar(self) -> RichProgress:
+        amount = DownloadColumn() if self.unit == "bytes" else MofNCompleteColumn()
+        bar = RichProgress(
+            TextColumn("{task.description}"), BarColumn(), amount, TimeRemainingColumn(),
+            console=Console(stderr=True), transient=False,
+        )  # fmt: skip
+        self._task = bar.add_task(self.what, total=self.total)
+        bar.start()
+        return bar
 
     def __enter__(self) -> Progress:
         return self
@@ -59,10 +63,13 @@ class Progress:
 
     def update(self, done: int) -> None:
         self.done = min(max(done, 0), self.total) if self.total else max(done, 0)
-        if self._bar is not None:
-            self._bar.update(self._task, completed=self.done)
-            return
         now = time.monotonic()
+        if self._tty:
+            if self._bar is None and now - self._started >= self._every_s:
+                self._bar = self._start_bar()
+            if self._bar is not None:
+                self._bar.update(self._task, completed=self.done)
+            return
         if now - self._logged >= self._every_s:
             self._logged = now
             rate = self.done / max(now - self._started, 1e-6)

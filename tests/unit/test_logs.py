@@ -136,3 +136,16 @@ def test_umount_shows_the_bytes_the_daemon_reports_left(tmp_path: Path, capsys: 
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith(f"distore umount: daemon {pid} persisting: 6.0 MiB of 8.0 MiB (75%), ")
     assert lines[-1].startswith(f"distore umount: daemon {pid} persisting: 6.0 MiB in ")
+
+
+def test_progress_on_a_terminal_draws_a_bar_only_for_work_that_takes_a_while(
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    quick = progress.Progress("quick", 10, "rows", logging.getLogger("test.tty"), every_s=5.0, tty=True)
+    quick.update(10)
+    quick.finish()
+    assert capsys.readouterr().err == ""
+    slow = progress.Progress("slow", 10, "rows", logging.getLogger("test.tty"), every_s=0.0, tty=True)
+    slow.update(4)
+    slow.finish()
+    assert "slow" in capsys.readouterr().err  # the bar, drawn on stderr
