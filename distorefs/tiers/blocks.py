@@ -170,7 +170,7 @@ class BlockStore(ByteRanges, Compaction):
 
     def owner_lengths(self, owner: int) -> dict[int, int]:
         """Block number -> stored length for `owner`'s blocks in the index (start-up)."""
-        return {n: self._index[BlockKey(owner, n)].length for n in self._index.numbers(owner)}
+        return self._index.lengths(owner)
 
     def has_block(self, key: BlockKey) -> bool:
         return key in self._index or self._dram.peek(key) is not None

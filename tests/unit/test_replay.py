@@ -518,3 +518,22 @@ async def test_compressed_items_sample_back_as_their_original_bytes(tiers: tuple
     assert len(batch) == 8
     for index, _weight, item in batch:
         assert item == items[index]
+
+
+def test_segment_tree_bulk_update_matches_small_updates() -> None:
+    rng = np.random.default_rng(3)
+    capacity = 1000
+    slots = rng.permutation(capacity)[:900]
+    values = rng.random(900) * (rng.random(900) > 0.1)  # some zero leaves
+    bulk, small = SegmentTree(capacity, with_min_max=True), SegmentTree(capacity, with_min_max=True)
+    bulk.update(slots, values)  # 900 >= 1024 // 8: rebuilds every level
+    for start in range(0, 900, 7):
+        small.update(slots[start : start + 7], values[start : start + 7])
+    assert bulk.total == pytest.approx(small.total)
+    assert (bulk.min, bulk.max) == (small.min, small.max)
+    prefixes = rng.random(200) * bulk.total
+    assert (bulk.find(prefixes) == small.find(prefixes)).all()
+    bulk.update(slots[:3], np.array([5.0, 0.0, 2.0]))  # small updates on a rebuilt tree
+    small.update(slots[:3], np.array([5.0, 0.0, 2.0]))
+    assert bulk.total == pytest.approx(small.total)
+    assert (bulk.min, bulk.max) == (small.min, small.max)

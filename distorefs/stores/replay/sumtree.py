@@ -63,6 +63,9 @@ class SegmentTree:
         if self._min is not None and self._max is not None:
             self._min[nodes] = np.where(values > 0, values, np.inf)
             self._max[nodes] = values
+        if len(slots) >= self._size // 8:
+            self._rebuild()  # many slots (a restore, a config change): every level at once
+            return
         nodes = np.unique(nodes >> 1)
         for _ in range(self._depth):
             left, right = 2 * nodes, 2 * nodes + 1
@@ -71,6 +74,19 @@ class SegmentTree:
                 self._min[nodes] = np.minimum(self._min[left], self._min[right])
                 self._max[nodes] = np.maximum(self._max[left], self._max[right])
             nodes = np.unique(nodes >> 1)
+
+    def _rebuild(self) -> None:
+        """Recompute every inner node from the leaves, a level at a time: O(n) with no
+        sorting, where the per-slot path costs a np.unique per level."""
+        low = self._size // 2
+        while low >= 1:
+            level = slice(low, 2 * low)
+            left, right = slice(2 * low, 4 * low, 2), slice(2 * low + 1, 4 * low, 2)
+            self._sum[level] = self._sum[left] + self._sum[right]
+            if self._min is not None and self._max is not None:
+                self._min[level] = np.minimum(self._min[left], self._min[right])
+                self._max[level] = np.maximum(self._max[left], self._max[right])
+            low //= 2
 
     def find(self, prefixes: np.ndarray) -> np.ndarray:
         """For each prefix in [0, total), the slot whose cumulative interval holds it.
