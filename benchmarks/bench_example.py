@@ -84,12 +84,7 @@ def in_process(seconds: float) -> dict[str, Any]:
         started = time.monotonic()
         while time.monotonic() - started < seconds:
             for _ in range(STEPS_PER_UPDATE):  # the actors' share of the work
-                epsilon = max(0.02, 1.0 - step / 2000)
-                if rng.random() < epsilon:
-                    action = int(rng.integers(2))
-                else:
-                    with torch.no_grad():
-                        action = int(net(torch.as_tensor(obs)).argmax())
+                action = ex.choose_action(net, obs, step, rng)
                 next_obs, reward, terminated, truncated, _ = env.step(action)
                 slot = next_index % CAPACITY
                 records[slot] = (obs, action, reward, next_obs, float(terminated))

@@ -114,6 +114,16 @@ def load_policy(mount: Path) -> tuple[int, Any]:
     return int(saved["step"]), net
 
 
+def choose_action(net: Any, obs: Any, learner_step: int, rng: np.random.Generator) -> int:
+    """Epsilon-greedy, exploring less as the learner learns (1.0 down to 0.02 by step 2000)."""
+    import torch
+
+    if rng.random() < max(0.02, 1.0 - learner_step / 2000):
+        return int(rng.integers(2))
+    with torch.no_grad():
+        return int(net(torch.as_tensor(obs)).argmax())
+
+
 def actor(mount: Path, rank: int, seconds: float, log_path: Path, seed: int) -> None:
     import gymnasium as gym
     import torch
@@ -133,12 +143,7 @@ def actor(mount: Path, rank: int, seconds: float, log_path: Path, seed: int) -> 
             if versions.changed.is_set():
                 versions.changed.clear()
                 learner_step, net = load_policy(mount)
-            epsilon = max(0.02, 1.0 - learner_step / 2000)  # explore less as the learner learns
-            if rng.random() < epsilon:
-                action = int(rng.integers(2))
-            else:
-                with torch.no_grad():
-                    action = int(net(torch.as_tensor(obs)).argmax())
+            action = choose_action(net, obs, learner_step, rng)
             next_obs, reward, terminated, truncated, _ = env.step(action)
             pending.append((obs, action, reward, next_obs, float(terminated)))
             episode_return += float(reward)
