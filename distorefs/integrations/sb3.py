@@ -31,6 +31,7 @@ from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
 from distorefs import client
+from distorefs.stores.replay.config import parse_schema, schema_to_json
 
 
 class DistoreReplayBuffer(ReplayBuffer):
@@ -73,28 +74,19 @@ class DistoreReplayBuffer(ReplayBuffer):
         )
         self._connect(buffer_size, sampler)
 
-    def _schema(self) -> dict[str, Any]:
-        assert self.record_dtype.fields is not None
-        schema = {}
-        for name in self.record_dtype.names or ():
-            field = self.record_dtype.fields[name][0]
-            base = field.base if field.subdtype else field
-            schema[name] = {"dtype": base.str, "shape": list(field.shape)}
-        return schema
-
     def _connect(self, capacity: int, sampler: str) -> None:
         """Make the buffer, or check that the one at `path` has this schema."""
         os.makedirs(self.path, exist_ok=True)
         with open(os.path.join(self.path, "config"), encoding="utf-8") as f:
             config = json.load(f)
-        wanted = np.dtype([(k, v["dtype"], tuple(v["shape"])) for k, v in self._schema().items()])
-        if config.get("schema") is not None:
-            have = np.dtype([(k, v["dtype"], tuple(v["shape"])) for k, v in config["schema"].items()])
-            if have != wanted:
-                raise ValueError(f"{self.path} holds a buffer of another schema ({have}, not {wanted})")
+        have = parse_schema(self.path, config.get("schema"))
+        if have is not None:
+            if have != self.record_dtype:
+                raise ValueError(f"{self.path} holds a buffer of another schema ({have}, not {self.record_dtype})")
             return
         with open(os.path.join(self.path, "config"), "w", encoding="utf-8") as f:
-            f.write(json.dumps({"capacity": int(capacity), "sampler": sampler, "schema": self._schema()}))
+            config = {"capacity": int(capacity), "sampler": sampler, "schema": schema_to_json(self.record_dtype)}
+            f.write(json.dumps(config))
 
     def __getstate__(self) -> dict[str, Any]:
         self.flush()

@@ -35,6 +35,7 @@ from torchrl.data.replay_buffers.storages import Storage, StoreStorage
 from torchrl.data.replay_buffers.writers import Writer
 
 from distorefs import client
+from distorefs.stores.replay.config import parse_schema, schema_to_json
 
 SEPARATOR = "."
 
@@ -62,10 +63,7 @@ class DistoreStorage(StoreStorage):
         elif config.get("schema") is None and sampler != config["sampler"]:
             self._write_config({"sampler": sampler})
         Storage.__init__(self, max_size=int(config["capacity"]))
-        self._dtype: np.dtype[Any] | None = None
-        self._batch_size: tuple[int, ...] = ()
-        if config.get("schema") is not None:
-            self._dtype = np.dtype([(k, v["dtype"], tuple(v["shape"])) for k, v in config["schema"].items()])
+        self._dtype = parse_schema(self.path, config.get("schema"))
         self.last_batch: tuple[torch.Tensor, np.ndarray] | None = None  # set by DistoreSampler
 
     def _write_config(self, fields: dict[str, Any]) -> None:
@@ -82,8 +80,7 @@ class DistoreStorage(StoreStorage):
         if self._dtype is None:
             fields = [(k, v.detach().cpu().numpy().dtype, tuple(v.shape[1:])) for k, v in leaves.items()]
             self._dtype = np.dtype(fields)
-            schema = {k: {"dtype": dt.str, "shape": list(shape)} for k, dt, shape in fields}
-            self._write_config({"schema": schema})
+            self._write_config({"schema": schema_to_json(self._dtype)})
         count = len(next(iter(leaves.values())))
         records = np.zeros(count, dtype=self._dtype)
         if sorted(leaves) != sorted(self._dtype.names or ()):
