@@ -69,7 +69,6 @@ ORDINARY_ERRNOS = frozenset(
     {errno.ENOENT, errno.ENODATA, errno.EAGAIN, errno.EEXIST, errno.ENOTEMPTY, errno.EINTR, errno.ERANGE,
      errno.ENOSYS, errno.EOPNOTSUPP}
 )  # fmt: skip
-failures = FailureLog(log)
 
 
 def _describe(args: tuple[Any, ...], op: str = "") -> str:
@@ -86,7 +85,7 @@ def _describe(args: tuple[Any, ...], op: str = "") -> str:
     return ", ".join(parts)
 
 
-def _log_failure(op: str, args: tuple[Any, ...], code: int, message: str) -> None:
+def _log_failure(failures: FailureLog, op: str, args: tuple[Any, ...], code: int, message: str) -> None:
     """A failed request's line: WARNING (bounded by `failures`) unless its errno is ordinary."""
     if code in ORDINARY_ERRNOS:
         if log.isEnabledFor(logging.DEBUG):
@@ -112,11 +111,11 @@ def _translate(mutates: bool) -> Callable[[Callable[P, Coroutine[Any, Any, R]]],
                 return await fn(*args, **kwargs)
             except pyfuse3.FUSEError as exc:
                 failed = exc.errno
-                _log_failure(fn.__name__, args[1:], failed, "")
+                _log_failure(self.failures, op, args[1:], failed, "")
                 raise
             except DistorefsError as exc:
                 failed = exc.errno
-                _log_failure(fn.__name__, args[1:], failed, exc.message)
+                _log_failure(self.failures, op, args[1:], failed, exc.message)
                 raise pyfuse3.FUSEError(exc.errno) from None
             except AssertionError as exc:
                 failed = errno.EIO
@@ -147,6 +146,7 @@ class FsOperations(pyfuse3.Operations):
         self.tree = tree
         self.virtual = virtual
         self.metrics = Metrics()
+        self.failures = FailureLog(log)  # this mount's failed-request lines, bounded per operation
         self._stale_send, self._stale_recv = trio.open_memory_channel[int](math.inf)
         self.data_dir = data_dir
         self.block_bytes = block_bytes
