@@ -304,10 +304,12 @@ async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb) -> Dae
         nvme_log, DramCache(config.dram_budget_bytes), meta, config.block_bytes,
         remote=node.remote_memory if node is not None else None,
     )  # fmt: skip
+    await blocks.read_tail()  # records persisted log-only after the last commit
     files = FileStore.load(blocks, meta)
     buffers = BufferStore.load(blocks, meta, BufferPeers(node) if node is not None else None)
     weights = WeightStore.load(blocks, meta)
     datasets = DatasetStore.load(blocks, meta, config.window_bytes)
+    blocks.forget_tail()
     await datasets.load_indexes()
     checkpoints = CheckpointPolicy.load(files, meta, config.checkpoint_sync_close, replicas)
     info = MountInfo(os.getpid(), config.data_dir, config.mountpoint, time.time_ns())

@@ -196,7 +196,11 @@ class AppendHandle(VirtualHandle):
             raise _recorded(self._buffer, exc) from None
         if tail:
             await self._add(tail)
-        await self._buffer.persist()
+        await self._buffer.persist_appends()
+
+    async def fsync(self) -> None:
+        """fsync of `append`: the complete records so far survive a power loss."""
+        await self._buffer.persist(durable=True)
 
 
 def columnar_npz(batch: bytes) -> bytes:
@@ -349,6 +353,10 @@ class BufferFile(VirtualFile):
 
 
 ITEM_CACHE_S = 5.0
+# `append`, `priority` and the samples keep their attributes (size 0, the buffer's mode):
+# the kernel may cache them, which saves a GETATTR on every open of the RL loop's calls.
+# A chmod or chown of the buffer drops them at once (FsOperations._stale_attrs).
+CONTROL_CACHE_S = 1.0
 
 
 class ItemNode(VirtualFile):
@@ -434,6 +442,8 @@ class BufferDir(NamedDir):
             if name == b"config":
                 node.snapshot = lambda: config_text(b)  # its size: copy tools read it whole
             node.acts_on_read = name == b"sample"
+            if name != b"config":
+                node.cache_s = CONTROL_CACHE_S
             self._add(node)
         stats = ControlFile(tree.new_ino(), b"stats", lambda: (json.dumps(b.stats(), indent=2) + "\n").encode())
         self._add(stats.govern(self, Access.READ))
@@ -470,6 +480,7 @@ class BufferDir(NamedDir):
                 False,
             ).govern(self, Access.CHANGES_ON_READ)
             node.acts_on_read = True
+            node.cache_s = CONTROL_CACHE_S
             self._tree.register(node)
         return node
 
@@ -489,6 +500,7 @@ class BufferDir(NamedDir):
                 False,
             ).govern(self, Access.CHANGES_ON_READ)
             node.acts_on_read = True
+            node.cache_s = CONTROL_CACHE_S
             if len(self._sized) < 64:  # a few sizes are kept; others are made per lookup
                 self._sized[count] = node
             self._tree.register(node)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import errno
 import functools
 import logging
-import math
 import os
 import stat
 import time
@@ -147,7 +146,6 @@ class FsOperations(pyfuse3.Operations):
         self.virtual = virtual
         self.metrics = Metrics()
         self.failures = FailureLog(log)  # this mount's failed-request lines, bounded per operation
-        self._stale_send, self._stale_recv = trio.open_memory_channel[int](math.inf)
         self.data_dir = data_dir
         self.block_bytes = block_bytes
         self.degraded = False
@@ -166,35 +164,33 @@ class FsOperations(pyfuse3.Operations):
 
     async def run_invalidations(self) -> None:
         """Background task: entries the daemon removed itself (retention, another node's
-        rmdir) are dropped from the kernel's cache too, and so are the attributes of the
-        nodes inside a directory whose owner or mode changed."""
+        rmdir) are dropped from the kernel's cache too."""
+        while True:
+            parent, name, ino = await self.tree.removed.next()
+            pyfuse3.invalidate_entry_async(parent, name, deleted=ino, ignore_enoent=True)
 
-        async def removed() -> None:
-            while True:
-                parent, name, ino = await self.tree.removed.next()
-                pyfuse3.invalidate_entry_async(parent, name, deleted=ino, ignore_enoent=True)
-
-        async def stale() -> None:
-            async for ino in self._stale_recv:
-                try:
-                    await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, True)
-                except OSError as exc:  # the kernel forgot it meanwhile
-                    log.debug("invalidate_inode(%d): %s", ino, exc)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(removed, name="kernel invalidations: removed entries")
-            nursery.start_soon(stale, name="kernel invalidations: changed owners")
-
-    def _stale_attrs(self, directory: VirtualDir) -> None:
-        """The kernel caches some nodes' attributes for long (weights versions): after a
-        chmod or chown of `directory`, drop those of the nodes that follow it (computed
-        item inodes are cached at most ITEM_CACHE_S)."""
+    async def _stale_attrs(self, directory: VirtualDir) -> None:
+        """The kernel caches some nodes' attributes (weights versions, a buffer's control
+        files): after a chmod or chown of `directory`, drop those of the nodes that follow
+        it before the chmod returns, so the next stat sees the change (computed item
+        inodes are cached at most ITEM_CACHE_S). Attributes only: this takes no lock the
+        kernel holds for the chmod."""
+        inos = []
         for node in list(self.virtual.nodes.values()):
             governor = node.governor
             while governor is not None and governor is not directory:
                 governor = governor.governor
             if governor is directory:
-                self._stale_send.send_nowait(node.ino)
+                inos.append(node.ino)
+
+        def drop() -> None:
+            for ino in inos:
+                try:
+                    pyfuse3.invalidate_inode(ino, True)
+                except OSError as exc:  # the kernel forgot it meanwhile
+                    log.debug("invalidate_inode(%d): %s", ino, exc)
+
+        await trio.to_thread.run_sync(drop)
 
     # --- helpers ------------------------------------------------------------------------
 
@@ -338,7 +334,7 @@ class FsOperations(pyfuse3.Operations):
                     attr.st_gid if fields.update_gid else None,
                     attr.st_mode if fields.update_mode else None,
                 )
-                self._stale_attrs(node)
+                await self._stale_attrs(node)
                 return self._virtual_attrs(node)
             if isinstance(node, VirtualFile) and fields.update_size:
                 handle = self._handles.get(fh) if fh is not None else None

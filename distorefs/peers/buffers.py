@@ -202,7 +202,7 @@ class BufferSync:
         items = [bytes(part) for part in split_payload(body, meta["sizes"])]
         buffer = self._shard(meta)
         indices = await buffer.append_local(items, nonblocking=bool(meta.get("nonblocking")))
-        await buffer.persist()
+        await buffer.persist_appends()
         return {"indices": indices}, ()
 
     async def _on_priority(self, meta: dict[str, Any], body: memoryview) -> Reply:

@@ -110,6 +110,8 @@ class BlockStore(ByteRanges, Compaction):
         self._dirty_since: float | None = None
         self._undurable_since: float | None = None
         self._last_logged = 0.0
+        self._rows_unstaged = []
+        self._tail = {}
         # compaction (tiers/compaction.py)
         self._compacted_segments = 0
         self._reclaimed_bytes = 0

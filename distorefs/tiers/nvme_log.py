@@ -33,6 +33,7 @@ import struct
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import crc32c
 
@@ -62,6 +63,16 @@ def encode_header(key: BlockKey, seq: int, payload: bytes | bytearray | memoryvi
     head = struct.pack("<IIQQQ", MAGIC, len(payload), key.owner, key.number, seq)
     crc = crc32c.crc32c(payload, crc32c.crc32c(head))
     return head + struct.pack("<I", crc)
+
+
+class LogPosition(NamedTuple):
+    """A point in the log: a segment and a byte offset in it (where a record starts)."""
+
+    segment: int
+    offset: int
+
+
+LOG_START = LogPosition(0, 0)
 
 
 @dataclass(frozen=True)
@@ -111,6 +122,10 @@ class NvmeLog:
         self._seq = 0
         self._append_lock = threading.Lock()
         self._fd_lock = threading.Lock()
+        # Where the append in progress began (None between appends): `position` never
+        # names a point past a record that is still being written.
+        self._appending_from: LogPosition | None = None
+        self._position_lock = threading.Lock()
         self.dropped_tail_bytes = 0
 
     # --- opening and recovery -------------------------------------------------------
@@ -186,13 +201,45 @@ class NvmeLog:
 
     def append_many(self, records: Sequence[tuple[BlockKey, bytes | bytearray | memoryview]]) -> list[LogLocation]:
         """Append records in order with as few writes as possible; return their locations."""
+        self._check_sizes(records)
+        with self._append_lock:
+            return self._append_locked(records)
+
+    def try_append_now(
+        self, records: Sequence[tuple[BlockKey, bytes | bytearray | memoryview]]
+    ) -> list[LogLocation] | None:
+        """Append records now if no other append is in progress and they fit in the
+        active segment; None otherwise (then call `append_many` from a worker thread).
+
+        What this does is one pwritev into the page cache, with no fsync and no new
+        segment: a few microseconds for a small record, which is why the block tier may
+        call it on the event loop (docs/design.md, "Log-only appends").
+        """
+        self._check_sizes(records)
+        if not self._append_lock.acquire(blocking=False):
+            return None
+        try:
+            seg = self._active
+            assert seg is not None
+            if seg.size_bytes + sum(HEADER.size + len(p) for _k, p in records) > self.segment_bytes:
+                return None
+            return self._append_locked(records)
+        finally:
+            self._append_lock.release()
+
+    @staticmethod
+    def _check_sizes(records: Sequence[tuple[BlockKey, bytes | bytearray | memoryview]]) -> None:
         for _key, payload in records:
             if len(payload) > MAX_PAYLOAD_BYTES:
                 raise ValueError(f"record payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+
+    def _append_locked(self, records: Sequence[tuple[BlockKey, bytes | bytearray | memoryview]]) -> list[LogLocation]:
         locations: list[LogLocation] = []
-        with self._append_lock:
+        assert self._active is not None
+        with self._position_lock:
+            self._appending_from = LogPosition(self._active.segment, self._active.size_bytes)
+        try:
             buffers: list[bytes | bytearray | memoryview] = []
-            assert self._active is not None
             start = self._active.size_bytes
             for key, payload in records:
                 size = HEADER.size + len(payload)
@@ -209,7 +256,20 @@ class NvmeLog:
                 seg.size_bytes += size
                 self._seq += 1
             self._write_or_roll_back(self._active, start, buffers)
+        finally:
+            with self._position_lock:
+                self._appending_from = None
         return locations
+
+    def position(self) -> LogPosition:
+        """A point with every record before it written completely: where the next record
+        goes, or where the append in progress began. Safe to call from any thread."""
+        with self._position_lock:
+            if self._appending_from is not None:
+                return self._appending_from
+            seg = self._active
+            assert seg is not None
+            return LogPosition(seg.segment, seg.size_bytes)
 
     def _write_or_roll_back(self, seg: _Segment, offset: int, buffers: list[bytes | bytearray | memoryview]) -> None:
         """Write at `offset`; on failure cut the segment back to `offset`, so no later
@@ -350,14 +410,15 @@ class NvmeLog:
             if seg.deleted and seg.readers == 0:
                 os.close(seg.fd)
 
-    def scan(self) -> Iterator[LogRecord]:
-        """Yield every valid record of every segment in log order (recovery, tests)."""
+    def scan(self, start: LogPosition = LOG_START) -> Iterator[LogRecord]:
+        """Yield every valid record from `start` on (default: of every segment) in log
+        order (recovery, tests). A segment deleted since `start` was taken is skipped."""
         for segment in sorted(self._segments):
             seg = self._segments.get(segment)
-            if seg is not None and not seg.deleted:
-                yield from self._scan_segment(seg)
+            if segment >= start.segment and seg is not None and not seg.deleted:
+                yield from self._scan_segment(seg, start.offset if segment == start.segment else 0)
 
-    def _scan_segment(self, seg: _Segment) -> Iterator[LogRecord]:
+    def _scan_segment(self, seg: _Segment, offset: int = 0) -> Iterator[LogRecord]:
         """Yield the segment's valid records in order, stopping at the first bad one.
 
         Reads in large chunks and parses from memory: a segment of a million tiny records
@@ -366,7 +427,6 @@ class NvmeLog:
         size = os.fstat(seg.fd).st_size
         chunk = bytearray()
         chunk_start = 0  # file offset of chunk[0]
-        offset = 0
         while offset + HEADER.size <= size:
             if offset + HEADER.size > chunk_start + len(chunk):
                 chunk, chunk_start = self._read_chunk(seg.fd, offset, max(SCAN_CHUNK_BYTES, HEADER.size)), offset

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 import trio
 
@@ -25,11 +25,15 @@ from distorefs.errors import DistorefsError, StoreFull
 from distorefs.tiers.block_base import BlockTierBase
 from distorefs.tiers.dram import Block
 from distorefs.tiers.metadb import Changes
+from distorefs.tiers.nvme_log import LogPosition
 from distorefs.types import BlockKey, LogLocation
 
 log = logging.getLogger(__name__)
 
 FLUSH_BATCH_BYTES = 16 * 1024 * 1024
+INLINE_APPEND_BYTES = 256 * 1024  # log-only persists up to this size write on the event loop
+TAIL_ROWS_SOON = 50_000  # staged rows that wake the flusher before its interval
+LOG_MARK_KEY = "log_mark"  # kv: "segment offset", the log records after it are the tail
 
 
 class WriteBack(BlockTierBase):
@@ -44,6 +48,8 @@ class WriteBack(BlockTierBase):
     _dirty_since: float | None  # no DRAM block has been dirty for longer than since this
     _undurable_since: float | None  # no log record written before this is waiting for fsync
     _last_logged: float  # when the log was last appended to
+    _rows_unstaged: list[LogPosition]  # where flushes in flight began appending
+    _tail: dict[int, list[tuple[int, LogLocation]]]  # owner -> records after the mark (start-up)
 
     def lags(self) -> dict[str, float]:
         """flush_lag_s and durable_lag_s: bounds of how long the oldest write has waited
@@ -183,21 +189,35 @@ class WriteBack(BlockTierBase):
         snapshots, records = self._freeze(keys)
         if not records:
             return
+        start = self._log.position()
+        self._rows_unstaged.append(start)  # the log mark stays before these records ...
         try:
-            locations = await trio.to_thread.run_sync(self._log.append_many, records, limiter=self._io_limiter)
+            try:
+                locations = await trio.to_thread.run_sync(self._log.append_many, records, limiter=self._io_limiter)
+            finally:
+                self._thaw(snapshots, records)
+            self._logged()
+            self._apply_flushed(snapshots, locations, staged=True)
         finally:
-            self._thaw(snapshots, records)
-        self._logged()
-        self._apply_flushed(snapshots, locations, staged=True)
+            self._rows_unstaged.remove(start)  # ... until their rows are staged
         self._wake_room_waiters()
 
-    async def persist(self, owner: int, durable: bool = False) -> None:
+    async def persist(self, owner: int, durable: bool = False, log_only: bool = False) -> None:
         """Flush `owner`'s dirty blocks and commit all staged metadata, in one trip to a
         worker thread (close and fsync of a small file pay one hop, not two).
 
         Not durable: survives a killed daemon. Durable: the log is fsync'ed before the
         metadata commits with synchronous=FULL, so it survives a power loss.
+
+        `log_only` (not durable): write the blocks' records to the log and stage their
+        rows, without a commit. The records survive a killed daemon, but their rows
+        may not: a store that asks for this must adopt its records from the log's tail
+        at start-up (`tail_records`), as replay buffers do. Small ones are written on
+        the event loop, with no trip to a thread (docs/design.md, "Log-only appends").
         """
+        if log_only and not durable:
+            await self._log_only(owner)
+            return
         if not durable and owner not in self._dirty and not self._meta.pending_changes:
             await trio.lowlevel.checkpoint()
             return  # nothing to persist (a read-only close): no trip to a thread
@@ -214,6 +234,7 @@ class WriteBack(BlockTierBase):
                 return {"blocks": {tuple(r[0]): tuple(loc) for r, loc in zip(records, locations, strict=True)}}
 
             started = time.monotonic()
+            self._stage_mark()
             try:
                 await self._meta.commit(durable=durable, before_commit=append_then_rows, checkpoint=durable)
             finally:
@@ -226,12 +247,82 @@ class WriteBack(BlockTierBase):
                 self._apply_flushed(snapshots, locations, staged=False)
                 self._wake_room_waiters()
 
+    async def _log_only(self, owner: int) -> None:
+        keys = [BlockKey(owner, i) for i in sorted(self._dirty.get(owner, ()))]
+        if not keys:
+            await trio.lowlevel.checkpoint()
+            return
+        if not self._flush_lock.locked() and self.owner_dirty_bytes(owner) <= INLINE_APPEND_BYTES:
+            snapshots, records = self._freeze(keys)
+            try:
+                locations = self._log.try_append_now(records)
+            finally:
+                self._thaw(snapshots, records)
+            if locations is not None:
+                self._logged()
+                self._apply_flushed(snapshots, locations, staged=True)
+                self._flush_wanted_for_rows()
+                await trio.lowlevel.checkpoint()
+                return
+        await self.flush(owner)  # another append is in flight, or a new segment is due
+        self._flush_wanted_for_rows()
+
+    def _flush_wanted_for_rows(self) -> None:
+        """Rows staged by log-only persists commit with the flusher's next pass; many of
+        them make it come sooner (a start-up reads the log's tail back)."""
+        if self._meta.pending_changes > TAIL_ROWS_SOON:
+            self._flush_wanted.set()
+
+    def _stage_mark(self) -> None:
+        """Stage the log's position with the next commit: every record before it has its
+        row in that commit (or one before it), or is dead. Records after it are the tail
+        that `tail_records` reads back at start-up."""
+        position = min([self._log.position(), *self._rows_unstaged])
+        self._meta.put("kv", (LOG_MARK_KEY,), (f"{position.segment} {position.offset}",))
+
+    async def read_tail(self) -> int:
+        """At start-up, before the stores load: read the records written after the last
+        committed log mark (their rows may be missing) and keep them by owner for
+        `adopt_tail`. Returns how many there are. A data dir without a mark has none."""
+        mark = self._meta.get_kv(LOG_MARK_KEY)
+        if mark is None:
+            return 0
+        segment, offset = (int(part) for part in str(mark).split())
+
+        def scan() -> dict[int, list[tuple[int, LogLocation]]]:
+            tail: dict[int, list[tuple[int, LogLocation]]] = {}
+            for record in self._log.scan(LogPosition(segment, offset)):
+                tail.setdefault(record.key.owner, []).append((record.key.number, record.location))
+            return tail
+
+        self._tail = await trio.to_thread.run_sync(scan)
+        count = sum(len(records) for records in self._tail.values())
+        if count:
+            log.info("log: %d records after the last commit, from segment %d offset %d", count, segment, offset)
+        return count
+
+    def adopt_tail(self, owner: int, accept: Callable[[int], bool]) -> int:
+        """Index `owner`'s tail records whose block number `accept` takes (the store that
+        persisted them log-only knows which still belong), newest record winning, and
+        stage their rows. Returns how many were adopted; the rest stay dead."""
+        adopted = 0
+        for number, location in self._tail.pop(owner, ()):
+            if accept(number):
+                self._set_location(BlockKey(owner, number), location)
+                adopted += 1
+        return adopted
+
+    def forget_tail(self) -> None:
+        """The stores have loaded: tail records nobody adopted are dead."""
+        self._tail = {}
+
     def _wake_room_waiters(self) -> None:
         self._room_freed.set()
         self._room_freed = trio.Event()
 
     async def commit(self, durable: bool = False) -> None:
         """Commit staged metadata; `durable` fsyncs the log first, then commits with FULL."""
+        self._stage_mark()
         if durable:
             started = time.monotonic()
             await self._meta.commit(durable=True, before_commit=self._log.sync, checkpoint=True)
@@ -245,7 +336,7 @@ class WriteBack(BlockTierBase):
             with trio.move_on_after(interval_s):
                 await self._flush_wanted.wait()
             self._flush_wanted = trio.Event()
-            if self._dirty:
+            if self._dirty or self._meta.pending_changes:
                 async with survive("flusher"):
                     await self.flush()
                     await self.commit()

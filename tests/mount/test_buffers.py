@@ -323,6 +323,33 @@ def test_items_survive_remount_and_kill_9_with_priorities(mount_factory: MountFa
     assert mount.unmount() == 0
 
 
+def test_appends_closed_before_any_commit_come_back_from_the_log_after_kill_9(mount_factory: MountFactory) -> None:
+    # No flusher or syncer pass runs before the kill: each close wrote its record to the
+    # log alone (log-only append), and the restart adopts them from the log's tail.
+    mount = mount_factory("--flush-interval", "600", "--sync-interval", "600", "--snapshot-interval", "600")
+    path = mount.path / "buffers" / "fast"
+    path.mkdir()
+    configure(path, schema=SCHEMA, capacity=250)
+    for i in range(300):  # the plain-file recipe: open, write one record, close
+        fd = os.open(path / "append", os.O_WRONLY)
+        os.write(fd, records(1, start=i).tobytes())
+        os.close(fd)
+    mount.kill9()
+
+    mount = mount_factory()
+    path = mount.path / "buffers" / "fast"
+    log_text = (mount.data_dir.parent / f"{mount.data_dir.name}.daemon.log").read_text()
+    assert "records after the last commit" in log_text
+    assert sorted(int(n) for n in os.listdir(path / "items")) == list(range(50, 300))  # FIFO past 250
+    for i in (50, 123, 299):
+        assert (path / "items" / str(i)).read_bytes() == records(1, start=i).tobytes()
+    numbers = stats(path)
+    assert (numbers["inserts"], numbers["removed"], numbers["next_index"]) == (300, 50, 300)
+    client.append(path, records(1, start=300))
+    assert "300" in os.listdir(path / "items")
+    assert mount.unmount() == 0
+
+
 def test_a_buffer_larger_than_dram_samples_cold_items_from_the_log(mount_factory: MountFactory) -> None:
     mount = mount_factory("--dram-budget", "16MiB")
     path = mount.path / "buffers" / "big"

@@ -150,3 +150,28 @@ def test_crash_at_any_byte_keeps_exactly_the_records_before_it(
     after = recovered.append(BlockKey(9, 999), b"after")
     assert bytes(recovered.read(after, BlockKey(9, 999))) == b"after"
     recovered.close()
+
+
+def test_try_append_now_writes_while_the_log_is_free_and_never_starts_a_segment(tmp_path: Path) -> None:
+    log = NvmeLog.open(str(tmp_path), segment_bytes=4096)
+    first = log.try_append_now([(BlockKey(1, 0), b"a" * 1000), (BlockKey(1, 1), b"b" * 1000)])
+    assert first is not None
+    assert [bytes(log.read(loc, BlockKey(1, i))) for i, loc in enumerate(first)] == [b"a" * 1000, b"b" * 1000]
+    segment = log.active_segment
+    assert log.try_append_now([(BlockKey(1, 2), b"c" * 3000)]) is None  # would need a new segment
+    assert log.active_segment == segment
+    with log._append_lock:  # another append in progress (a worker thread)
+        assert log.try_append_now([(BlockKey(1, 3), b"d")]) is None
+    log.close()
+
+
+def test_position_and_scan_from_it_give_the_records_after_a_point(tmp_path: Path) -> None:
+    log = NvmeLog.open(str(tmp_path), segment_bytes=4096)
+    log.append(BlockKey(1, 0), b"before")
+    mark = log.position()
+    after = [log.append(BlockKey(1, i), bytes([i]) * 1500) for i in range(1, 6)]  # rolls segments
+    assert len({loc.segment for loc in after}) > 1
+    assert [(r.key, r.location) for r in log.scan(mark)] == [(BlockKey(1, i), loc) for i, loc in enumerate(after, 1)]
+    end = log.position()
+    assert list(log.scan(end)) == []
+    log.close()

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distorefs.errors import Busy, InvalidArgument, NotFound, TryAgain
+from distorefs.stores.replay import sumtree
 from distorefs.stores.replay.buffer import ReplayBuffer
 from distorefs.stores.replay.config import BufferConfig
 from distorefs.stores.replay.formats import (
@@ -32,6 +33,7 @@ from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.dram import DramCache
 from distorefs.tiers.metadb import MetaDb
 from distorefs.tiers.nvme_log import NvmeLog
+from distorefs.types import BlockKey
 
 # --- segment tree ----------------------------------------------------------------------
 
@@ -68,6 +70,20 @@ def test_tree_sums_stay_exact_and_find_lands_in_the_right_leaf(
         for prefix, slot in zip(prefixes, found, strict=True):
             low = cumulative[slot] - leaves[slot]
             assert low - 1e-6 * leaves.sum() <= prefix <= cumulative[slot] + 1e-6 * leaves.sum()
+
+
+def test_few_slot_updates_give_the_same_tree_as_the_vectorised_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(3)
+    few, batched = SegmentTree(100_000, with_min_max=True), SegmentTree(100_000, with_min_max=True)
+    for _ in range(200):
+        slots = rng.integers(0, 100_000, int(rng.integers(1, 9)))
+        values = np.where(rng.random(len(slots)) < 0.2, 0.0, rng.random(len(slots)) * 10)
+        few.update(slots, values)
+        with monkeypatch.context() as m:
+            m.setattr(sumtree, "FEW_SLOTS", 0)
+            batched.update(slots, values)
+    for mine, theirs in ((few._sum, batched._sum), (few._min, batched._min), (few._max, batched._max)):
+        assert np.array_equal(mine, theirs)
 
 
 # --- rate limiter ----------------------------------------------------------------------
@@ -537,3 +553,105 @@ def test_segment_tree_bulk_update_matches_small_updates() -> None:
     small.update(slots[:3], np.array([5.0, 0.0, 2.0]))
     assert bulk.total == pytest.approx(small.total)
     assert (bulk.min, bulk.max) == (small.min, small.max)
+
+
+# --- log-only appends and the log's tail ------------------------------------------------
+
+
+def open_tiers(tmp_path: Path) -> tuple[NvmeLog, BlockStore, MetaDb]:
+    log = NvmeLog.open(str(tmp_path / "log"))
+    meta = MetaDb.open(str(tmp_path / "meta.sqlite"))
+    return log, BlockStore(log, DramCache(64 << 20), meta), meta
+
+
+async def crash_and_reload(tmp_path: Path, old: tuple[NvmeLog, BlockStore, MetaDb]) -> tuple[BlockStore, BufferStore]:
+    """What a kill -9 leaves: the log's bytes and the committed rows; nothing staged."""
+    old_log, _old_blocks, old_meta = old
+    _log, blocks, meta = open_tiers(tmp_path)
+    old_log.close()  # no flush, no commit: the old process is gone
+    old_meta._conn.close()
+    await blocks.read_tail()
+    store = BufferStore.load(blocks, meta)
+    blocks.forget_tail()
+    return blocks, store
+
+
+async def test_appends_persisted_log_only_come_back_after_a_crash_before_any_commit(tmp_path: Path) -> None:
+    tiers = open_tiers(tmp_path)
+    _log, blocks, meta = tiers
+    store = BufferStore.load(blocks, meta)
+    buf = store.create("dqn", BufferConfig(capacity=100, compression="zstd:3"))
+    await blocks.commit()
+    commits = meta.commits
+    for i in range(20):
+        await buf.append([b"item-%d" % i * 50])
+        await buf.persist_appends()
+    assert meta.commits == commits  # nothing committed: the records are in the log alone
+    assert blocks.owner_dirty_bytes(buf.owner) == 0
+
+    blocks, store = await crash_and_reload(tmp_path, tiers)
+    buf = store.get("dqn")
+    assert buf.live_indices().tolist() == list(range(20))
+    assert [bytes(await buf.read_item(i)) for i in (0, 7, 19)] == [b"item-%d" % i * 50 for i in (0, 7, 19)]
+    assert (buf.next_index, buf.inserts) == (20, 20)
+    await blocks.commit()  # the adopted rows commit: a second crash keeps them without a tail
+    await buf.append([b"next"])
+    assert buf.live_indices().tolist()[-1] == 20
+    await blocks.close()
+
+
+async def test_a_tail_past_the_capacity_evicts_again_and_counts_it(tmp_path: Path) -> None:
+    tiers = open_tiers(tmp_path)
+    _log, blocks, meta = tiers
+    store = BufferStore.load(blocks, meta)
+    buf = store.create("ring", BufferConfig(capacity=4))
+    await blocks.commit()
+    for i in range(6):
+        await buf.append([b"%d" % i])
+        await buf.persist_appends()
+
+    blocks, store = await crash_and_reload(tmp_path, tiers)
+    buf = store.get("ring")
+    assert buf.live_indices().tolist() == [2, 3, 4, 5]
+    assert (buf.inserts, buf.removed) == (6, 2)
+    assert not blocks.has_block(buf.key(0))
+    assert not blocks.has_block(buf.key(1))
+    await blocks.close()
+
+
+async def test_a_tail_record_of_an_item_whose_removal_committed_stays_removed(tmp_path: Path) -> None:
+    tiers = open_tiers(tmp_path)
+    log, blocks, meta = tiers
+    store = BufferStore.load(blocks, meta)
+    buf = store.create("q", BufferConfig(capacity=10))
+    await blocks.commit()
+    mark = log.position()
+    await buf.append([b"a", b"b", b"c"])
+    await buf.persist_appends()
+    buf.delete_item(1)
+    await blocks.commit()
+    # A commit whose mark is older than these records (a flush was in flight): the tail
+    # holds item 1's record although its removal committed.
+    meta.put("kv", ("log_mark",), (f"{mark.segment} {mark.offset}",))
+    await meta.commit()
+
+    blocks, store = await crash_and_reload(tmp_path, tiers)
+    buf = store.get("q")
+    assert buf.live_indices().tolist() == [0, 2]
+    assert bytes(await buf.read_item(2)) == b"c"
+    await blocks.close()
+
+
+async def test_tail_records_of_other_owners_are_not_adopted(tmp_path: Path) -> None:
+    tiers = open_tiers(tmp_path)
+    log, blocks, meta = tiers
+    store = BufferStore.load(blocks, meta)
+    store.create("b", BufferConfig())
+    await blocks.commit()
+    await blocks.put(BlockKey(5, 0), b"a file's block, flushed but not committed")
+    await blocks.flush()
+
+    blocks, store = await crash_and_reload(tmp_path, tiers)
+    assert not blocks.has_block(BlockKey(5, 0))
+    assert store.get("b").size == 0
+    await blocks.close()

@@ -117,6 +117,7 @@ class ReplayBuffer:
     ) -> None:
         """(Re)build the ring for `config` holding the given live items."""
         self.config = config
+        self._config_json = config.dumps()  # the row carries it on every append: once here
         self.limiter = RateLimiter.from_config(config)
         self._sampler = make_sampler(config.sampler)
         self._remover = make_remover(config.max_times_sampled)
@@ -325,9 +326,21 @@ class ReplayBuffer:
         return max(float(scaled ** (1.0 / cfg.alpha)) - cfg.epsilon, 0.0)
 
     async def persist(self, durable: bool = False) -> None:
-        """Make every append so far survive a killed daemon (durable: a power loss too)."""
+        """Make every change so far survive a killed daemon (durable: a power loss too)."""
         self.stage_row()
         await self._blocks.persist(self.owner, durable=durable or self.config.sync)
+
+    async def persist_appends(self) -> None:
+        """Make every append so far survive a killed daemon, log-only: the items' records
+        go to the log (small ones without leaving the event loop) and their rows commit
+        with the flusher's next pass; a start-up adopts the records after the last commit
+        (BufferStore.load, docs/design.md "Log-only appends"). A `sync` buffer commits
+        durably instead."""
+        self.stage_row()
+        if self.config.sync:
+            await self._blocks.persist(self.owner, durable=True)
+        else:
+            await self._blocks.persist(self.owner, log_only=True)
 
     # --- removing ---------------------------------------------------------------------
 
@@ -539,7 +552,7 @@ class ReplayBuffer:
 
     def _row(self) -> tuple[object, ...]:
         return (
-            self.owner, self.config.dumps(), self.next_index, self.inserts, self.samples, self.removed, None,
+            self.owner, self._config_json, self.next_index, self.inserts, self.samples, self.removed, None,
         )  # fmt: skip
 
     def stage_snapshot(self) -> bool:
@@ -580,6 +593,10 @@ class ReplayBuffer:
         order = np.argsort(indices)
         indices, sizes = indices[order], sizes[order]
         if len(indices) > config.capacity:
+            # FIFO evictions that did not commit before a crash: they leave again now
+            for index in indices[: -config.capacity].tolist():
+                blocks.delete(BlockKey(owner, index))
+            removed += len(indices) - config.capacity
             indices, sizes = indices[-config.capacity :], sizes[-config.capacity :]
         priorities, times, sizes = match_snapshot(snapshot, indices, sizes)
         known = priorities[~np.isnan(priorities)]
@@ -587,7 +604,9 @@ class ReplayBuffer:
         priorities = np.where(np.isnan(priorities), fallback, priorities)
         buf._apply_config(config, indices, priorities, times, sizes)
         buf.next_index = max(int(next_index), int(indices[-1]) + 1 if len(indices) else 0)
-        buf.inserts, buf.samples, buf.removed = int(inserts), int(samples), int(removed)
+        # appends adopted from the log's tail count as inserts (the row was older than them)
+        buf.inserts = int(inserts) + buf.next_index - int(next_index)
+        buf.samples, buf.removed = int(samples), int(removed)
         buf._snapshot = snapshot
         buf.stored_bytes = int(sizes.sum())
         return buf

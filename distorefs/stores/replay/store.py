@@ -10,6 +10,7 @@ cluster). No FUSE here.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import trio
 
@@ -22,8 +23,16 @@ from distorefs.stores.replay.config import BufferConfig
 from distorefs.stores.replay.sharded import ShardedBuffer, ShardLayout, ShardPeer
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.metadb import MetaDb
+from distorefs.types import BlockKey
 
 log = logging.getLogger(__name__)
+
+
+def _still_belongs(blocks: BlockStore, owner: int, committed_next: int) -> Callable[[int], bool]:
+    """Which of a buffer's tail records to adopt: items past the committed next_index are
+    appends the commit did not see; below it, only items whose row committed (a newer
+    record of theirs: a rewrite, a compaction move). The rest left before the crash."""
+    return lambda number: number >= committed_next or blocks.has_block(BlockKey(owner, number))
 
 
 class BufferStore:
@@ -51,7 +60,9 @@ class BufferStore:
         self = cls(blocks, meta, peer)
         snapshots: dict[str, bytes] = {str(name): bytes(data) for name, data in meta.rows("buffer_snapshots")}
         for name, *row in meta.rows("buffers"):
-            owner = row[0]
+            owner, committed_next = row[0], int(row[2])
+            # appends persist log-only (ReplayBuffer.persist_appends): adopt them from the tail
+            blocks.adopt_tail(owner, _still_belongs(blocks, owner, committed_next))
             if name in snapshots:  # schema 5 keeps it apart; older rows carry it themselves
                 row[-1] = snapshots[name]
             buf = ReplayBuffer.restore(

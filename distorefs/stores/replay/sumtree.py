@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+FEW_SLOTS = 8  # updates of up to this many slots walk the tree in Python (faster there)
+
 
 class SegmentTree:
     """Sum (and optionally min and max) of `capacity` non-negative leaf values.
@@ -57,6 +59,9 @@ class SegmentTree:
         """Set leaf `slots[i]` to `values[i]` (later duplicates win) and fix the sums above."""
         if len(slots) == 0:
             return
+        if len(slots) <= FEW_SLOTS:
+            self._update_few(slots, values)
+            return
         nodes = np.asarray(slots, dtype=np.int64) + self._size
         values = np.asarray(values, dtype=np.float64)
         self._sum[nodes] = values
@@ -74,6 +79,26 @@ class SegmentTree:
                 self._min[nodes] = np.minimum(self._min[left], self._min[right])
                 self._max[nodes] = np.maximum(self._max[left], self._max[right])
             nodes = np.unique(nodes >> 1)
+
+    def _update_few(self, slots: np.ndarray, values: np.ndarray) -> None:
+        """A few slots (an append, one priority): walk each one's path to the root with
+        Python floats. The same sums as the vectorised path, without a dozen numpy calls
+        per level, which cost ~150 us a slot on a deep tree (docs/benchmarks.md)."""
+        total, low, high = self._sum, self._min, self._max
+        for slot, value in zip(np.asarray(slots).tolist(), np.asarray(values, dtype=np.float64).tolist(), strict=True):
+            node = int(slot) + self._size
+            total[node] = value
+            if low is not None and high is not None:
+                low[node] = value if value > 0 else np.inf
+                high[node] = value
+            node >>= 1
+            while node:
+                left = 2 * node
+                total[node] = total[left] + total[left + 1]
+                if low is not None and high is not None:
+                    low[node] = min(low[left], low[left + 1])
+                    high[node] = max(high[left], high[left + 1])
+                node >>= 1
 
     def _rebuild(self) -> None:
         """Recompute every inner node from the leaves, a level at a time: O(n) with no
