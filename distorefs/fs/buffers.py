@@ -48,7 +48,14 @@ from distorefs.fs.virtual import (
 )
 from distorefs.ids import BUFFER_OWNER_BASE, INDEX_BITS, ITEM_BASE, ITEM_SPAN
 from distorefs.stores.replay.buffer import ReplayBuffer
-from distorefs.stores.replay.formats import MAX_ITEM_BYTES, BlobStream, RecordStream, ScatteredBytes, parse_priorities
+from distorefs.stores.replay.formats import (
+    MAX_ITEM_BYTES,
+    BlobStream,
+    RecordStream,
+    ScatteredBytes,
+    npy_batch_bytes,
+    parse_priorities,
+)
 from distorefs.stores.replay.store import BufferStore
 
 T = TypeVar("T")
@@ -344,6 +351,18 @@ class BufferFile(VirtualFile):
         self.buffer = buffer
         self._make = make
         self.writable = writable
+        self.batch_of: int | None = None  # a sample file: records per batch (0: batch_size)
+
+    @property
+    def size(self) -> int:
+        """A sample file of a schema buffer is as long as its batch will be (the .npy of a
+        known count of fixed-size records), so `read()` of the whole file is one call.
+        Reads are direct, so a size the kernel still caches after a reconfigure only
+        costs a read, never a short or wrong batch."""
+        config = self.buffer.config
+        if self.batch_of is None or config.dtype is None:
+            return super().size
+        return npy_batch_bytes(config.dtype, self.batch_of or config.batch_size)
 
     async def open(self, flags: int, pid: int) -> VirtualHandle:
         await trio.lowlevel.checkpoint()
@@ -442,6 +461,8 @@ class BufferDir(NamedDir):
             if name == b"config":
                 node.snapshot = lambda: config_text(b)  # its size: copy tools read it whole
             node.acts_on_read = name == b"sample"
+            if name == b"sample":
+                node.batch_of = 0
             if name != b"config":
                 node.cache_s = CONTROL_CACHE_S
             self._add(node)
@@ -501,6 +522,7 @@ class BufferDir(NamedDir):
             ).govern(self, Access.CHANGES_ON_READ)
             node.acts_on_read = True
             node.cache_s = CONTROL_CACHE_S
+            node.batch_of = count
             if len(self._sized) < 64:  # a few sizes are kept; others are made per lookup
                 self._sized[count] = node
             self._tree.register(node)

@@ -217,7 +217,10 @@ class BlockStore(ByteRanges, Compaction):
 
         Duplicated keys are fine (batches drawn with replacement).
         """
-        out: list[Block | None] = [self._dram.get(k) for k in keys]
+        out = self._dram.get_many(keys)
+        if all(block is not None for block in out):  # all in DRAM: the common case of a batch
+            await trio.lowlevel.checkpoint()
+            return out
         cold: dict[BlockKey, LogLocation] = {}
         for key, block in zip(keys, out, strict=True):
             if block is None and key in self._index and key not in self._loading:

@@ -96,6 +96,21 @@ class DramCache:
         self._blocks.move_to_end(key)
         return block
 
+    def get_many(self, keys: list[BlockKey]) -> list[Block | None]:
+        """`get` for many keys in one call (a sampled batch: tens of keys)."""
+        blocks = self._blocks
+        used = blocks.move_to_end
+        out = [blocks.get(key) for key in keys]
+        misses = 0
+        for key, block in zip(keys, out, strict=True):
+            if block is None:
+                misses += 1
+            else:
+                used(key)
+        self._misses += misses
+        self._hits += len(keys) - misses
+        return out
+
     def peek(self, key: BlockKey) -> Block | None:
         """Return the block without touching LRU order or counters."""
         return self._blocks.get(key)

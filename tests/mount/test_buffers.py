@@ -230,6 +230,20 @@ def test_each_open_of_sample_draws_a_fixed_batch(buffer: Path) -> None:
     assert stats(buffer)["samples"] == 8
 
 
+def test_a_schema_buffers_sample_files_are_as_long_as_their_batch(buffer: Path) -> None:
+    configure(buffer, schema=SCHEMA, batch_size=16)
+    client.append(buffer, records(40))
+    for name, count in (("sample", 16), ("sample.5", 5), ("sample.64", 64)):
+        size = (buffer / name).stat().st_size
+        with open(buffer / name, "rb") as f:
+            whole = f.read()  # Python sizes this read from st_size
+        assert len(whole) == size
+        batch = np.load(io.BytesIO(whole))
+        assert len(batch) == count
+        assert set(batch["_index"].tolist()) <= set(range(40))
+    assert stats(buffer)["samples"] == 16 + 5 + 64  # a stat draws nothing
+
+
 def test_max_times_sampled_removes_items(buffer: Path) -> None:
     configure(buffer, max_times_sampled=1, sampler="fifo", batch_size=3)
     client.append(buffer, [b"a", b"b", b"c", b"d"])

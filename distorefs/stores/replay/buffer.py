@@ -497,7 +497,8 @@ class ReplayBuffer:
         Views, not copies: the block tier never changes a buffer item's bytes in place
         (put replaces the whole block), so a view stays valid while the batch lives.
         """
-        blocks = await self._blocks.get_many([self.key(int(i)) for i in indices.tolist()])
+        owner = self.owner
+        blocks = await self._blocks.get_many([BlockKey(owner, i) for i in indices.tolist()])
         out: list[bytes | memoryview] = []
         for index, block in zip(indices.tolist(), blocks, strict=True):
             if block is None:

@@ -15,6 +15,7 @@ returns. Pure functions and small incremental parsers; docs/formats.md has the l
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import math
 import struct
@@ -349,6 +350,7 @@ def batch_length(head: bytes | bytearray | memoryview) -> int | None:
     raise ValueError(f"not a distorefs batch (starts {head[:8]!r})")
 
 
+@functools.lru_cache(maxsize=64)
 def batch_dtype(schema: np.dtype[Any]) -> np.dtype[Any]:
     """The schema's record followed by `_index` (int64) and `_weight` (float32), packed."""
     assert schema.names is not None
@@ -359,22 +361,35 @@ def batch_dtype(schema: np.dtype[Any]) -> np.dtype[Any]:
     return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": schema.itemsize + 12})
 
 
+@functools.lru_cache(maxsize=256)
+def npy_batch_header(schema: np.dtype[Any], count: int) -> bytes:
+    """The .npy header of a batch of `count` records of `schema` (cached: building one
+    costs more than copying a small batch)."""
+    head = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        head, {"descr": np.lib.format.dtype_to_descr(batch_dtype(schema)), "fortran_order": False, "shape": (count,)}
+    )
+    return head.getvalue()
+
+
+def npy_batch_bytes(schema: np.dtype[Any], count: int) -> int:
+    """How long the .npy of a batch of `count` records is: a sample file's st_size."""
+    return len(npy_batch_header(schema, count)) + count * (schema.itemsize + 12)
+
+
 def encode_npy_batch(
     schema: np.dtype[Any], payloads: Sequence[bytes | memoryview], indices: np.ndarray, weights: np.ndarray
 ) -> bytearray:
     """One `.npy` holding the batch, built in a single buffer (one copy per record)."""
     dtype = batch_dtype(schema)
     count = len(payloads)
-    head = io.BytesIO()
-    np.lib.format.write_array_header_1_0(
-        head, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (count,)}
-    )
-    header = head.getvalue()
+    header = npy_batch_header(schema, count)
     out = bytearray(len(header) + count * dtype.itemsize)
     out[: len(header)] = header
     rows = np.frombuffer(out, dtype=np.uint8, offset=len(header)).reshape(count, dtype.itemsize)
-    for i, payload in enumerate(payloads):
-        rows[i, : schema.itemsize] = np.frombuffer(payload, dtype=np.uint8)
+    if count:  # one joined copy and one strided copy, not a numpy call per record
+        joined = b"".join(payloads)
+        rows[:, : schema.itemsize] = np.frombuffer(joined, dtype=np.uint8).reshape(count, schema.itemsize)
     records = np.frombuffer(out, dtype=dtype, offset=len(header))
     records["_index"] = indices
     records["_weight"] = weights

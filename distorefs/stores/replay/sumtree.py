@@ -71,14 +71,18 @@ class SegmentTree:
         if len(slots) >= self._size // 8:
             self._rebuild()  # many slots (a restore, a config change): every level at once
             return
-        nodes = np.unique(nodes >> 1)
+        # Parents are recomputed from their children, so a parent named twice gets the
+        # same value twice: no np.unique per level (it cost more than the duplicates).
+        nodes >>= 1
+        total, low, high = self._sum, self._min, self._max
         for _ in range(self._depth):
-            left, right = 2 * nodes, 2 * nodes + 1
-            self._sum[nodes] = self._sum[left] + self._sum[right]
-            if self._min is not None and self._max is not None:
-                self._min[nodes] = np.minimum(self._min[left], self._min[right])
-                self._max[nodes] = np.maximum(self._max[left], self._max[right])
-            nodes = np.unique(nodes >> 1)
+            left = nodes << 1
+            right = left + 1
+            total[nodes] = total[left] + total[right]
+            if low is not None and high is not None:
+                low[nodes] = np.minimum(low[left], low[right])
+                high[nodes] = np.maximum(high[left], high[right])
+            nodes >>= 1
 
     def _update_few(self, slots: np.ndarray, values: np.ndarray) -> None:
         """A few slots (an append, one priority): walk each one's path to the root with
@@ -116,14 +120,32 @@ class SegmentTree:
     def find(self, prefixes: np.ndarray) -> np.ndarray:
         """For each prefix in [0, total), the slot whose cumulative interval holds it.
 
-        Never returns an empty slot: at each node the search goes right only if the right
-        subtree has mass, so float rounding at the edges cannot land on a zero leaf.
+        Never returns an empty slot. The plain descent (six numpy calls a level) is
+        right unless float rounding at an edge sends a prefix into a subtree without
+        mass, which ends on an empty leaf: those few go again through the careful
+        descent, which only goes right where the right subtree has mass.
         """
+        total = self._sum
         nodes = np.ones(len(prefixes), dtype=np.int64)
-        remaining = np.asarray(prefixes, dtype=np.float64).copy()
+        remaining = np.array(prefixes, dtype=np.float64)
+        for _ in range(self._depth):
+            nodes <<= 1
+            left = total[nodes]
+            go_right = remaining >= left
+            remaining -= left * go_right
+            nodes += go_right
+        empty = total[nodes] <= 0
+        if empty.any():
+            nodes[empty] = self._find_careful(np.asarray(prefixes, dtype=np.float64)[empty])
+        return nodes - self._size
+
+    def _find_careful(self, prefixes: np.ndarray) -> np.ndarray:
+        """The descent that never enters a subtree without mass; returns leaf nodes."""
+        nodes = np.ones(len(prefixes), dtype=np.int64)
+        remaining = prefixes.copy()
         for _ in range(self._depth):
             left = self._sum[2 * nodes]
             go_right = ((remaining >= left) & (self._sum[2 * nodes + 1] > 0)) | (left <= 0)
             remaining = np.where(go_right, remaining - left, remaining)
             nodes = 2 * nodes + go_right
-        return nodes - self._size
+        return nodes
