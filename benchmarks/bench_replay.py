@@ -14,6 +14,7 @@ Markdown table; docs/benchmarks.md keeps the results.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import shutil
@@ -143,6 +144,50 @@ def bench_mount(mnt: Path, w: Workload, seconds: float, payloads: list[bytes]) -
     return summary(w, adds, items, elapsed, updates, up_elapsed)
 
 
+def bench_plain(mnt: Path, w: Workload, seconds: float, payloads: list[bytes]) -> dict[str, float]:
+    """The plain-file recipe of docs/namespace.md on a schema buffer (one uint8 field of
+    the item's size), no distorefs import: `np.save` of a chunk of records per open of
+    `append`, `np.load` of `sample` straight from the file and through one `read()`,
+    and `client.Sampler` on the same buffer for the ratio."""
+    path = mnt / "buffers" / f"{w.name.lower()}-plain"
+    path.mkdir()
+    (path / "config").write_text(
+        json.dumps(
+            {
+                "capacity": w.capacity, "sampler": w.sampler, "batch_size": w.batch, "sample_timeout": 30,
+                "schema": {"obs": ["uint8", [w.item_bytes]]},
+            }
+        )
+    )  # fmt: skip
+    dtype = np.dtype([("obs", np.uint8, (w.item_bytes,))])
+    chunk = max(w.append_chunk, 32) if w.item_bytes < 1_000_000 else 1
+    records = np.frombuffer(b"".join(payloads[:chunk]), dtype=dtype)
+    appended = 0
+    started = time.perf_counter()
+    while appended < w.fill:
+        with open(path / "append", "wb") as f:
+            np.save(f, records)
+        appended += len(records)
+    adds = rate(appended, time.perf_counter() - started)
+    sample_file = str(path / "sample")
+
+    def from_file() -> int:
+        with open(sample_file, "rb") as f:
+            return len(np.load(f))
+
+    def from_bytes() -> int:
+        with open(sample_file, "rb") as f:
+            return len(np.load(io.BytesIO(f.read())))
+
+    sampler = client.Sampler(path)
+    out = {"adds_per_s": adds}
+    for name, step in (("np_load_file", from_file), ("np_load_bytes", from_bytes), ("client", sampler.sample)):
+        items, elapsed = timed_loop(seconds, step if name != "client" else lambda: len(sampler.sample()))
+        out[f"{name}_per_s"] = rate(items, elapsed)
+    shutil.rmtree(path, ignore_errors=True)
+    return out
+
+
 def bench_numpy(w: Workload, seconds: float, payloads: list[bytes]) -> dict[str, float]:
     buf = NumpyBuffer(min(w.capacity, w.fill), w.item_bytes, w.sampler == "prioritized")
     started = time.perf_counter()
@@ -173,7 +218,7 @@ def store_priority_update_ms(tmp: Path) -> float:
         for _ in range(200):
             indices = rng.choice(20_000, 256, replace=False)
             started = time.perf_counter()
-            buf.update_priorities(indices, rng.random(256))
+            buf.set_priorities(indices, rng.random(256))
             times.append(time.perf_counter() - started)
         await blocks.close()
         meta.close()
@@ -196,6 +241,7 @@ def main() -> int:
     mnt = base / "mnt"
     mnt.mkdir()
     results: dict[str, dict[str, dict[str, float]]] = {}
+    plain: dict[str, dict[str, float]] = {}
     try:
         distore("mount", str(mnt), "--data-dir", str(base / "data"), "--dram-budget", "6GiB")
         try:
@@ -207,6 +253,7 @@ def main() -> int:
                     "mount": bench_mount(mnt, w, args.seconds, payloads),
                     "numpy": bench_numpy(w, args.seconds, payloads),
                 }
+                plain[w.name] = bench_plain(mnt, w, args.seconds, payloads)
                 shutil.rmtree(mnt / "buffers" / w.name.lower(), ignore_errors=True)
         finally:
             distore("umount", str(mnt))
@@ -242,11 +289,22 @@ def main() -> int:
             f"| {w.name} | {m['samples_per_s'] / n['samples_per_s']:.2f}x | {m['samples_per_s'] / w.need_samples:.1f}x"
             f" | {m['samples_per_s'] / w.aim_samples:.2f}x | {m['adds_per_s'] / w.need_adds:.1f}x |"
         )
+    print()
+    print("| workload (schema buffer) | np.save adds/s | np.load(file) samples/s | np.load(BytesIO(read())) |"
+          " client.Sampler | plain vs client (worse recipe) |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, r in plain.items():
+        worse = min(r["np_load_file_per_s"], r["np_load_bytes_per_s"])
+        print(
+            f"| {name} | {r['adds_per_s']:,.0f} | {r['np_load_file_per_s']:,.0f} | {r['np_load_bytes_per_s']:,.0f} |"
+            f" {r['client_per_s']:,.0f} | {worse / r['client_per_s']:.2f}x |"
+        )
     hot, cold = results["DQN"]["mount"]["samples_per_s"], results["DQN-3x-DRAM"]["mount"]["samples_per_s"]
     print(f"\nDQN sampling with the buffer 3x the DRAM budget: {cold:,.0f}/s ({cold / hot:.2f}x of in-DRAM)")
     print(f"priority update of 256 indices inside the store: {update_ms:.3f} ms (median of 200)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results, "store_update_ms": update_ms}, indent=2))
+        report = {"results": results, "plain": plain, "store_update_ms": update_ms}
+        Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
 
 

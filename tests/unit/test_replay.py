@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distorefs.errors import Busy, InvalidArgument, NotFound, TryAgain
-from distorefs.stores.replay import sumtree
+from distorefs.stores.replay import formats, sumtree
 from distorefs.stores.replay.buffer import ReplayBuffer
 from distorefs.stores.replay.config import BufferConfig
 from distorefs.stores.replay.formats import (
@@ -23,6 +23,7 @@ from distorefs.stores.replay.formats import (
     RecordStream,
     ScatteredBytes,
     decode_blob_batch,
+    encode_npy_batch,
     frame_items,
     parse_priorities,
 )
@@ -230,6 +231,26 @@ async def test_schema_batches_are_npy_with_index_and_weight(tiers: tuple[BlockSt
     for row in batch:
         assert row["obs"].tolist() == [row["_index"]] * 4
         assert row["r"] == pytest.approx(row["_index"] * 0.5)
+
+
+def test_big_record_batches_are_views_that_read_as_the_same_npy(monkeypatch: pytest.MonkeyPatch) -> None:
+    schema = np.dtype([("obs", np.uint8, (5000,)), ("r", "<f4")])
+    records = np.zeros(3, dtype=schema)
+    records["obs"] = np.arange(3)[:, None]
+    records["r"] = [0.5, 1.5, 2.5]
+    payloads = [memoryview(r.tobytes()) for r in records]
+    indices, weights = np.array([7, 8, 7]), np.array([0.25, 1.0, 0.25])
+    scattered = encode_npy_batch(schema, payloads, indices, weights)
+    assert isinstance(scattered, ScatteredBytes)  # no copy of the records
+    monkeypatch.setattr(formats, "SCATTER_RECORD_BYTES", 10**9)
+    contiguous = encode_npy_batch(schema, payloads, indices, weights)
+    assert isinstance(contiguous, bytearray)
+    assert scattered.tobytes() == bytes(contiguous)
+    assert bytes(scattered.read(100, 9000)) == bytes(contiguous[100:9100])  # a read across pieces
+    batch = np.load(io.BytesIO(scattered.tobytes()))
+    assert batch["_index"].tolist() == [7, 8, 7]
+    assert batch["_weight"].tolist() == [0.25, 1.0, 0.25]
+    assert batch["obs"][1].tolist() == [1] * 5000
 
 
 @settings(max_examples=25, deadline=None)

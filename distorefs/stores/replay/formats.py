@@ -377,13 +377,30 @@ def npy_batch_bytes(schema: np.dtype[Any], count: int) -> int:
     return len(npy_batch_header(schema, count)) + count * (schema.itemsize + 12)
 
 
+SCATTER_RECORD_BYTES = 4096  # records this big are served as views, not copied into one buffer
+_TAIL = np.dtype([("index", "<i8"), ("weight", "<f4")])  # what batch_dtype adds after a record
+
+
 def encode_npy_batch(
     schema: np.dtype[Any], payloads: Sequence[bytes | memoryview], indices: np.ndarray, weights: np.ndarray
-) -> bytearray:
-    """One `.npy` holding the batch, built in a single buffer (one copy per record)."""
-    dtype = batch_dtype(schema)
+) -> bytearray | ScatteredBytes:
+    """One `.npy` holding the batch. Small records are copied into one buffer (cheaper
+    than many pieces); big ones stay views of the items with each record's 12-byte
+    `_index`/`_weight` between them, as the blob format does, so the daemon copies
+    nothing before the reply."""
     count = len(payloads)
     header = npy_batch_header(schema, count)
+    if schema.itemsize >= SCATTER_RECORD_BYTES:
+        tails = np.empty(count, dtype=_TAIL)
+        tails["index"] = indices
+        tails["weight"] = weights
+        packed = memoryview(tails.tobytes())
+        pieces: list[bytes | memoryview] = [header]
+        for k, payload in enumerate(payloads):
+            pieces.append(payload)
+            pieces.append(packed[_TAIL.itemsize * k : _TAIL.itemsize * (k + 1)])
+        return ScatteredBytes(pieces)
+    dtype = batch_dtype(schema)
     out = bytearray(len(header) + count * dtype.itemsize)
     out[: len(header)] = header
     rows = np.frombuffer(out, dtype=np.uint8, offset=len(header)).reshape(count, dtype.itemsize)
