@@ -208,6 +208,7 @@ class Daemon:
         blocks = self.blocks
         nursery.start_soon(blocks.run_flusher, config.flush_interval_s, name="flusher")
         nursery.start_soon(blocks.run_syncer, config.sync_interval_s, name="syncer")
+        nursery.start_soon(blocks.run_dirty_watch, name="dirty page watch")
         nursery.start_soon(
             blocks.run_compactor, config.compact_interval_s, config.compact_min_dead_ratio, name="compactor"
         )

@@ -111,6 +111,8 @@ class BlockStore(ByteRanges, Compaction):
         self._undurable_since: float | None = None
         self._last_logged = 0.0
         self._rows_unstaged = []
+        self._inline_ok = False  # until the dirty watch has looked (run_dirty_watch)
+        self.inline_appends = 0
         self._tail = {}
         # compaction (tiers/compaction.py)
         self._compacted_segments = 0

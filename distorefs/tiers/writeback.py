@@ -32,8 +32,30 @@ log = logging.getLogger(__name__)
 
 FLUSH_BATCH_BYTES = 16 * 1024 * 1024
 INLINE_APPEND_BYTES = 256 * 1024  # log-only persists up to this size write on the event loop
+DIRTY_WATCH_S = 0.1  # how often the kernel's dirty page count is read (inline appends)
 TAIL_ROWS_SOON = 50_000  # staged rows that wake the flusher before its interval
 LOG_MARK_KEY = "log_mark"  # kv: "segment offset", the log records after it are the tail
+
+
+def below_dirty_background() -> bool:
+    """Whether the kernel's dirty and writeback pages are below its background threshold
+    (vm.dirty_background_bytes, or dirty_background_ratio of the dirtyable memory).
+    Below it, a buffered write never sleeps in balance_dirty_pages: the kernel throttles
+    writers only past the midpoint between this threshold and vm.dirty_ratio. False when
+    /proc cannot tell."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            kib = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in f) if v.strip()}
+        with open("/proc/sys/vm/dirty_background_bytes", encoding="ascii") as f:
+            limit = int(f.read())
+        if not limit:
+            with open("/proc/sys/vm/dirty_background_ratio", encoding="ascii") as f:
+                ratio = int(f.read())
+            dirtyable = kib["MemFree"] + kib["Active(file)"] + kib["Inactive(file)"]
+            limit = dirtyable * 1024 * ratio // 100
+        return (kib["Dirty"] + kib["Writeback"]) * 1024 < limit
+    except (OSError, KeyError, ValueError):
+        return False
 
 
 class WriteBack(BlockTierBase):
@@ -50,6 +72,8 @@ class WriteBack(BlockTierBase):
     _last_logged: float  # when the log was last appended to
     _rows_unstaged: list[LogPosition]  # where flushes in flight began appending
     _tail: dict[int, list[tuple[int, LogLocation]]]  # owner -> records after the mark (start-up)
+    _inline_ok: bool  # the kernel has room for dirty pages: small log-only appends go inline
+    inline_appends: int  # log-only persists written on the event loop (the rest went to a thread)
 
     def lags(self) -> dict[str, float]:
         """flush_lag_s and durable_lag_s: bounds of how long the oldest write has waited
@@ -252,13 +276,14 @@ class WriteBack(BlockTierBase):
         if not keys:
             await trio.lowlevel.checkpoint()
             return
-        if not self._flush_lock.locked() and self.owner_dirty_bytes(owner) <= INLINE_APPEND_BYTES:
+        if self._inline_ok and not self._flush_lock.locked() and self.owner_dirty_bytes(owner) <= INLINE_APPEND_BYTES:
             snapshots, records = self._freeze(keys)
             try:
                 locations = self._log.try_append_now(records)
             finally:
                 self._thaw(snapshots, records)
             if locations is not None:
+                self.inline_appends += 1
                 self._logged()
                 self._apply_flushed(snapshots, locations, staged=True)
                 self._flush_wanted_for_rows()
@@ -340,6 +365,19 @@ class WriteBack(BlockTierBase):
                 async with survive("flusher"):
                     await self.flush()
                     await self.commit()
+
+    def watch_dirty_pages(self) -> None:
+        """Allow inline log-only appends only while the kernel is below its background
+        dirty threshold, where a small pwrite copies into the page cache and returns
+        (docs/design.md, "Log-only appends"); above it they go to a worker thread."""
+        self._inline_ok = below_dirty_background()
+
+    async def run_dirty_watch(self, interval_s: float = DIRTY_WATCH_S) -> None:
+        """Background task: `watch_dirty_pages` every `interval_s` (reading /proc/meminfo
+        takes tens of microseconds and never waits for a disk)."""
+        while True:
+            self.watch_dirty_pages()
+            await trio.sleep(interval_s)
 
     async def run_syncer(self, interval_s: float = 5.0) -> None:
         """Background task: bound what a power loss can take to `interval_s` of closed data."""

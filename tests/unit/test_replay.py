@@ -597,9 +597,13 @@ async def crash_and_reload(tmp_path: Path, old: tuple[NvmeLog, BlockStore, MetaD
     return blocks, store
 
 
-async def test_appends_persisted_log_only_come_back_after_a_crash_before_any_commit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("inline", [True, False], ids=["on-the-event-loop", "from-a-thread"])
+async def test_appends_persisted_log_only_come_back_after_a_crash_before_any_commit(
+    tmp_path: Path, inline: bool
+) -> None:
     tiers = open_tiers(tmp_path)
     _log, blocks, meta = tiers
+    blocks._inline_ok = inline  # what the dirty page watch decides (kernel below its background threshold)
     store = BufferStore.load(blocks, meta)
     buf = store.create("dqn", BufferConfig(capacity=100, compression="zstd:3"))
     await blocks.commit()
@@ -608,6 +612,7 @@ async def test_appends_persisted_log_only_come_back_after_a_crash_before_any_com
         await buf.append([b"item-%d" % i * 50])
         await buf.persist_appends()
     assert meta.commits == commits  # nothing committed: the records are in the log alone
+    assert blocks.inline_appends == (20 if inline else 0)
     assert blocks.owner_dirty_bytes(buf.owner) == 0
 
     blocks, store = await crash_and_reload(tmp_path, tiers)
