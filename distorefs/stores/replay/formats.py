@@ -97,7 +97,14 @@ def npy_header(buf: bytes | bytearray | memoryview) -> NpyHeader | None:
     start = 8 + size_len
     if len(buf) < start + header_len:
         return None
-    text = bytes(buf[start : start + header_len]).decode("latin1")
+    return _parse_npy_header(bytes(buf[start : start + header_len]), start + header_len)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_npy_header(raw: bytes, data_offset: int) -> NpyHeader:
+    """The checks of `npy_header` on the header's text; cached, since a writer sends the
+    same header again and again (a learner's priority updates, an actor's appends)."""
+    text = raw.decode("latin1")
     try:
         header = ast.literal_eval(text)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
@@ -111,7 +118,7 @@ def npy_header(buf: bytes | bytearray | memoryview) -> NpyHeader | None:
         raise InvalidArgument(".npy header: shape must have at most 32 non-negative sizes")
     if not isinstance(header["fortran_order"], bool):
         raise InvalidArgument(".npy header: fortran_order must be True or False")
-    parsed = NpyHeader(npy_dtype(header["descr"]), shape, header["fortran_order"], start + header_len)
+    parsed = NpyHeader(npy_dtype(header["descr"]), shape, header["fortran_order"], data_offset)
     if parsed.data_bytes > MAX_NPY_DATA_BYTES:
         raise InvalidArgument(f".npy header: an array of {parsed.data_bytes} bytes is more than accepted")
     return parsed
@@ -295,7 +302,10 @@ def parse_priorities(data: bytes | bytearray) -> tuple[np.ndarray, np.ndarray] |
             return None
         if len(data) > parsed.total_bytes:
             raise InvalidArgument("priority: bytes after the end of the .npy")
-        array = np.load(io.BytesIO(data), allow_pickle=False)
+        # bytes(): the array must not export the caller's bytearray, which is cleared
+        # after this returns or raises (a traceback would keep the export alive)
+        array = np.frombuffer(bytes(data), dtype=parsed.dtype, count=parsed.count, offset=parsed.data_offset)
+        array = array.reshape(parsed.shape, order="F" if parsed.fortran_order else "C")
         if array.dtype.names and len(array.dtype.names) == 2 and array.ndim == 1:
             first, second = array.dtype.names
             return _pairs(array[first], array[second])
