@@ -5,8 +5,9 @@ in-process numpy buffer doing the same work in the same run.
 
 Through the mount (no distorefs import in the timed code): append one ~1 KB transition
 (open `append`, write one record, close), sample a batch of 64 (`np.load` of
-`sample.64`), update 64 priorities (`np.save` to `priority`). In process: a numpy ring
-with a sum of priorities doing the same. Prints p50 and p99 in microseconds as JSON;
+`sample.64`, straight from the file and through one `read()`), update 64 priorities
+(`np.save` to `priority`). In process: a numpy ring with a sum of priorities doing the
+same. Prints p50 and p99 in microseconds as JSON;
 docs/benchmarks.md keeps the results (issue 16's aims: append p50 <= 200 us, sample
 <= 300 us, priority <= 150 us).
 """
@@ -102,6 +103,10 @@ def main() -> int:
                 with open(sample, "rb") as f:
                     np.load(f)
 
+            def file_sample_read() -> None:
+                with open(sample, "rb") as f:
+                    np.load(io.BytesIO(f.read()))
+
             def file_priority() -> None:
                 pairs[:, 1] = rng.random(64) + 0.1
                 out = io.BytesIO()
@@ -112,6 +117,7 @@ def main() -> int:
 
             results["mount"]["append"] = timed(file_append, args.calls)
             results["mount"]["sample_64"] = timed(file_sample, args.calls)
+            results["mount"]["sample_64_read"] = timed(file_sample_read, args.calls)
             results["mount"]["priority_64"] = timed(file_priority, args.calls)
     finally:
         shutil.rmtree(base, ignore_errors=True)

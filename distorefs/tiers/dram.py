@@ -157,16 +157,28 @@ class DramCache:
         """
         if self.used_bytes + need_bytes <= self.budget_bytes:
             return True
-        for key in list(self._blocks):
-            block = self._blocks[key]
+        # Walk from the least recently used end and stop as soon as there is room: a
+        # full cache of a million items costs a few steps per call, not a copy of its
+        # keys. Dirty blocks met on the way cannot go; they move to the other end, so
+        # the next walk does not step over them again (they are in use anyway).
+        victims: list[tuple[BlockKey, Block]] = []
+        passed: list[BlockKey] = []
+        freed = 0
+        for key, block in self._blocks.items():
             if block.dirty:
+                passed.append(key)
                 continue
+            victims.append((key, block))
+            freed += block.capacity_bytes
+            if self.used_bytes - freed + need_bytes <= self.budget_bytes:
+                break
+        for key in passed:
+            self._blocks.move_to_end(key)
+        for key, block in victims:
             self.remove(key)
             self._evictions += 1
             if self.evicted is not None:
                 self.evicted(key, block)
-            if self.used_bytes + need_bytes <= self.budget_bytes:
-                return True
         return self.used_bytes + need_bytes <= self.budget_bytes
 
     def reserve(self, nbytes: int) -> bool:

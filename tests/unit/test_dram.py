@@ -36,3 +36,17 @@ def test_accounting_follows_dirty_state_and_buffer_swaps() -> None:
     assert cache.dirty_bytes == 0
     cache.remove(BlockKey(1, 0))
     assert cache.used_bytes == 0
+
+
+def test_make_room_on_a_full_cache_evicts_only_the_oldest_clean_blocks_it_needs() -> None:
+    cache = DramCache(budget_bytes=10_000 * 4096)
+    for i in range(10_000):
+        cache.insert(BlockKey(1, i), Block(bytearray(4096), 4096, dirty=i < 3))
+    assert cache.make_room(2 * 4096)
+    assert [cache.peek(BlockKey(1, i)) is None for i in range(6)] == [False, False, False, True, True, False]
+    assert cache.statistics().evictions == 2
+    # the dirty blocks it stepped over are now the most recently used: the next walk
+    # starts at the oldest clean block
+    assert cache.make_room(3 * 4096)
+    assert [cache.peek(BlockKey(1, i)) is None for i in range(3, 7)] == [True, True, True, False]
+    assert all(cache.peek(BlockKey(1, i)) is not None for i in range(3))

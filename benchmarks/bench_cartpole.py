@@ -1,0 +1,206 @@
+"""A DQN loop on CartPole with its replay buffer in distorefs through plain file calls,
+against the same loop with an in-memory numpy buffer, in one run (issue 16).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_cartpole.py [--steps 8000] [--runs 3]
+
+The loop is the textbook one: every env step appends its transition (one record per
+open of `append`, written with `os.write`), and from `--learning-starts` on every env
+step also trains once: a prioritized batch of 64 (`np.load` of the bytes of
+`sample.64`), a double-DQN loss with importance weights, and the 64 new priorities
+(`np.save` to `priority`). The numpy loop does the same with a ring of records and the
+same sum tree in process. No distorefs import in the timed code. Both use the same
+seeds, network and step count; the report gives wall seconds, the ratio, where the
+file loop's extra time went (append, sample, priority), and the mean return of the last
+20 episodes of each (learning is not the point here, but it shows the loops are alike).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from daemon import mounted  # noqa: E402 - benchmarks/ is not a package
+
+RECORD = np.dtype(
+    [("obs", "<f4", (4,)), ("action", "<i8"), ("reward", "<f4"), ("next_obs", "<f4", (4,)), ("done", "<f4")]
+)
+SCHEMA = {
+    "obs": {"dtype": "<f4", "shape": [4]}, "action": "<i8", "reward": "<f4",
+    "next_obs": {"dtype": "<f4", "shape": [4]}, "done": "<f4",
+}  # fmt: skip
+CAPACITY, BATCH, ALPHA, BETA, GAMMA = 50_000, 64, 0.6, 0.4, 0.99
+
+
+class NumpyBuffer:
+    """The in-memory baseline: a ring of records and a sum tree of priority^alpha."""
+
+    def __init__(self) -> None:
+        self.rows = np.zeros(CAPACITY, RECORD)
+        self.priority = np.zeros(CAPACITY)
+        self.size = self.next = 0
+        self.max_priority = 1.0
+        self.rng = np.random.default_rng(0)
+
+    def append(self, record: np.ndarray) -> None:
+        slot = self.next % CAPACITY
+        self.rows[slot] = record[0]
+        self.priority[slot] = self.max_priority**ALPHA
+        self.next += 1
+        self.size = min(self.size + 1, CAPACITY)
+
+    def sample(self) -> np.ndarray:
+        p = self.priority[: self.size] / self.priority[: self.size].sum()
+        slots = self.rng.choice(self.size, BATCH, p=p)
+        batch = np.zeros(BATCH, [*RECORD.descr, ("_index", "<i8"), ("_weight", "<f4")])
+        for name in RECORD.names or ():
+            batch[name] = self.rows[name][slots]
+        weights = (self.size * p[slots]) ** -BETA
+        batch["_index"], batch["_weight"] = slots, weights / weights.max()
+        return batch
+
+    def update(self, indices: np.ndarray, priorities: np.ndarray) -> None:
+        self.priority[indices % CAPACITY] = priorities**ALPHA
+        self.max_priority = max(self.max_priority, float(priorities.max()))
+
+
+class FileBuffer:
+    """The same through the mount with plain file calls (the docs/namespace.md recipes)."""
+
+    def __init__(self, path: Path) -> None:
+        path.mkdir()
+        config = {"capacity": CAPACITY, "sampler": "prioritized", "batch_size": BATCH, "alpha": ALPHA, "beta": BETA,
+                  "schema": SCHEMA}  # fmt: skip
+        (path / "config").write_text(json.dumps(config))
+        self.append_path, self.sample_path = str(path / "append"), str(path / "sample.64")
+        self.priority_path = str(path / "priority")
+        self.seconds = {"append": 0.0, "sample": 0.0, "priority": 0.0}
+
+    def append(self, record: np.ndarray) -> None:
+        started = time.perf_counter()
+        fd = os.open(self.append_path, os.O_WRONLY)
+        try:
+            os.write(fd, record.tobytes())
+        finally:
+            os.close(fd)
+        self.seconds["append"] += time.perf_counter() - started
+
+    def sample(self) -> np.ndarray:
+        started = time.perf_counter()
+        with open(self.sample_path, "rb") as f:
+            batch = np.load(io.BytesIO(f.read()))
+        self.seconds["sample"] += time.perf_counter() - started
+        return batch
+
+    def update(self, indices: np.ndarray, priorities: np.ndarray) -> None:
+        started = time.perf_counter()
+        out = io.BytesIO()
+        np.save(out, np.stack([indices.astype(np.float64), priorities], axis=1))
+        fd = os.open(self.priority_path, os.O_WRONLY)
+        try:
+            os.write(fd, out.getvalue())
+        finally:
+            os.close(fd)
+        self.seconds["priority"] += time.perf_counter() - started
+
+
+def run_loop(buffer: Any, steps: int, learning_starts: int) -> dict[str, Any]:
+    import gymnasium as gym
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+    target = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+    target.load_state_dict(net.state_dict())
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
+    env = gym.make("CartPole-v1")
+    obs, _ = env.reset(seed=0)
+    rng = np.random.default_rng(0)
+    record = np.zeros(1, RECORD)
+    returns: list[float] = []
+    episode = 0.0
+    started = time.perf_counter()
+    for step in range(steps):
+        epsilon = max(0.05, 1.0 - step / (steps * 0.4))
+        if rng.random() < epsilon:
+            action = int(rng.integers(2))
+        else:
+            with torch.no_grad():
+                action = int(net(torch.as_tensor(obs)).argmax())
+        next_obs, reward, terminated, truncated, _ = env.step(action)
+        record["obs"], record["action"], record["reward"] = obs, action, reward
+        record["next_obs"], record["done"] = next_obs, float(terminated)
+        buffer.append(record)
+        episode += float(reward)
+        obs = next_obs
+        if terminated or truncated:
+            returns.append(episode)
+            episode = 0.0
+            obs, _ = env.reset()
+        if step < learning_starts:
+            continue
+        batch = buffer.sample()
+        states, next_states = torch.as_tensor(batch["obs"]), torch.as_tensor(batch["next_obs"])
+        actions = torch.as_tensor(batch["action"])
+        q = net(states).gather(1, actions[:, None]).squeeze(1)
+        with torch.no_grad():
+            best = net(next_states).argmax(1, keepdim=True)
+            value = target(next_states).gather(1, best).squeeze(1)
+            goal = torch.as_tensor(batch["reward"]) + GAMMA * (1 - torch.as_tensor(batch["done"])) * value
+        errors = goal - q
+        loss = (torch.as_tensor(batch["_weight"]) * errors.pow(2)).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        buffer.update(batch["_index"], errors.detach().abs().numpy().astype(np.float64) + 1e-3)
+        if step % 500 == 0:
+            target.load_state_dict(net.state_dict())
+    wall = time.perf_counter() - started
+    return {"wall_s": wall, "last_20_mean_return": statistics.fmean(returns[-20:]) if returns else 0.0}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8000)
+    parser.add_argument("--learning-starts", type=int, default=1000)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    runs: list[dict[str, Any]] = []
+    for _ in range(args.runs):  # interleaved, so drift on the machine hits both alike
+        in_memory = run_loop(NumpyBuffer(), args.steps, args.learning_starts)
+        with tempfile.TemporaryDirectory(prefix="distorefs-cartpole-") as tmp, mounted(Path(tmp)) as mnt:
+            files = FileBuffer(mnt / "buffers" / "cartpole")
+            through_files = run_loop(files, args.steps, args.learning_starts)
+            through_files["buffer_s"] = {k: round(v, 2) for k, v in files.seconds.items()}
+        runs.append({"numpy": in_memory, "files": through_files})
+
+    def ratio(run: dict[str, Any]) -> float:
+        return float(run["files"]["wall_s"] / run["numpy"]["wall_s"])
+
+    report = {
+        "steps": args.steps,
+        "runs": runs,
+        "median_numpy_wall_s": round(statistics.median(r["numpy"]["wall_s"] for r in runs), 2),
+        "median_files_wall_s": round(statistics.median(r["files"]["wall_s"] for r in runs), 2),
+        "median_ratio": round(statistics.median(ratio(r) for r in runs), 2),
+    }
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
