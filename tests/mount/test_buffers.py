@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -206,6 +207,34 @@ def test_priorities_from_text_and_npy_steer_prioritized_sampling(buffer: Path) -
     assert {i for i, _, _ in client.sample(buffer)} == {3}
     client.update_priorities(buffer, [2, 3], [1.0, 0.0])
     assert {i for i, _, _ in client.sample(buffer)} == {2}
+
+
+def test_a_learner_keeps_priority_open_and_each_npy_applies_as_it_arrives(buffer: Path) -> None:
+    configure(buffer, schema=SCHEMA, sampler="prioritized", alpha=1.0, epsilon=0.0, batch_size=64)
+    client.append(buffer, records(4))
+    fd = os.open(buffer / "priority", os.O_WRONLY)
+    try:
+        for hot in (3, 1):
+            out = io.BytesIO()
+            np.save(out, np.array([[i, 1.0 if i == hot else 0.0] for i in range(4)]))
+            os.write(fd, out.getvalue())
+            with open(buffer / "sample", "rb") as f:  # applied before the close
+                assert set(np.load(io.BytesIO(f.read()))["_index"].tolist()) == {hot}
+    finally:
+        os.close(fd)
+
+
+def test_the_shell_recipes_of_the_namespace_reference_work(buffer: Path) -> None:
+    configure(buffer, schema=SCHEMA, sampler="prioritized", alpha=1.0, epsilon=0.0)
+    client.append(buffer, records(8))
+    subprocess.run(["sh", "-c", f"printf '3 0.5\\n7 2.0\\n' > {buffer}/priority"], check=True)
+    with open(buffer / "sample.8", "rb") as batch_file:
+        shown = subprocess.run(
+            [sys.executable, "-c", 'import numpy as np, sys; print(np.load(sys.stdin.buffer)["_index"])'],
+            stdin=batch_file, check=True, capture_output=True, text=True,
+        ).stdout  # fmt: skip
+    assert set(int(n) for n in shown.strip("[]\n").split()) <= set(range(8))
+    assert stats(buffer)["total_priority"] == pytest.approx(0.5 + 2.0 + 6 * 1.0)
 
 
 def test_a_priority_write_with_an_unknown_index_or_nan_applies_none(buffer: Path) -> None:
