@@ -216,6 +216,7 @@ class Daemon:
         nursery.start_soon(self.checkpoints.run_persister, name="checkpoint persister")
         nursery.start_soon(self.ops.run_invalidations, name="kernel invalidations")
         nursery.start_soon(self.buffers.run_snapshots, config.snapshot_interval_s, name="snapshots")
+        nursery.start_soon(self.buffers.warm_up, config.dram_budget_bytes, name="buffer warm-up")
         nursery.start_soon(self.datasets.run_streams, name="dataset streams")
         nursery.start_soon(run_memory_trim, self._accounted_bytes, name="memory trim")
 

@@ -681,3 +681,26 @@ async def test_tail_records_of_other_owners_are_not_adopted(tmp_path: Path) -> N
     assert not blocks.has_block(BlockKey(5, 0))
     assert store.get("b").size == 0
     await blocks.close()
+
+
+async def test_warm_up_reads_restored_buffers_into_dram_while_they_fit_in_half_the_budget(tmp_path: Path) -> None:
+    def open_small() -> tuple[BlockStore, MetaDb]:
+        meta = MetaDb.open(str(tmp_path / "meta.sqlite"))
+        return BlockStore(NvmeLog.open(str(tmp_path / "log")), DramCache(4 << 20), meta), meta
+
+    blocks, meta = open_small()
+    store = BufferStore.load(blocks, meta)
+    small, big = store.create("small", BufferConfig()), store.create("big", BufferConfig())
+    await small.append([b"s" * 1000] * 500)  # 0.5 MB: fits in half of 4 MiB
+    await big.append([b"b" * 100_000] * 30)  # 3 MB: does not
+    await blocks.close()
+    meta.close()
+
+    blocks, meta = open_small()
+    store = BufferStore.load(blocks, meta)
+    assert blocks.dram_bytes(store.get("small").owner) == 0  # a restart starts cold
+    assert await store.warm_up(4 << 20) == 500
+    assert blocks.dram_bytes(store.get("small").owner) == 500 * 1000
+    assert blocks.dram_bytes(store.get("big").owner) == 0
+    await blocks.close()
+    meta.close()

@@ -508,6 +508,12 @@ class ReplayBuffer:
             return await trio.to_thread.run_sync(lambda: [zstandard.decompress(view) for view in out])
         return out
 
+    async def warm(self, indices: np.ndarray) -> None:
+        """Read these items into DRAM (cold ones from the log in one trip to a thread);
+        items that left meanwhile are skipped."""
+        owner = self.owner
+        await self._blocks.get_many([BlockKey(owner, i) for i in indices.tolist()])
+
     def commit(self, indices: np.ndarray) -> None:
         """Count these picked items of this shard as sampled (they were handed out); the
         remover then takes what must leave. Items that left since the pick are skipped."""
