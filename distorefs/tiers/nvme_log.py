@@ -65,6 +65,19 @@ def encode_header(key: BlockKey, seq: int, payload: bytes | bytearray | memoryvi
     return head + struct.pack("<I", crc)
 
 
+SPAN_BYTES = 8 * 1024 * 1024  # read_many reads neighbouring records with one pread up to this
+SPAN_GAP_BYTES = 64 * 1024  # ... when the bytes between them are no more than this
+
+
+def _check(header: bytes | bytearray | memoryview, payload: bytearray, location: LogLocation, key: BlockKey) -> None:
+    """Corrupted unless the record read at `location` is `key`'s, of its length and crc."""
+    magic, length, owner, index, _seq, crc = HEADER.unpack(header)
+    if magic != MAGIC or length != location.length or (owner, index) != key:
+        raise Corrupted(f"log: record at {location} is not {key}")
+    if crc32c.crc32c(payload, crc32c.crc32c(header[:HEADER_CRC_SPAN])) != crc:
+        raise Corrupted(f"log: crc32c mismatch for {key} at {location}")
+
+
 class LogPosition(NamedTuple):
     """A point in the log: a segment and a byte offset in it (where a record starts)."""
 
@@ -333,27 +346,74 @@ class NvmeLog:
             self._release(seg)
         if got != HEADER.size + location.length:
             raise Corrupted(f"log: short record for {key} at {location}")
-        magic, length, owner, index, _seq, crc = HEADER.unpack(header)
-        if magic != MAGIC or length != location.length or (owner, index) != key:
-            raise Corrupted(f"log: record at {location} is not {key}")
-        if crc32c.crc32c(payload, crc32c.crc32c(memoryview(header)[:HEADER_CRC_SPAN])) != crc:
-            raise Corrupted(f"log: crc32c mismatch for {key} at {location}")
+        _check(header, payload, location, key)
         return payload
 
     def read_many(self, records: Sequence[tuple[BlockKey, LogLocation]]) -> list[bytearray]:
-        """`read` of many records, with a WILLNEED hint for all of them first, so the device
-        sees them at once instead of one at a time."""
+        """`read` of many records. Records that lie close together in one segment (a
+        restored buffer's items, in append order) are read with one pread per span of
+        up to SPAN_BYTES; scattered ones each with their own, after a WILLNEED hint for
+        all of them, so the device sees them at once instead of one at a time."""
+        out = [bytearray()] * len(records)  # every slot is filled below, or Corrupted is raised
+        order = sorted(range(len(records)), key=lambda i: records[i][1])
         held = {loc.segment: self._acquire(loc.segment) for _key, loc in records}
         try:
-            for _key, loc in records:
-                seg = held[loc.segment]
-                if seg is not None:
+            spans: list[list[int]] = []
+            for i in order:
+                loc = records[i][1]
+                if spans:
+                    first = records[spans[-1][0]][1]
+                    last = records[spans[-1][-1]][1]
+                    end = last.offset + HEADER.size + last.length
+                    if (
+                        loc.segment == first.segment
+                        and 0 <= loc.offset - end <= SPAN_GAP_BYTES
+                        and loc.offset + HEADER.size + loc.length - first.offset <= SPAN_BYTES
+                    ):
+                        spans[-1].append(i)
+                        continue
+                spans.append([i])
+            for span in spans:
+                seg = held[records[span[0]][1].segment]
+                if seg is not None and len(span) == 1:
+                    loc = records[span[0]][1]
                     os.posix_fadvise(seg.fd, loc.offset, HEADER.size + loc.length, os.POSIX_FADV_WILLNEED)
-            return [self.read(loc, key) for key, loc in records]
+            for span in spans:
+                if len(span) == 1:
+                    key, loc = records[span[0]]
+                    out[span[0]] = self.read(loc, key)
+                else:
+                    self._read_span(held[records[span[0]][1].segment], [records[i] for i in span], span, out)
         finally:
             for seg in held.values():
                 if seg is not None:
                     self._release(seg)
+        return out
+
+    def _read_span(
+        self,
+        seg: _Segment | None,
+        span: list[tuple[BlockKey, LogLocation]],
+        positions: list[int],
+        out: list[bytearray],
+    ) -> None:
+        """One pread for records in log order within one segment; each is checked as
+        `read` checks it and copied out of the span."""
+        first, last = span[0][1], span[-1][1]
+        if seg is None:
+            raise Corrupted(f"log: segment {first.segment} of {span[0][0]} is gone")
+        start = first.offset
+        size = last.offset + HEADER.size + last.length - start
+        chunk = bytearray(size)
+        if os.preadv(seg.fd, [chunk], start) != size:
+            raise Corrupted(f"log: short read of {len(span)} records at {first}")
+        view = memoryview(chunk)
+        for (key, loc), position in zip(span, positions, strict=True):
+            at = loc.offset - start
+            header = view[at : at + HEADER.size]
+            payload = bytearray(view[at + HEADER.size : at + HEADER.size + loc.length])
+            _check(header, payload, loc, key)
+            out[position] = payload
 
     def read_parts(self, parts: Sequence[tuple[LogLocation, int, memoryview]]) -> list[int]:
         """Read byte ranges of record payloads straight into the given buffers: for each

@@ -175,3 +175,21 @@ def test_position_and_scan_from_it_give_the_records_after_a_point(tmp_path: Path
     end = log.position()
     assert list(log.scan(end)) == []
     log.close()
+
+
+def test_read_many_reads_neighbours_in_spans_and_still_checks_every_record(tmp_path: Path) -> None:
+    log = NvmeLog.open(str(tmp_path), segment_bytes=1 << 20)
+    locs = [log.append(BlockKey(3, i), bytes([i]) * (100 + i)) for i in range(200)]
+    far = log.append(BlockKey(4, 0), b"far" * 30_000)  # past the gap: read on its own
+    wanted = [(BlockKey(3, i), locs[i]) for i in (5, 6, 7, 150, 6, 199)] + [(BlockKey(4, 0), far)]
+    got = log.read_many(wanted)
+    assert [bytes(p) for p in got[:-1]] == [bytes([i]) * (100 + i) for i in (5, 6, 7, 150, 6, 199)]
+    assert bytes(got[-1]) == b"far" * 30_000
+    with open(tmp_path / segment_name(locs[7].segment), "r+b") as f:  # damage one record of a span
+        f.seek(locs[7].offset + HEADER.size + 3)
+        f.write(b"\xff")
+    with pytest.raises(Corrupted, match="crc32c mismatch"):
+        log.read_many(wanted)
+    with pytest.raises(Corrupted, match="is not"):
+        log.read_many([(BlockKey(3, 5), locs[5]), (BlockKey(3, 99), locs[6])])  # a key that is not there
+    log.close()
