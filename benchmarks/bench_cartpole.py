@@ -8,7 +8,9 @@ open of `append`, written with `os.write`), and from `--learning-starts` on ever
 step also trains once: a prioritized batch of 64 (`np.load` of the bytes of
 `sample.64`), a double-DQN loss with importance weights, and the 64 new priorities
 (`np.save` to `priority`). The numpy loop does the same with a ring of records and the
-same sum tree in process. No distorefs import in the timed code. Both use the same
+same sum tree in process. A third loop keeps the three descriptors open (a write to
+`append`, a read of `sample.64.stream`, a write to `priority`: one round trip each). No
+distorefs import in the timed code. Both use the same
 seeds, network and step count; the report gives wall seconds, the ratio, where the
 file loop's extra time went (append, sample, priority), and the mean return of the last
 20 episodes of each (learning is not the point here, but it shows the loops are alike).
@@ -74,6 +76,41 @@ class NumpyBuffer:
         self.max_priority = max(self.max_priority, float(priorities.max()))
 
 
+class OpenFileBuffer:
+    """The same with descriptors kept open: a write to `append` per transition, a read of
+    `sample.64.stream` per batch, a write to `priority` per update (one round trip each)."""
+
+    def __init__(self, path: Path) -> None:
+        FileBuffer(path)  # the same buffer and config
+        self.append_fd = os.open(path / "append", os.O_WRONLY)
+        self.stream_fd = os.open(path / "sample.64.stream", os.O_RDONLY)
+        self.priority_fd = os.open(path / "priority", os.O_WRONLY)
+        self.batch_bytes = os.fstat(self.stream_fd).st_size
+        self.seconds = {"append": 0.0, "sample": 0.0, "priority": 0.0}
+
+    def close(self) -> None:
+        for fd in (self.append_fd, self.stream_fd, self.priority_fd):
+            os.close(fd)
+
+    def append(self, record: np.ndarray) -> None:
+        started = time.perf_counter()
+        os.write(self.append_fd, record.tobytes())
+        self.seconds["append"] += time.perf_counter() - started
+
+    def sample(self) -> np.ndarray:
+        started = time.perf_counter()
+        batch = np.load(io.BytesIO(os.read(self.stream_fd, self.batch_bytes)))
+        self.seconds["sample"] += time.perf_counter() - started
+        return batch
+
+    def update(self, indices: np.ndarray, priorities: np.ndarray) -> None:
+        started = time.perf_counter()
+        out = io.BytesIO()
+        np.save(out, np.stack([indices.astype(np.float64), priorities], axis=1))
+        os.write(self.priority_fd, out.getvalue())
+        self.seconds["priority"] += time.perf_counter() - started
+
+
 class FileBuffer:
     """The same through the mount with plain file calls (the docs/namespace.md recipes)."""
 
@@ -114,6 +151,13 @@ class FileBuffer:
         self.seconds["priority"] += time.perf_counter() - started
 
 
+def columns(batch: np.ndarray) -> Any:
+    """A batch's fields as tensors (packed records have strided fields: made contiguous)."""
+    import torch
+
+    return lambda name: torch.as_tensor(np.ascontiguousarray(batch[name]))
+
+
 def run_loop(buffer: Any, steps: int, learning_starts: int) -> dict[str, Any]:
     import gymnasium as gym
     import torch
@@ -151,15 +195,15 @@ def run_loop(buffer: Any, steps: int, learning_starts: int) -> dict[str, Any]:
         if step < learning_starts:
             continue
         batch = buffer.sample()
-        states, next_states = torch.as_tensor(batch["obs"]), torch.as_tensor(batch["next_obs"])
-        actions = torch.as_tensor(batch["action"])
+        field = columns(batch)
+        states, next_states, actions = field("obs"), field("next_obs"), field("action")
         q = net(states).gather(1, actions[:, None]).squeeze(1)
         with torch.no_grad():
             best = net(next_states).argmax(1, keepdim=True)
             value = target(next_states).gather(1, best).squeeze(1)
-            goal = torch.as_tensor(batch["reward"]) + GAMMA * (1 - torch.as_tensor(batch["done"])) * value
+            goal = field("reward") + GAMMA * (1 - field("done")) * value
         errors = goal - q
-        loss = (torch.as_tensor(batch["_weight"]) * errors.pow(2)).mean()
+        loss = (field("_weight") * errors.pow(2)).mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -186,17 +230,27 @@ def main() -> int:
             files = FileBuffer(mnt / "buffers" / "cartpole")
             through_files = run_loop(files, args.steps, args.learning_starts)
             through_files["buffer_s"] = {k: round(v, 2) for k, v in files.seconds.items()}
-        runs.append({"numpy": in_memory, "files": through_files})
+            kept = OpenFileBuffer(mnt / "buffers" / "cartpole-open")
+            try:
+                open_files = run_loop(kept, args.steps, args.learning_starts)
+            finally:
+                kept.close()
+            open_files["buffer_s"] = {k: round(v, 2) for k, v in kept.seconds.items()}
+        runs.append({"numpy": in_memory, "files": through_files, "open_files": open_files})
 
-    def ratio(run: dict[str, Any]) -> float:
-        return float(run["files"]["wall_s"] / run["numpy"]["wall_s"])
+    def median(path: str, key: str = "wall_s") -> float:
+        return round(statistics.median(r[path][key] for r in runs), 2)
 
     report = {
         "steps": args.steps,
         "runs": runs,
-        "median_numpy_wall_s": round(statistics.median(r["numpy"]["wall_s"] for r in runs), 2),
-        "median_files_wall_s": round(statistics.median(r["files"]["wall_s"] for r in runs), 2),
-        "median_ratio": round(statistics.median(ratio(r) for r in runs), 2),
+        "median_numpy_wall_s": median("numpy"),
+        "median_files_wall_s": median("files"),
+        "median_open_files_wall_s": median("open_files"),
+        "median_ratio": round(statistics.median(r["files"]["wall_s"] / r["numpy"]["wall_s"] for r in runs), 2),
+        "median_ratio_open_files": round(
+            statistics.median(r["open_files"]["wall_s"] / r["numpy"]["wall_s"] for r in runs), 2
+        ),
     }
     print(json.dumps(report, indent=2))
     return 0

@@ -255,6 +255,50 @@ class SampleHandle(VirtualHandle):
         return memoryview(self._data)[offset : offset + size]
 
 
+class StreamHandle(VirtualHandle):
+    """`sample.stream`: one open, endless batches. Reads go forward: a read at the end of
+    the current batch draws the next one (waiting as `sample` does), so a learner keeps
+    one descriptor and reads one batch per call (`os.read(fd, st_size)` for a schema
+    buffer, whose batches are all `st_size` long). A read never spans two batches: it
+    ends at the current batch's end."""
+
+    kind = "buffers"
+
+    def __init__(self, buffer: ReplayBuffer, count: int | None, nonblocking: bool, pid: int) -> None:
+        self._buffer = buffer
+        self._count = count
+        self._nonblocking = nonblocking
+        self._pid = pid
+        self._start = 0  # offset of the current batch in the stream
+        self._data: bytearray | bytes | ScatteredBytes = b""
+        self.batches = 0
+
+    async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
+        end = self._start + len(self._data)
+        if offset < self._start or offset > end:
+            raise _recorded(
+                self._buffer,
+                InvalidArgument(
+                    f"buffers/{self._buffer.name}/sample.stream: reads go forward batch by batch; a read at"
+                    f" {offset} is not in the current batch ({self._start}..{end}) nor at its end"
+                ),
+            )
+        if offset == end:
+            buffer, count = self._buffer, self._count
+            ready = buffer.can_sample(count)
+            batch = await run_waiting(
+                self._pid, self._nonblocking, ready, lambda nb: buffer.sample(count, nonblocking=nb)
+            )
+            self._start, self._data = end, batch.data
+            self.batches += 1
+        else:
+            await trio.lowlevel.checkpoint()
+        at = offset - self._start
+        if isinstance(self._data, ScatteredBytes):
+            return self._data.read(at, size)
+        return memoryview(self._data)[at : at + size]
+
+
 class PriorityHandle(WholeInputHandle):
     """Applies each complete chunk of (index, priority) pairs whole, or none of it."""
 
@@ -470,6 +514,7 @@ class BufferDir(NamedDir):
         self._add(stats.govern(self, Access.READ))
         self._add(ItemsDir(tree.new_ino(), buffer).govern(self, Access.DIRECTORY))
         self._sized: dict[int, BufferFile] = {}
+        self._streams: dict[int | None, BufferFile] = {}
         self._npz: BufferFile | None = None
 
     def _add(self, node: VirtualNode) -> None:
@@ -479,6 +524,10 @@ class BufferDir(NamedDir):
     def lookup(self, name: bytes) -> VirtualNode:
         if name.startswith(b"sample.") and name[7:].isdigit():
             return self._sized_sample(int(name[7:]))
+        if name.startswith(b"sample.") and name.endswith(b".stream"):
+            count = name[7:-7]
+            if count == b"" or count.isdigit():
+                return self._stream(int(count) if count else None)
         if name in NPY_ALIASES:  # np.save adds .npy to a path that lacks it
             return super().lookup(NPY_ALIASES[name])
         if name == b"sample.npz":
@@ -502,6 +551,33 @@ class BufferDir(NamedDir):
             ).govern(self, Access.CHANGES_ON_READ)
             node.acts_on_read = True
             node.cache_s = CONTROL_CACHE_S
+            self._tree.register(node)
+        return node
+
+    def _stream(self, count: int | None) -> BufferFile:
+        """`sample.stream` and `sample.N.stream`: endless batches through one open (not
+        listed by readdir)."""
+        if count is not None and not 0 < count <= MAX_SAMPLE_COUNT:
+            raise NotFound(
+                f"buffers/{self.buffer.name}/sample.{count}.stream: batch size must be 1..{MAX_SAMPLE_COUNT}"
+            )
+        node = self._streams.get(count)
+        if node is None:
+            b = self.buffer
+            name = b"sample.stream" if count is None else b"sample.%d.stream" % count
+            node = BufferFile(
+                self._tree.new_ino(),
+                name,
+                0o444,
+                b,
+                lambda flags, pid: StreamHandle(b, count, bool(flags & os.O_NONBLOCK), pid),
+                False,
+            ).govern(self, Access.CHANGES_ON_READ)
+            node.acts_on_read = True
+            node.cache_s = CONTROL_CACHE_S
+            node.batch_of = count or 0
+            if len(self._streams) < 64:
+                self._streams[count] = node
             self._tree.register(node)
         return node
 

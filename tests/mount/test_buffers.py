@@ -273,6 +273,30 @@ def test_a_schema_buffers_sample_files_are_as_long_as_their_batch(buffer: Path) 
     assert stats(buffer)["samples"] == 16 + 5 + 64  # a stat draws nothing
 
 
+def test_sample_stream_draws_one_batch_per_read_through_one_open(buffer: Path) -> None:
+    configure(buffer, schema=SCHEMA, batch_size=16)
+    client.append(buffer, records(40))
+    fd = os.open(buffer / "sample.8.stream", os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size  # every batch of a schema buffer has this length
+        batches = [np.load(io.BytesIO(os.read(fd, size))) for _ in range(5)]
+        assert [len(b) for b in batches] == [8] * 5
+        assert stats(buffer)["samples"] == 40
+        os.lseek(fd, -size // 2, os.SEEK_CUR)  # back inside the current batch: the same bytes
+        assert len(os.read(fd, size)) == size - size // 2
+        assert stats(buffer)["samples"] == 40
+        os.lseek(fd, 0, os.SEEK_SET)  # an earlier batch is gone
+        with pytest.raises(OSError) as refused:
+            os.read(fd, size)
+        assert refused.value.errno == errno.EINVAL
+    finally:
+        os.close(fd)
+    with open(buffer / "sample.stream", "rb") as f:  # np.load straight from the stream works too
+        assert [len(np.load(f)) for _ in range(3)] == [16] * 3
+    assert stats(buffer)["samples"] == 40 + 48
+    assert "sample.stream" not in os.listdir(buffer)  # not listed, like sample.N
+
+
 def test_max_times_sampled_removes_items(buffer: Path) -> None:
     configure(buffer, max_times_sampled=1, sampler="fifo", batch_size=3)
     client.append(buffer, [b"a", b"b", b"c", b"d"])
