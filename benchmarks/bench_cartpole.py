@@ -1,7 +1,7 @@
 """A DQN loop on CartPole with its replay buffer in distorefs through plain file calls,
 against the same loop with an in-memory numpy buffer, in one run (issue 16).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_cartpole.py [--steps 8000] [--runs 3]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_cartpole.py [--steps 8000] [--runs 3] [--busy-poll-us 0]
 
 The loop is the textbook one: every env step appends its transition (one record per
 open of `append`, written with `os.write`), and from `--learning-starts` on every env
@@ -219,6 +219,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8000)
     parser.add_argument("--learning-starts", type=int, default=1000)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--busy-poll-us", type=int, default=0, help="the daemon's --busy-poll-us")
     args = parser.parse_args()
     import torch
 
@@ -226,7 +227,10 @@ def main() -> int:
     runs: list[dict[str, Any]] = []
     for _ in range(args.runs):  # interleaved, so drift on the machine hits both alike
         in_memory = run_loop(NumpyBuffer(), args.steps, args.learning_starts)
-        with tempfile.TemporaryDirectory(prefix="distorefs-cartpole-") as tmp, mounted(Path(tmp)) as mnt:
+        with (
+            tempfile.TemporaryDirectory(prefix="distorefs-cartpole-") as tmp,
+            mounted(Path(tmp), "--busy-poll-us", str(args.busy_poll_us)) as mnt,
+        ):
             files = FileBuffer(mnt / "buffers" / "cartpole")
             through_files = run_loop(files, args.steps, args.learning_starts)
             through_files["buffer_s"] = {k: round(v, 2) for k, v in files.seconds.items()}
@@ -243,6 +247,7 @@ def main() -> int:
 
     report = {
         "steps": args.steps,
+        "busy_poll_us": args.busy_poll_us,
         "runs": runs,
         "median_numpy_wall_s": median("numpy"),
         "median_files_wall_s": median("files"),

@@ -57,6 +57,9 @@ DEFAULT_WINDOW_BYTES = 256 * 1024 * 1024
 READ_AHEAD_KB = 1024
 
 
+MAX_BUSY_POLL_US = 10_000
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     mountpoint: str
@@ -75,6 +78,7 @@ class DaemonConfig:
     wait_timeout_s: float = 60.0
     checkpoint_sync_close: bool = False
     prefetch_window_bytes: int | None = None  # None: min(256 MiB, a quarter of the DRAM budget)
+    busy_poll_us: int = 0  # after each request, keep polling for the next one this long (0: off)
     cluster: ClusterConfig | None = None  # None: the single-node embedded default
 
     def __post_init__(self) -> None:
@@ -114,6 +118,8 @@ class DaemonConfig:
             raise ConfigError(f"--prefetch-window must be between 4MiB and the DRAM budget, got {window} bytes")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be 1..65535, got {self.metrics_port}")
+        if not 0 <= self.busy_poll_us <= MAX_BUSY_POLL_US:
+            raise ConfigError(f"--busy-poll-us must be 0..{MAX_BUSY_POLL_US}, got {self.busy_poll_us}")
         if not 0.0 < self.compact_min_dead_ratio <= 1.0:
             raise ConfigError(f"compact_min_dead_ratio must be in (0, 1], got {self.compact_min_dead_ratio}")
 
@@ -215,6 +221,8 @@ class Daemon:
         nursery.start_soon(blocks.run_prefetcher, name="prefetcher")
         nursery.start_soon(self.checkpoints.run_persister, name="checkpoint persister")
         nursery.start_soon(self.ops.run_invalidations, name="kernel invalidations")
+        if config.busy_poll_us:
+            nursery.start_soon(self.ops.run_busy_poll, config.busy_poll_us / 1e6, name="busy poll")
         nursery.start_soon(self.buffers.run_snapshots, config.snapshot_interval_s, name="snapshots")
         nursery.start_soon(self.buffers.warm_up, config.dram_budget_bytes, name="buffer warm-up")
         nursery.start_soon(self.datasets.run_streams, name="dataset streams")

@@ -128,6 +128,7 @@ def _translate(mutates: bool) -> Callable[[Callable[P, Coroutine[Any, Any, R]]],
                 raise pyfuse3.FUSEError(errno.EIO) from None
             finally:
                 self.metrics.observe(fn.__name__, started, failed)
+                self.request_done.set()
 
         return wrapper
 
@@ -151,6 +152,7 @@ class FsOperations(pyfuse3.Operations):
         self.degraded = False
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
+        self.request_done = trio.Event()  # set at the end of every request (busy polling)
 
     def _count_internal_error(self, op: str, exc: Exception) -> None:
         """An unexpected error failed one request: `.distore/status` counts it."""
@@ -168,6 +170,23 @@ class FsOperations(pyfuse3.Operations):
         while True:
             parent, name, ino = await self.tree.removed.next()
             pyfuse3.invalidate_entry_async(parent, name, deleted=ino, ignore_enoent=True)
+
+    async def run_busy_poll(self, window_s: float) -> None:
+        """Background task (`--busy-poll-us`): for `window_s` after each request, keep the
+        event loop polling /dev/fuse without sleeping, so the next request of a client in
+        a tight loop (an RL step: append, sample, priority) is picked up at once instead
+        of after a wake-up of the daemon's thread. It costs CPU only while requests come
+        less than `window_s` apart; an idle daemon sleeps as before."""
+        while True:
+            done = self.request_done
+            await done.wait()
+            self.request_done = trio.Event()
+            until = time.perf_counter() + window_s
+            while time.perf_counter() < until:
+                await trio.lowlevel.checkpoint()  # trio polls its I/O without blocking here
+                if self.request_done.is_set():
+                    self.request_done = trio.Event()
+                    until = time.perf_counter() + window_s
 
     async def _stale_attrs(self, directory: VirtualDir) -> None:
         """The kernel caches some nodes' attributes (weights versions, a buffer's control

@@ -417,6 +417,29 @@ def test_appends_closed_before_any_commit_come_back_from_the_log_after_kill_9(mo
     assert mount.unmount() == 0
 
 
+def test_with_busy_polling_the_rl_calls_are_served_and_an_idle_daemon_sleeps(mount_factory: MountFactory) -> None:
+    mount = mount_factory("--busy-poll-us", "2000")
+    path = mount.path / "buffers" / "polled"
+    path.mkdir()
+    configure(path, schema=SCHEMA, batch_size=4)
+    for i in range(50):
+        fd = os.open(path / "append", os.O_WRONLY)
+        os.write(fd, records(1, start=i).tobytes())
+        os.close(fd)
+        with open(path / "sample", "rb", buffering=0) as f:
+            assert len(np.load(io.BytesIO(f.read()))) == 4
+    ticks = os.sysconf("SC_CLK_TCK")
+
+    def cpu_s() -> float:
+        fields = Path(f"/proc/{mount.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / ticks
+
+    before = cpu_s()
+    time.sleep(1.0)
+    assert cpu_s() - before < 0.5  # no requests: the poll window ends and the daemon sleeps
+    assert mount.unmount() == 0
+
+
 def test_a_buffer_larger_than_dram_samples_cold_items_from_the_log(mount_factory: MountFactory) -> None:
     mount = mount_factory("--dram-budget", "16MiB")
     path = mount.path / "buffers" / "big"

@@ -120,6 +120,8 @@ def test_a_non_empty_mount_point_and_a_budget_over_memory_are_refused(tmp_path: 
         "distore mount: --dram-budget of 109951162777600000 bytes is more than this machine"
     )
     assert len(result.stderr.strip().splitlines()) == 1
+    result = distore("mount", str(tmp_path / "d3"), "--busy-poll-us", "-5")
+    assert (result.returncode, result.stderr.strip()) == (2, "distore mount: --busy-poll-us must be 0..10000, got -5")
 
 
 def test_a_failure_inside_the_daemons_nursery_is_one_line_too(tmp_path: Path) -> None:
