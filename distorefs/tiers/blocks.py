@@ -66,6 +66,7 @@ class BlockStatistics:
     gathered_log_parts: int
     gathered_log_spans: int
     remote_loaded_blocks: int
+    inline_appends: int  # log-only persists written on the event loop (docs/design.md, "Log-only appends")
     flush_lag_s: float  # age bound of the oldest write still only in DRAM (0: none)
     durable_lag_s: float  # age bound of the oldest log record not yet fsync'ed (0: none)
 
@@ -445,5 +446,6 @@ class BlockStore(ByteRanges, Compaction):
             gathered_log_parts=self._gathered_parts,
             gathered_log_spans=self._gathered_spans,
             remote_loaded_blocks=self._remote_loads,
+            inline_appends=self.inline_appends,
             **self.lags(),
         )
