@@ -102,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     mount.add_argument("--segment-size", default="64MiB", help="log segment size (default 64MiB)")
     mount.add_argument(
+        "--shm-dir", default="/dev/shm", metavar="DIR",
+        help="where buffers' sample.shm makes its shared-memory regions; a missing directory turns the"
+        " shared-memory path off, and clients fall back to plain reads (default /dev/shm)",
+    )  # fmt: skip
+    mount.add_argument(
         "--busy-poll-us", type=int, default=0, metavar="US",
         help="after each request, poll for the next one this many microseconds before sleeping: lower"
         " latency for a client in a tight loop, for CPU while requests come (default 0: off)",
@@ -260,6 +265,7 @@ def _daemon_config(args: argparse.Namespace) -> Any:
         checkpoint_sync_close=args.checkpoint_sync_close,
         prefetch_window_bytes=None if args.prefetch_window is None else parse_size(args.prefetch_window),
         busy_poll_us=args.busy_poll_us,
+        shm_dir=os.path.abspath(args.shm_dir),
         cluster=_cluster_config(args),
     )
     config.validate()
@@ -345,6 +351,7 @@ def start_background(config: Any, args: argparse.Namespace) -> int:
         "--log-file", log_path, "--log-rotate", args.log_rotate,
     ]  # fmt: skip
     argv += ["--wait-timeout", str(config.wait_timeout_s), "--busy-poll-us", str(config.busy_poll_us)]
+    argv += ["--shm-dir", config.shm_dir]
     if config.checkpoint_sync_close:
         argv.append("--checkpoint-sync-close")
     if config.prefetch_window_bytes is not None:

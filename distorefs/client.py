@@ -13,7 +13,9 @@ Examples:
 
 from __future__ import annotations
 
+import errno
 import io
+import mmap
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -112,22 +114,102 @@ class Sampler:
     (R2D2's 40 MB) move at the mount's speed. What `sample` returns is a view into that
     buffer: valid until the next call.
 
+    With `transport="shm"` the batches come through shared memory instead
+    (`sample.shm`, docs/formats.md): the daemon writes each batch into a region mapped
+    by this process, and `sample` returns a view of it, with the same format, indices,
+    weights and accounting as through the files. Where the daemon has no shared memory
+    (no /dev/shm, an older daemon, a region that does not fit the DRAM budget) it falls
+    back to the files by itself; `transport` then says "fuse". Call `close()` (or use it
+    as a context manager) to hand the region back at once; the daemon also reclaims it
+    when this process exits or is killed.
+
     Examples:
         >>> sampler = client.Sampler("/mnt/distore/buffers/r2d2")
         >>> for step in range(steps):
         ...     batch = sampler.sample()      # [(index, weight, memoryview)] or a numpy view
     """
 
-    def __init__(self, buffer_dir: str | os.PathLike[str], batch_size: int | None = None) -> None:
+    def __init__(
+        self, buffer_dir: str | os.PathLike[str], batch_size: int | None = None, transport: str = "fuse"
+    ) -> None:
+        if transport not in ("fuse", "shm"):
+            raise ValueError(f"transport must be 'fuse' or 'shm', got {transport!r}")
         name = "sample" if batch_size is None else f"sample.{batch_size}"
         self.path = os.path.join(buffer_dir, name)
         self._buf = bytearray()
+        self.transport = transport
+        self._shm: _ShmChannel | None = None
+        if transport == "shm":
+            try:
+                self._shm = _ShmChannel(os.path.join(buffer_dir, f"{name}.shm"))
+            except OSError:
+                self.transport = "fuse"  # no shared-memory path here: the files it is
 
     def sample(self) -> Any:
+        if self._shm is not None:
+            try:
+                return _decode(self._shm.next(), copy=False)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOMEM, errno.EACCES, errno.ENOENT):
+                    raise
+                self.close()  # the region could not be made (or opened): the files from now on
         data = read_batch(self.path, self._buf)
         if data.obj is not self._buf:
             self._buf = data.obj  # type: ignore[assignment]  # grew: keep the larger buffer
         return _decode(data, copy=False)
+
+    def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+            self.transport = "fuse"
+
+    def __enter__(self) -> Sampler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _ShmChannel:
+    """The client side of `sample.shm`: one open, one mapping per region, the previous
+    batch's slot released before the next is drawn (so a view handed out stays valid
+    until the next call)."""
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_RDWR)
+        self._maps: dict[bytes, mmap.mmap] = {}
+        self._held: int | None = None
+
+    def next(self) -> memoryview:
+        if self._held is not None:
+            os.write(self._fd, b"release %d\n" % self._held)
+            self._held = None
+        line = os.read(self._fd, 4096)
+        magic, path, size, offset, length, slot = line.split()
+        if magic != b"DSSHM1":
+            raise OSError(errno.EPROTO, f"sample.shm: not a version 1 descriptor: {line[:40]!r}")
+        region = self._maps.get(path)
+        if region is None:
+            for old in self._maps.values():
+                old.close()  # the daemon replaced the region (a bigger batch): the old one is done
+            self._maps = {}
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                region = self._maps[path] = mmap.mmap(fd, int(size), prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+        self._held = int(slot)
+        return memoryview(region)[int(offset) : int(offset) + int(length)]
+
+    def close(self) -> None:
+        for region in self._maps.values():
+            try:
+                region.close()
+            except BufferError:
+                pass  # a view of the last batch is still alive: the mapping goes with it
+        self._maps = {}
+        os.close(self._fd)
 
 
 def update_priorities(buffer_dir: str | os.PathLike[str], indices: Iterable[int], priorities: Iterable[float]) -> None:

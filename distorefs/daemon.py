@@ -29,6 +29,7 @@ from distorefs.errors import ConfigError, DistorefsError
 from distorefs.fs.buffers import BuffersDir
 from distorefs.fs.datasets import DatasetsDir
 from distorefs.fs.ops import FsOperations
+from distorefs.fs.shm import SharedMemory, sweep_stale
 from distorefs.fs.virtual import MountInfo, VirtualTree
 from distorefs.fs.weights import WeightsDir
 from distorefs.memory import run_memory_trim
@@ -79,6 +80,7 @@ class DaemonConfig:
     checkpoint_sync_close: bool = False
     prefetch_window_bytes: int | None = None  # None: min(256 MiB, a quarter of the DRAM budget)
     busy_poll_us: int = 0  # after each request, keep polling for the next one this long (0: off)
+    shm_dir: str = "/dev/shm"  # where sample.shm makes its regions (missing: the shm path is off)
     cluster: ClusterConfig | None = None  # None: the single-node embedded default
 
     def __post_init__(self) -> None:
@@ -208,6 +210,7 @@ class Daemon:
     checkpoints: CheckpointPolicy
     ops: FsOperations
     node: ClusterNode | None
+    shared: SharedMemory
 
     def start_tasks(self, config: DaemonConfig, nursery: trio.Nursery) -> None:
         """Start the background tasks, each named (the cluster node's start first)."""
@@ -239,6 +242,7 @@ class Daemon:
         the report says what was left."""
         if self.node is not None:
             await self.node.stop()
+        self.shared.close_all()  # regions of opens still held: their clients see the mount go
         self.buffers.snapshot()
         self.checkpoints.persisted_all()
         error = ""
@@ -324,7 +328,9 @@ async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb) -> Dae
     checkpoints = CheckpointPolicy.load(files, meta, config.checkpoint_sync_close, replicas)
     info = MountInfo(os.getpid(), config.data_dir, config.mountpoint, time.time_ns())
     virtual = VirtualTree(info, files, blocks, OwnerTable.load(meta))
-    virtual.install(BuffersDir(virtual, buffers))
+    shared = SharedMemory(config.shm_dir, blocks.reserve, blocks.unreserve)
+    sweep_stale(config.shm_dir)
+    virtual.install(BuffersDir(virtual, buffers, shared))
     virtual.install(WeightsDir(virtual, weights, config.wait_timeout_s))
     virtual.install(DatasetsDir(virtual, datasets))
     virtual.add_status(weights.statistics)
@@ -341,7 +347,7 @@ async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb) -> Dae
         virtual.add_control(b"peers", lambda: _render(cluster.peers_report()))
     else:
         virtual.add_control(b"peers", lambda: _render(SINGLE_NODE_PEERS))
-    return Daemon(blocks, buffers, weights, datasets, checkpoints, ops, node)
+    return Daemon(blocks, buffers, weights, datasets, checkpoints, ops, node, shared)
 
 
 async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:

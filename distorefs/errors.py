@@ -51,6 +51,16 @@ class NotPermitted(DistorefsError):
     errno = _errno.EPERM
 
 
+class AccessDenied(DistorefsError):
+    errno = _errno.EACCES
+
+
+class OutOfMemory(DistorefsError):
+    """Memory the request needs does not fit (the DRAM budget, shared memory)."""
+
+    errno = _errno.ENOMEM
+
+
 class Busy(DistorefsError):
     errno = _errno.EBUSY
 

@@ -33,6 +33,8 @@ from distorefs.errors import (
     NotFound,
     ReadOnly,
 )
+from distorefs.fs.shm import SLOTS as SHM_SLOTS
+from distorefs.fs.shm import Region, SharedMemory, no_room
 from distorefs.fs.virtual import (
     Access,
     ControlFile,
@@ -48,6 +50,7 @@ from distorefs.fs.virtual import (
 )
 from distorefs.ids import BUFFER_OWNER_BASE, INDEX_BITS, ITEM_BASE, ITEM_SPAN
 from distorefs.stores.replay.buffer import ReplayBuffer
+from distorefs.stores.replay.draws import Batch
 from distorefs.stores.replay.formats import (
     MAX_ITEM_BYTES,
     BlobStream,
@@ -299,6 +302,122 @@ class StreamHandle(VirtualHandle):
         return memoryview(self._data)[at : at + size]
 
 
+SHM_MAGIC = b"DSSHM1"
+SHM_READ_BYTES = 512  # a read of sample.shm must take at least this much (one descriptor line)
+SHM_INPUT_BYTES = 64 * 1024
+
+
+class ShmSampleHandle(VirtualHandle):
+    """`sample.shm`: batches through shared memory (docs/formats.md, "Shared-memory
+    sampling, version 1"). Each read draws a batch into a free slot of a region made
+    for the opener's uid and returns one descriptor line: `DSSHM1 <path> <region bytes>
+    <offset> <length> <slot>`. The slot stays the client's until it writes `release
+    <slot>`; the close (or the kernel's release when the client died) frees the regions."""
+
+    kind = "buffers"
+
+    def __init__(
+        self, buffer: ReplayBuffer, count: int | None, nonblocking: bool, pid: int, shared: SharedMemory
+    ) -> None:
+        self._buffer = buffer
+        self._count = count
+        self._nonblocking = nonblocking
+        self._pid = pid
+        self._shared = shared
+        self._owner = (os.geteuid(), os.getegid())
+        self._slots: dict[int, tuple[Region, int]] = {}  # slot id -> (region, slot in it)
+        self._region: Region | None = None  # the newest; older ones close once their slots are back
+        self._next_id = 0
+        self._input = bytearray()
+
+    def opened_by(self, uid: int, gid: int) -> None:
+        self._owner = (uid, gid)
+
+    def _place(self, batch: Batch) -> bytes:
+        data = batch.data
+        pieces = data.pieces() if isinstance(data, ScatteredBytes) else [memoryview(data)]
+        length = len(data)
+        region = self._region
+        if region is None or not region.fits(length):
+            region = self._shared.create(length, *self._owner)
+            self._retire()
+            self._region = region
+        slot = region.put(pieces)
+        if slot is None:
+            raise no_room(len(self._slots))
+        slot_id = self._next_id
+        self._next_id += 1
+        self._slots[slot_id] = (region, slot)
+        return b"%s %s %d %d %d %d\n" % (
+            SHM_MAGIC, region.path.encode(), region.size, slot * region.slot_bytes, length, slot_id,
+        )  # fmt: skip
+
+    def _retire(self) -> None:
+        """Close the current region if no slot of it is held (a bigger one replaces it)."""
+        old = self._region
+        if old is not None and not any(r is old for r, _slot in self._slots.values()):
+            old.close()
+
+    async def read(self, offset: int, size: int) -> bytes:
+        if size < SHM_READ_BYTES:
+            raise _recorded(
+                self._buffer,
+                InvalidArgument(f"buffers/{self._buffer.name}/sample.shm: read at least {SHM_READ_BYTES} bytes"),
+            )
+        region = self._region
+        if region is not None and len(region.held) == SHM_SLOTS:
+            raise no_room(SHM_SLOTS)  # before the draw: nothing is counted
+        buffer, count = self._buffer, self._count
+        ready = buffer.can_sample(count)
+        return await run_waiting(
+            self._pid, self._nonblocking, ready, lambda nb: buffer.sample_into(count, nb, self._place)
+        )
+
+    async def write(self, offset: int, data: bytes) -> int:
+        """`release <slot> [<slot> ...]` lines give slots back; an unknown slot is EINVAL."""
+        await trio.lowlevel.checkpoint()
+        if len(self._input) + len(data) > SHM_INPUT_BYTES:
+            self._input.clear()
+            raise InvalidArgument(f"buffers/{self._buffer.name}/sample.shm: a release line of more than 64 KiB")
+        self._input += data
+        *lines, rest = self._input.split(b"\n")
+        self._input = bytearray(rest)
+        for line in lines:
+            words = line.split()
+            if not words:
+                continue
+            if words[0] != b"release" or not all(w.isdigit() for w in words[1:]):
+                raise _recorded(
+                    self._buffer,
+                    InvalidArgument(
+                        f"buffers/{self._buffer.name}/sample.shm: expected 'release <slot> ...', got"
+                        f" {bytes(line[:40])!r}"
+                    ),
+                )
+            for word in words[1:]:
+                self._release(int(word))
+        return len(data)
+
+    def _release(self, slot_id: int) -> None:
+        held = self._slots.pop(slot_id, None)
+        if held is None:
+            raise _recorded(
+                self._buffer, InvalidArgument(f"buffers/{self._buffer.name}/sample.shm: slot {slot_id} is not held")
+            )
+        region, slot = held
+        region.release(slot)
+        if region is not self._region and not region.held:
+            region.close()
+
+    async def release(self) -> None:
+        await trio.lowlevel.checkpoint()
+        for region, _slot in list(self._slots.values()):
+            region.close()
+        if self._region is not None:
+            self._region.close()
+        self._slots.clear()
+
+
 class PriorityHandle(WholeInputHandle):
     """Applies each complete chunk of (index, priority) pairs whole, or none of it."""
 
@@ -482,7 +601,7 @@ class ItemsDir(VirtualDir):
 class BufferDir(NamedDir):
     """`buffers/<name>/`: the control files and `items/`."""
 
-    def __init__(self, tree: VirtualTree, buffer: ReplayBuffer) -> None:
+    def __init__(self, tree: VirtualTree, buffer: ReplayBuffer, shared: SharedMemory | None = None) -> None:
         super().__init__(tree.new_ino(), buffer.name.encode(), stat.S_IFDIR | 0o755)
         self.own(tree.owners, b"buffers", tree.default_owner())
         self._tree = tree
@@ -515,6 +634,8 @@ class BufferDir(NamedDir):
         self._add(ItemsDir(tree.new_ino(), buffer).govern(self, Access.DIRECTORY))
         self._sized: dict[int, BufferFile] = {}
         self._streams: dict[int | None, BufferFile] = {}
+        self._shm_nodes: dict[int | None, BufferFile] = {}
+        self._shared = shared
         self._npz: BufferFile | None = None
 
     def _add(self, node: VirtualNode) -> None:
@@ -524,6 +645,8 @@ class BufferDir(NamedDir):
     def lookup(self, name: bytes) -> VirtualNode:
         if name.startswith(b"sample.") and name[7:].isdigit():
             return self._sized_sample(int(name[7:]))
+        if name == b"sample.shm" or (name.startswith(b"sample.") and name.endswith(b".shm") and name[7:-4].isdigit()):
+            return self._shm(int(name[7:-4]) if name != b"sample.shm" else None)
         if name.startswith(b"sample.") and name.endswith(b".stream"):
             count = name[7:-7]
             if count == b"" or count.isdigit():
@@ -551,6 +674,32 @@ class BufferDir(NamedDir):
             ).govern(self, Access.CHANGES_ON_READ)
             node.acts_on_read = True
             node.cache_s = CONTROL_CACHE_S
+            self._tree.register(node)
+        return node
+
+    def _shm(self, count: int | None) -> BufferFile:
+        """`sample.shm` and `sample.N.shm`: batches through shared memory (not listed);
+        ENOENT where this daemon has no shared-memory directory (clients fall back)."""
+        if self._shared is None or not self._shared.available:
+            raise NotFound(f"buffers/{self.buffer.name}/sample.shm: no shared memory on this machine")
+        if count is not None and not 0 < count <= MAX_SAMPLE_COUNT:
+            raise NotFound(f"buffers/{self.buffer.name}/sample.{count}.shm: batch size must be 1..{MAX_SAMPLE_COUNT}")
+        node = self._shm_nodes.get(count)
+        if node is None:
+            b, shared = self.buffer, self._shared
+            name = b"sample.shm" if count is None else b"sample.%d.shm" % count
+            node = BufferFile(
+                self._tree.new_ino(),
+                name,
+                0o666,
+                b,
+                lambda flags, pid: ShmSampleHandle(b, count, bool(flags & os.O_NONBLOCK), pid, shared),
+                True,
+            ).govern(self, Access.CHANGES_ON_READ_WRITE)
+            node.acts_on_read = True
+            node.cache_s = CONTROL_CACHE_S
+            if len(self._shm_nodes) < 64:
+                self._shm_nodes[count] = node
             self._tree.register(node)
         return node
 
@@ -625,9 +774,11 @@ class BufferDir(NamedDir):
 class BuffersDir(NamedKindDirectory):
     """`buffers/`: mkdir creates a buffer, rmdir (or `rm -r`) deletes it with its data."""
 
-    def __init__(self, tree: VirtualTree, store: BufferStore) -> None:
+    def __init__(self, tree: VirtualTree, store: BufferStore, shared: SharedMemory | None = None) -> None:
+        """`shared`: where `sample.shm` makes its regions (None: no shared-memory path)."""
         super().__init__(tree, b"buffers")
         self._store = store
+        self._shared = shared
         tree.add_resolver(ITEM_BASE, ITEM_BASE + ITEM_SPAN, self._resolve_item)
 
     def _names(self) -> list[str]:
@@ -637,7 +788,7 @@ class BuffersDir(NamedKindDirectory):
         return self._store.get(name)
 
     def _make_dir(self, obj: Any) -> BufferDir:
-        return BufferDir(self._tree, obj)
+        return BufferDir(self._tree, obj, self._shared)
 
     async def mkdir(self, name: bytes, mode: int) -> VirtualNode:
         await trio.lowlevel.checkpoint()

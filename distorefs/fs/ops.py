@@ -492,6 +492,7 @@ class FsOperations(pyfuse3.Operations):
                 raise NotPermitted("not a file")
             node.check_open(flags)
             vhandle = await node.open(flags, ctx.pid)
+            vhandle.opened_by(ctx.uid, ctx.gid)
             fh = self._new_fh(Handle(inode, virtual=True, vhandle=vhandle, kind=vhandle.kind))
             return pyfuse3.FileInfo(fh=fh, direct_io=vhandle.direct_io, keep_cache=vhandle.keep_cache)
         if flags & os.O_TRUNC and self.degraded:

@@ -57,6 +57,7 @@ class Access(enum.Enum):
     WRITE = "write"  # writing changes state: its w bits
     READ_WRITE = "read-write"  # both
     CHANGES_ON_READ = "changes-on-read"  # reading changes state (sample): readable where the directory is writable
+    CHANGES_ON_READ_WRITE = "changes-on-read-write"  # the same, and written to (sample.shm): read and write bits
     DIRECTORY = "directory"  # a subdirectory (items/, records/): the directory's own bits
 
 
@@ -71,6 +72,8 @@ def derived_bits(dir_bits: int, access: Access) -> int:
         return read | write
     if access is Access.CHANGES_ON_READ:
         return write << 1
+    if access is Access.CHANGES_ON_READ_WRITE:
+        return (write << 1) | write
     return dir_bits & 0o777
 
 
@@ -144,6 +147,9 @@ class VirtualHandle:
 
     async def fsync(self) -> None:
         await trio.lowlevel.checkpoint()
+
+    def opened_by(self, uid: int, gid: int) -> None:
+        """Who opened it, from the FUSE request (not from anything the client says)."""
 
     async def write(self, offset: int, data: bytes) -> int:
         raise ReadOnly("this file is read-only")

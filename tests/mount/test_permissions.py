@@ -175,3 +175,50 @@ def test_chmod_and_chown_of_a_buffer_decide_who_samples_and_survive_a_restart(
         kept = again.path / "buffers" / "shared"
         assert kept.stat().st_uid == NOBODY
         assert stat.S_IMODE(kept.stat().st_mode) == 0o755
+
+
+SHM_HOLDER = textwrap.dedent(
+    """
+    import os, sys, time
+    fd = os.open(sys.argv[1], os.O_RDWR)
+    print(os.read(fd, 4096).split()[1].decode(), flush=True)
+    sys.stdin.readline()
+    """
+)
+SHM_INTRUDER = textwrap.dedent(
+    """
+    import errno, os, sys
+    try:
+        os.open(sys.argv[1], os.O_RDONLY)
+        print(0)
+    except OSError as exc:
+        print(exc.errno)
+    """
+)
+
+
+def as_user(uid: int, code: str, *args: str, **popen: object) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [SYSTEM_PYTHON, "-c", code, *args], user=uid, group=uid, text=True,
+        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, **popen,  # type: ignore[call-overload]
+    )  # fmt: skip
+
+
+def test_a_shared_memory_region_belongs_to_the_user_who_opened_sample_shm(shared_mount: Mount) -> None:
+    mount = shared_mount
+    make_objects(mount)
+    b = mount.path / "buffers" / "shared"
+    intruder = as_user(NOBODY, SHM_INTRUDER, str(b / "sample.shm"), stdout=subprocess.PIPE)
+    assert intruder.communicate(timeout=60)[0].strip() == str(errno.EACCES)  # may not sample this buffer
+    os.chmod(b, 0o777)
+    holder = as_user(NOBODY, SHM_HOLDER, str(b / "sample.shm"), stdout=subprocess.PIPE, stdin=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None
+        region = holder.stdout.readline().strip()
+        st = os.stat(region)
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (NOBODY, NOBODY, 0o600)
+        other = as_user(NOBODY - 1, SHM_INTRUDER, region, stdout=subprocess.PIPE)
+        assert other.communicate(timeout=60)[0].strip() == str(errno.EACCES)
+    finally:
+        holder.communicate(input="\n", timeout=60)
+    os.chmod(b, 0o755)

@@ -435,6 +435,10 @@ class ScatteredBytes:
     def __len__(self) -> int:
         return self.length
 
+    def pieces(self) -> list[memoryview]:
+        """The pieces in order (to copy them somewhere without joining them first)."""
+        return list(self._pieces)
+
     def read(self, offset: int, size: int) -> memoryview | bytes:
         end = min(offset + size, self.length)
         if offset >= end:
