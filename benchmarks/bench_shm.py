@@ -1,0 +1,122 @@
+"""Sampling through shared memory (`client.Sampler(transport="shm")`) against the files
+(`transport="fuse"`) and cpprb in process, in one run (issue 18).
+
+    .venv/bin/pip install -e .[bench]      # cpprb
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_shm.py [--seconds 3] [--processes 1,2]
+
+DESIGN.md's workloads: DQN (110 KB items, batch 32, prioritized), SAC (3 KB, batch 256,
+uniform), R2D2 (10 MB, batch 4, prioritized), each filled as bench_replay.py fills it.
+For the mount, blob buffers; cpprb gets one uint8 field of the item's size and the same
+sampler. Then several shm sampler processes at once on the DQN buffer (total samples/s).
+Prints JSON; docs/benchmarks.md keeps the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.daemon import mounted  # noqa: E402
+from distorefs import client  # noqa: E402
+
+WORKLOADS = {  # name: (item bytes, batch, sampler, capacity, fill, items per append)
+    "DQN": (110_000, 32, "prioritized", 20_000, 3_000, 16),
+    "SAC": (3_000, 256, "uniform", 200_000, 50_000, 256),
+    "R2D2": (10_000_000, 4, "prioritized", 200, 60, 1),
+}
+
+
+def timed(seconds: float, step: Any) -> float:
+    done, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        done += step()
+    return done / (time.perf_counter() - started)
+
+
+def cpprb_rate(item: int, batch: int, sampler: str, capacity: int, fill: int, seconds: float) -> float:
+    import cpprb
+
+    env = {"obs": {"shape": item, "dtype": np.uint8}}
+    rb = cpprb.PrioritizedReplayBuffer(capacity, env) if sampler == "prioritized" else cpprb.ReplayBuffer(capacity, env)
+    chunk = np.random.default_rng(0).integers(0, 256, (min(fill, 16), item), dtype=np.uint8)
+    for start in range(0, fill, len(chunk)):
+        rb.add(obs=chunk[: min(len(chunk), fill - start)])
+    return timed(seconds, lambda: len(rb.sample(batch)["obs"]))
+
+
+def sampler_rate(path: Path, transport: str, seconds: float) -> float:
+    with client.Sampler(path, transport=transport) as sampler:
+        assert sampler.transport == transport, f"{transport} fell back to {sampler.transport}"
+        return timed(seconds, lambda: len(sampler.sample()))
+
+
+def _worker(path: str, seconds: float, out: Any) -> None:
+    out.put(sampler_rate(Path(path), "shm", seconds))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--processes", default="1,2")
+    args = parser.parse_args()
+    report: dict[str, Any] = {}
+    base = Path(tempfile.mkdtemp(prefix="distorefs-shm-", dir="/var/tmp"))
+    try:
+        with mounted(base, "--dram-budget", "6GiB") as mnt:
+            for name, (item, batch, sampler, capacity, fill, per_append) in WORKLOADS.items():
+                path = mnt / "buffers" / name.lower()
+                path.mkdir()
+                (path / "config").write_text(
+                    json.dumps({"capacity": capacity, "sampler": sampler, "batch_size": batch, "sample_timeout": 30})
+                )
+                rng = np.random.default_rng(0)
+                distinct = [rng.integers(0, 256, item, dtype=np.uint8).tobytes() for _ in range(8)]
+                for start in range(0, fill, per_append):
+                    client.append(path, [distinct[(start + k) % 8] for k in range(min(per_append, fill - start))])
+                row = {
+                    "fuse": sampler_rate(path, "fuse", args.seconds),
+                    "shm": sampler_rate(path, "shm", args.seconds),
+                    "cpprb": cpprb_rate(item, batch, sampler, capacity, fill, args.seconds),
+                }
+                row["shm_vs_cpprb"] = row["shm"] / row["cpprb"]
+                row["shm_vs_fuse"] = row["shm"] / row["fuse"]
+                report[name] = {k: round(v, 2 if "_vs_" in k else 0) for k, v in row.items()}
+                if name != "DQN":
+                    shutil.rmtree(path, ignore_errors=True)
+            scaling = {}
+            for count in (int(n) for n in args.processes.split(",")):
+                queue: Any = multiprocessing.get_context("fork").Queue()
+                procs = [
+                    multiprocessing.get_context("fork").Process(
+                        target=_worker, args=(str(mnt / "buffers" / "dqn"), args.seconds, queue)
+                    )
+                    for _ in range(count)
+                ]
+                for p in procs:
+                    p.start()
+                rates = [queue.get(timeout=args.seconds + 60) for _ in procs]
+                for p in procs:
+                    p.join()
+                scaling[count] = round(sum(rates))
+            report["DQN_shm_processes_total_samples_per_s"] = scaling
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
