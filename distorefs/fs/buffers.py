@@ -305,6 +305,7 @@ class StreamHandle(VirtualHandle):
 SHM_MAGIC = b"DSSHM1"
 SHM_READ_BYTES = 512  # a read of sample.shm must take at least this much (one descriptor line)
 SHM_INPUT_BYTES = 64 * 1024
+SHM_INLINE_COPY_BYTES = 1 << 20  # bigger batches are copied into their slot from a worker thread
 
 
 class ShmSampleHandle(VirtualHandle):
@@ -333,7 +334,7 @@ class ShmSampleHandle(VirtualHandle):
     def opened_by(self, uid: int, gid: int) -> None:
         self._owner = (uid, gid)
 
-    def _place(self, batch: Batch) -> bytes:
+    async def _place(self, batch: Batch) -> bytes:
         data = batch.data
         pieces = data.pieces() if isinstance(data, ScatteredBytes) else [memoryview(data)]
         length = len(data)
@@ -342,12 +343,22 @@ class ShmSampleHandle(VirtualHandle):
             region = self._shared.create(length, *self._owner)
             self._retire()
             self._region = region
-        slot = region.put(pieces)
+        slot = region.take(length)
         if slot is None:
             raise no_room(len(self._slots))
         slot_id = self._next_id
         self._next_id += 1
         self._slots[slot_id] = (region, slot)
+        if length <= SHM_INLINE_COPY_BYTES:
+            region.fill(slot, pieces)
+        else:
+            region.filling += 1
+            try:
+                await trio.to_thread.run_sync(region.fill, slot, pieces)
+            finally:
+                region.filling -= 1
+                if region.closing:
+                    region.close()
         return b"%s %s %d %d %d %d\n" % (
             SHM_MAGIC, region.path.encode(), region.size, slot * region.slot_bytes, length, slot_id,
         )  # fmt: skip

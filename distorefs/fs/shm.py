@@ -19,6 +19,8 @@ import os
 import secrets
 from collections.abc import Callable
 
+import numpy as np
+
 from distorefs.errors import AccessDenied, OutOfMemory, TryAgain
 
 log = logging.getLogger(__name__)
@@ -69,7 +71,8 @@ class Region:
 
     Examples:
         >>> region = Region.create("/dev/shm", 1 << 20, 1000, 1000, reserve, unreserve)
-        >>> slot = region.put(b"batch bytes")     # None when every slot is held
+        >>> slot = region.take(11)                # None when every slot is held
+        >>> region.fill(slot, [memoryview(b"batch bytes")])
         >>> region.release(slot)
         >>> region.close()                        # unmapped, unlinked, unreserved
     """
@@ -85,6 +88,8 @@ class Region:
         self.held: dict[int, int] = {}  # slot -> length of the batch in it
         self._unreserve = unreserve
         self.closed = False
+        self.filling = 0  # copies in flight (from worker threads)
+        self.closing = False
 
     @classmethod
     def create(
@@ -130,17 +135,22 @@ class Region:
     def fits(self, length: int) -> bool:
         return length <= self.slot_bytes
 
-    def put(self, pieces: list[memoryview]) -> int | None:
-        """Copy a batch (its pieces in order) into a free slot; None when all are held."""
+    def take(self, length: int) -> int | None:
+        """Hold a free slot for a batch of `length` bytes; None when all are held."""
         if not self._free:
             return None
         slot = self._free.pop(0)
+        self.held[slot] = length
+        return slot
+
+    def fill(self, slot: int, pieces: list[memoryview]) -> None:
+        """Copy a batch (its pieces in order) into its slot. numpy's copy lets go of the
+        GIL, so a big batch copied from a worker thread does not stop the event loop."""
+        region = np.frombuffer(self._view, dtype=np.uint8)
         at = slot * self.slot_bytes
         for piece in pieces:
-            self._view[at : at + len(piece)] = piece
+            region[at : at + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
             at += len(piece)
-        self.held[slot] = at - slot * self.slot_bytes
-        return slot
 
     def release(self, slot: int) -> bool:
         """Give a held slot back; False when it was not held."""
@@ -150,7 +160,8 @@ class Region:
         return True
 
     def close(self) -> None:
-        if self.closed:
+        if self.closed or self.filling:
+            self.closing = True  # a copy into it is in flight: closed when it ends
             return
         self.closed = True
         self._view.release()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -59,6 +59,12 @@ from distorefs.types import BlockKey
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+async def _as_is(batch: Batch) -> Batch:
+    await trio.lowlevel.checkpoint()
+    return batch
+
 
 DEFAULT_PRIORITY = 1.0
 RECENT_ERRORS = 5
@@ -456,21 +462,23 @@ class ReplayBuffer:
         Waits while the buffer cannot serve it (min_size_to_sample, the rate limiter), up
         to sample_timeout, then TryAgain; nothing is counted when it fails.
         """
-        return await self.sample_into(count, nonblocking, lambda batch: batch)
+        return await self.sample_into(count, nonblocking, _as_is)
 
-    async def sample_into(self, count: int | None, nonblocking: bool, place: Callable[[Batch], T]) -> T:
+    async def sample_into(self, count: int | None, nonblocking: bool, place: Callable[[Batch], Awaitable[T]]) -> T:
         """`sample`, handing the batch to `place` (a shared-memory slot) before the items
         count as sampled: a batch `place` refuses (raises) counts nothing. A buffer spread
         over nodes counts at the draw, as its shards commit their own picks."""
         count = count or self.config.batch_size
         if self._spread is not None:
-            return place(await self._spread.sample(count, nonblocking))
+            return await place(await self._spread.sample(count, nonblocking))
         drawn = await self.pick(count, nonblocking)
         weights = importance_weights(
             drawn.probabilities, len(drawn.indices), self.size, self._tree.min / max(self._tree.total, 1e-300),
             self.config.beta,
         )  # fmt: skip
-        placed = place(Batch(encode_batch(self.config, drawn.payloads, drawn.indices, weights), drawn.indices, weights))
+        placed = await place(
+            Batch(encode_batch(self.config, drawn.payloads, drawn.indices, weights), drawn.indices, weights)
+        )
         self.commit(drawn.indices)
         return placed
 
