@@ -305,7 +305,7 @@ class StreamHandle(VirtualHandle):
 SHM_MAGIC = b"DSSHM1"
 SHM_READ_BYTES = 512  # a read of sample.shm must take at least this much (one descriptor line)
 SHM_INPUT_BYTES = 64 * 1024
-SHM_INLINE_COPY_BYTES = 1 << 20  # bigger batches are copied into their slot from a worker thread
+SHM_INLINE_COPY_BYTES = 4 << 20  # bigger batches (over ~0.4 ms of copying) go into their slot from a thread
 
 
 class ShmSampleHandle(VirtualHandle):

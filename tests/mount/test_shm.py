@@ -92,15 +92,15 @@ def test_schema_batches_have_index_and_weight_and_grow_into_a_new_region(mounted
     with (
         client.Sampler(buffer, transport="shm") as small,
         client.Sampler(buffer, 5, transport="shm") as big,
-        client.Sampler(buffer, 20, transport="shm") as huge,  # 1.4 MB: copied into its slot from a thread
+        client.Sampler(buffer, 70, transport="shm") as huge,  # 4.9 MB: copied into its slot from a thread
     ):
-        for sampler, count in ((small, 2), (big, 5), (small, 2), (huge, 20), (huge, 20)):
+        for sampler, count in ((small, 2), (big, 5), (small, 2), (huge, 70), (huge, 70)):
             batch = sampler.sample()
             assert len(batch) == count
             assert (batch["x"] == batch["_index"] * 10).all()
             assert (batch["y"][:, 0] == batch["_index"]).all()
             assert (batch["_weight"] == 1).all()
-    assert stats(buffer)["samples"] == 49
+    assert stats(buffer)["samples"] == 149
 
 
 def test_held_slots_are_never_overwritten_and_a_full_ring_is_eagain_counting_nothing(buffer: Path) -> None:
