@@ -236,7 +236,7 @@ class WriteBack(BlockTierBase):
         `log_only` (not durable): write the blocks' records to the log and stage their
         rows, without a commit. The records survive a killed daemon, but their rows
         may not: a store that asks for this must adopt its records from the log's tail
-        at start-up (`tail_records`), as replay buffers do. Small ones are written on
+        at start-up (`read_tail`, `adopt_tail`), as replay buffers do. Small ones are written on
         the event loop, with no trip to a thread (docs/design.md, "Log-only appends").
         """
         if log_only and not durable:
@@ -301,7 +301,7 @@ class WriteBack(BlockTierBase):
     def _stage_mark(self) -> None:
         """Stage the log's position with the next commit: every record before it has its
         row in that commit (or one before it), or is dead. Records after it are the tail
-        that `tail_records` reads back at start-up."""
+        that `read_tail` reads back at start-up."""
         position = min([self._log.position(), *self._rows_unstaged])
         self._meta.put("kv", (LOG_MARK_KEY,), (f"{position.segment} {position.offset}",))
 
