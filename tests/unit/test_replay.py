@@ -704,3 +704,21 @@ async def test_warm_up_reads_restored_buffers_into_dram_while_they_fit_in_half_t
     assert blocks.dram_bytes(store.get("big").owner) == 0
     await blocks.close()
     meta.close()
+
+
+async def test_the_periodic_snapshot_encodes_in_a_thread_and_restores_the_same(tmp_path: Path) -> None:
+    tiers = open_tiers(tmp_path)
+    _log, blocks, meta = tiers
+    store = BufferStore.load(blocks, meta)
+    buf = store.create("p", BufferConfig(capacity=8, sampler="prioritized"))
+    await buf.append([b"%d" % i for i in range(10)])  # 0 and 1 left (FIFO)
+    await buf.update_priorities(np.array([2, 9]), np.array([3.0, 7.0]))
+    assert await store.snapshot_in_thread() == 1
+    assert await store.snapshot_in_thread() == 0  # nothing changed since
+    await buf.persist()
+
+    blocks, store = await crash_and_reload(tmp_path, tiers)
+    buf = store.get("p")
+    assert buf.live_indices().tolist() == list(range(2, 10))
+    assert (buf._priority[2 % 8], buf._priority[9 % 8]) == (3.0, 7.0)
+    await blocks.close()

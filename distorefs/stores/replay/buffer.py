@@ -50,7 +50,7 @@ from distorefs.stores.replay.formats import MAX_ITEM_BYTES
 from distorefs.stores.replay.rate_limiter import RateLimiter
 from distorefs.stores.replay.removers import make_remover
 from distorefs.stores.replay.samplers import make_sampler
-from distorefs.stores.replay.snapshot import encode_snapshot, match_snapshot
+from distorefs.stores.replay.snapshot import encode_state, match_snapshot
 from distorefs.stores.replay.sumtree import SegmentTree
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.metadb import MetaDb
@@ -579,16 +579,30 @@ class ReplayBuffer:
         )  # fmt: skip
 
     def stage_snapshot(self) -> bool:
-        """Stage priorities and sample counts (the snapshot restored after a crash)."""
-        if not self._snapshot_dirty:
+        """Stage priorities and sample counts (the snapshot restored after a crash), all
+        here (the shutdown's last snapshot); False when nothing changed since the last."""
+        state = self.snapshot_state()
+        if state is None:
             return False
-        live = self.live_indices()
-        slots = live % self.config.capacity
-        self._snapshot = encode_snapshot(live, self._priority[slots], self._times[slots], self._size[slots])
-        self._meta.put("buffer_snapshots", (self.name,), (self._snapshot,))
-        self._snapshot_dirty = False
-        self.stage_row()
+        self.stage_encoded(encode_state(*state))
         return True
+
+    def snapshot_state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """Copies of the ring's arrays for a snapshot, or None when nothing changed since
+        the last. The copies (memcpy) are taken between awaits, so a worker thread can
+        sort and encode them (`encode_state`) while the buffer goes on changing."""
+        if not self._snapshot_dirty:
+            return None
+        self._snapshot_dirty = False
+        return self._slot_index.copy(), self._priority.copy(), self._times.copy(), self._size.copy()
+
+    def snapshot_failed(self) -> None:
+        self._snapshot_dirty = True
+
+    def stage_encoded(self, snapshot: bytes) -> None:
+        self._snapshot = snapshot
+        self._meta.put("buffer_snapshots", (self.name,), (snapshot,))
+        self.stage_row()
 
     @classmethod
     def restore(

@@ -21,6 +21,15 @@ def encode_snapshot(indices: np.ndarray, priorities: np.ndarray, times: np.ndarr
     return out.getvalue()
 
 
+def encode_state(slot_index: np.ndarray, priority: np.ndarray, times: np.ndarray, size: np.ndarray) -> bytes:
+    """The snapshot of a ring (its slot -> index, priority, times and size arrays): the
+    live items in index order. For a million items about 0.2 s, so the periodic pass
+    runs it in a worker thread on copies of the arrays."""
+    live = np.sort(slot_index[slot_index >= 0])
+    slots = live % len(slot_index)
+    return encode_snapshot(live, priority[slots], times[slots], size[slots])
+
+
 def match_snapshot(
     snapshot: bytes | None, indices: np.ndarray, sizes: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -21,6 +21,7 @@ from distorefs.stores.files import check_name
 from distorefs.stores.replay.buffer import ReplayBuffer
 from distorefs.stores.replay.config import BufferConfig
 from distorefs.stores.replay.sharded import ShardedBuffer, ShardLayout, ShardPeer
+from distorefs.stores.replay.snapshot import encode_state
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.metadb import MetaDb
 from distorefs.types import BlockKey
@@ -153,9 +154,27 @@ class BufferStore:
             log.info("buffers: %d items read into DRAM after the start", warmed)
         return warmed
 
+    async def snapshot_in_thread(self) -> int:
+        """`snapshot`, with each buffer's sorting and encoding in a worker thread (0.2 s
+        for a million items, which would stall every request on the event loop)."""
+        staged = 0
+        for buf in list(self._buffers.values()):
+            state = buf.snapshot_state()
+            if state is None:
+                continue
+            try:
+                encoded = await trio.to_thread.run_sync(encode_state, *state)
+            except BaseException:
+                buf.snapshot_failed()
+                raise
+            if not buf.deleted:
+                buf.stage_encoded(encoded)
+                staged += 1
+        return staged
+
     async def run_snapshots(self, interval_s: float) -> None:
         """Background task: priorities and sample counts persist every `interval_s`."""
         while True:
             await trio.sleep(interval_s)
-            if self.snapshot():
+            if await self.snapshot_in_thread():
                 await self._blocks.commit()
