@@ -264,6 +264,40 @@ def open_model(model_dir: str | os.PathLike[str], attempts: int = 100) -> tuple[
     raise TimeoutError(f"{model_dir}: versions changed during each of {attempts} attempts to open one")
 
 
+def map_version(path: str | os.PathLike[str], attempts: int = 100) -> tuple[int, memoryview]:
+    """(version, a read-only zero-copy view) of one published file of a model, e.g.
+    `map_version(".../weights/policy/model.safetensors")`.
+
+    The file is opened between two reads of the model's `version` (retried until they
+    agree) and mapped: the view is the kernel's page cache of that version's inode, which
+    the daemon never changes, so it stays valid and unchanged while it is held, whatever
+    is published meanwhile (the mapping keeps the version open; it is freed when the
+    view and the arrays made from it are gone). Readers of one version share its pages:
+    the first reads it from the daemon, the others at memory speed.
+    `safetensors.torch.load(bytes(view))` copies; `torch.frombuffer(view, ...)` and
+    `np.frombuffer(view, ...)` do not. An empty file maps to an empty view.
+    """
+    model_dir = os.path.dirname(os.fspath(path))
+    for _ in range(attempts):
+        before = model_version(model_dir)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            if model_version(model_dir) == before:
+                raise
+            continue  # a publish replaced the file meanwhile: try again
+        try:
+            if model_version(model_dir) != before:
+                continue
+            size = os.fstat(fd).st_size
+            if size == 0:
+                return before, memoryview(b"")
+            return before, memoryview(mmap.mmap(fd, size, prot=mmap.PROT_READ))
+        finally:
+            os.close(fd)
+    raise TimeoutError(f"{path}: versions changed during each of {attempts} attempts to map one")
+
+
 def read_model(model_dir: str | os.PathLike[str]) -> tuple[int, dict[bytes, bytes]]:
     """Read every file of one version of the model: (version, {name: bytes})."""
     number, files = open_model(model_dir)

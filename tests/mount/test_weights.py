@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -66,6 +67,30 @@ def test_a_reader_keeps_the_version_it_opened(model: Path) -> None:
             (model / "w.bin").write_bytes(bytes([i]) * (2 << 20))
         assert head + reader.read() == first
     assert (model / "w.bin").read_bytes() == bytes([2]) * (2 << 20)
+
+
+def test_map_version_is_a_zero_copy_view_that_outlives_newer_publishes(model: Path) -> None:
+    first = np.arange(300_000, dtype=np.float32)  # 1.2 MB
+    (model / "w.bin").write_bytes(first.tobytes())
+    version, view = client.map_version(model / "w.bin")
+    assert version == 1
+    weights = np.frombuffer(view, dtype=np.float32)  # no copy of the caller's
+    assert not weights.flags.writeable
+    for k in range(3):  # newer versions meanwhile
+        (model / "w.bin").write_bytes(np.full(300_000, k, dtype=np.float32).tobytes())
+    assert np.array_equal(weights, first)  # the mapped version is unchanged
+    newest, again = client.map_version(model / "w.bin")
+    assert newest == 4
+    assert np.frombuffer(again, dtype=np.float32)[0] == 2
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load, save
+
+    (model / "model.safetensors").write_bytes(save({"w": torch.arange(6, dtype=torch.float32)}))
+    _version, st = client.map_version(model / "model.safetensors")
+    assert load(bytes(st))["w"].tolist() == [0, 1, 2, 3, 4, 5]
+    with warnings.catch_warnings():  # torch warns that the view is read-only: it is, on purpose
+        warnings.simplefilter("ignore", UserWarning)
+        assert torch.frombuffer(view, dtype=torch.float32)[299_999].item() == 299_999
 
 
 def test_nothing_is_visible_before_close(model: Path) -> None:
