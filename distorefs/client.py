@@ -268,31 +268,31 @@ def map_version(path: str | os.PathLike[str], attempts: int = 100) -> tuple[int,
     """(version, a read-only zero-copy view) of one published file of a model, e.g.
     `map_version(".../weights/policy/model.safetensors")`.
 
-    The file is opened between two reads of the model's `version` (retried until they
-    agree) and mapped: the view is the kernel's page cache of that version's inode, which
-    the daemon never changes, so it stays valid and unchanged while it is held, whatever
-    is published meanwhile (the mapping keeps the version open; it is freed when the
-    view and the arrays made from it are gone). Readers of one version share its pages:
-    the first reads it from the daemon, the others at memory speed.
-    `safetensors.torch.load(bytes(view))` copies; `torch.frombuffer(view, ...)` and
-    `np.frombuffer(view, ...)` do not. An empty file maps to an empty view.
+    It maps `NAME@V`, the file as of the current version V (retried if a publish lands
+    in between): a read-only name with one inode per version's bytes, so every reader of
+    a version shares the kernel's page cache of it (the first reads it from the daemon,
+    the others at memory speed), and no writer can cut it. The view stays valid and
+    unchanged while it is held, whatever is published meanwhile (the mapping keeps the
+    version open; it is freed when the view and the arrays made from it are gone).
+    `np.frombuffer(view, ...)` and `torch.frombuffer(view, ...)` do not copy;
+    `safetensors.torch.load(bytes(view))` copies once. An empty file maps to an empty
+    view.
     """
-    model_dir = os.path.dirname(os.fspath(path))
+    path = os.fspath(path)
+    model_dir = os.path.dirname(path)
     for _ in range(attempts):
-        before = model_version(model_dir)
+        version = model_version(model_dir)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(f"{path}@{version}", os.O_RDONLY)
         except FileNotFoundError:
-            if model_version(model_dir) == before:
-                raise
-            continue  # a publish replaced the file meanwhile: try again
+            if model_version(model_dir) == version:
+                raise FileNotFoundError(errno.ENOENT, f"{path}: no such file in version {version}") from None
+            continue  # a publish came in between: try the new version
         try:
-            if model_version(model_dir) != before:
-                continue
             size = os.fstat(fd).st_size
             if size == 0:
-                return before, memoryview(b"")
-            return before, memoryview(mmap.mmap(fd, size, prot=mmap.PROT_READ))
+                return version, memoryview(b"")
+            return version, memoryview(mmap.mmap(fd, size, prot=mmap.PROT_READ))
         finally:
             os.close(fd)
     raise TimeoutError(f"{path}: versions changed during each of {attempts} attempts to map one")

@@ -328,6 +328,28 @@ class FileNode(VirtualFile):
         raise ReadOnly("a published weights file changes only when a writer closes it; truncate through a write open")
 
 
+class PinnedNode(FileNode):
+    """`NAME@V`: one version's bytes, read-only, one inode shared by all its readers.
+    Forgotten once the kernel holds no reference to it."""
+
+    writable = False
+
+    def __init__(self, kind: WeightsDir, ino: int, name: bytes, wf: WeightFile) -> None:
+        super().__init__(kind, ino, name, wf, alias=True)
+        self.mode = stat.S_IFREG | 0o444
+
+    async def open(self, flags: int, pid: int) -> VirtualHandle:
+        await trio.lowlevel.checkpoint()
+        if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
+            raise ReadOnly(f"{self.name.decode(errors='replace')} is one version's bytes: read-only")
+        if self.wf.freed:
+            raise NotFound(f"{self.name.decode(errors='replace')}: that version is gone")
+        return ReaderHandle(self.kind.store, self)
+
+    def truncate(self) -> None:
+        raise ReadOnly(f"{self.name.decode(errors='replace')} is one version's bytes: read-only")
+
+
 class ModelDir(VirtualDir):
     """`weights/<model>/`: the current version's files, `version` and `wait`."""
 
@@ -363,9 +385,25 @@ class ModelDir(VirtualDir):
         wf = self.model.files.get(name) or self.staged.get(name)
         if wf is None and name in self.open_writers:
             wf = self.open_writers[name][-1].pending  # created, not closed yet
+        base, at, number = name.rpartition(b"@")
+        if wf is None and at and base and number.isdigit():
+            return self._pinned(base, int(number), name)  # a file of that very name wins
         if wf is None:
             raise NotFound(f"no file {name.decode(errors='replace')!r} in weights/{self.model.name.decode()}")
         return self.kind.alias_for(wf, name).govern(self, Access.READ_WRITE)
+
+    def _pinned(self, base: bytes, version: int, name: bytes) -> VirtualNode:
+        """`NAME@V`: the file NAME as of version V, which must be the current version (not
+        listed). Read-only, and one inode for every reader of those bytes, so readers
+        share the kernel's page cache (`client.map_version`); no writer can open it, so
+        nothing cuts its pages."""
+        wf = self.model.files.get(base)
+        if wf is None or version != self.model.version:
+            raise NotFound(
+                f"weights/{self.model.name.decode()}: no {name.decode(errors='replace')!r}"
+                f" (the current version is {self.model.version})"
+            )
+        return self.kind.pinned_for(wf, name).govern(self, Access.READ)
 
     def entries(self) -> list[tuple[bytes, int]]:
         return [(n, c.ino) for n, c in self.children.items()] + [
@@ -473,6 +511,7 @@ class WeightsDir(KindDirectory):
         self.wait_timeout_s = wait_timeout_s
         self._dirs: dict[int, ModelDir] = {}  # id(model) -> its directory node
         self._files: dict[int, FileNode] = {}  # owner -> node
+        self._pinned: dict[int, FileNode] = {}  # owner -> the read-only node of NAME@V lookups
 
     def dir_for(self, model: Model) -> ModelDir:
         node = self._dirs.get(id(model))
@@ -497,6 +536,14 @@ class WeightsDir(KindDirectory):
             self.tree.register(node)
         return node
 
+    def pinned_for(self, wf: WeightFile, name: bytes) -> FileNode:
+        """The one read-only inode of a version's file that `NAME@V` lookups share."""
+        node = self._pinned.get(wf.owner)
+        if node is None:
+            node = self._pinned[wf.owner] = PinnedNode(self, self.tree.new_ino(), name, wf)
+            self.tree.register(node)
+        return node
+
     def alias_for(self, wf: WeightFile, name: bytes) -> FileNode:
         """A fresh inode for one lookup of a version. libfuse makes the kernel cut the
         size and page cache of the inode a writer opens with O_TRUNC (atomic_o_trunc,
@@ -511,6 +558,8 @@ class WeightsDir(KindDirectory):
     def drop_node(self, node: FileNode) -> None:
         if self._files.get(node.wf.owner) is node:
             del self._files[node.wf.owner]
+        if self._pinned.get(node.wf.owner) is node:
+            del self._pinned[node.wf.owner]
         self.tree.unregister(node.ino)
 
     def lookup(self, name: bytes) -> VirtualNode:

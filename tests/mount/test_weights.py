@@ -93,6 +93,24 @@ def test_map_version_is_a_zero_copy_view_that_outlives_newer_publishes(model: Pa
         assert torch.frombuffer(view, dtype=torch.float32)[299_999].item() == 299_999
 
 
+def test_name_at_version_is_read_only_shared_and_only_the_current_version(model: Path) -> None:
+    (model / "w.bin").write_bytes(b"one")
+    (model / "w.bin").write_bytes(b"two")  # version 2
+    pinned = model / "w.bin@2"
+    assert pinned.read_bytes() == b"two"
+    assert os.stat(pinned).st_ino == os.stat(pinned).st_ino  # one inode for all its readers
+    assert "w.bin@2" not in os.listdir(model)
+    for flags in (os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_TRUNC):
+        with pytest.raises(OSError) as refused:
+            os.open(pinned, flags)
+        assert refused.value.errno in (errno.EROFS, errno.EACCES)
+    with pytest.raises(FileNotFoundError):
+        (model / "w.bin@1").read_bytes()  # not the current version
+    (model / "x@3").write_bytes(b"a real file")  # version 3: a file of that very name wins
+    assert (model / "x@3").read_bytes() == b"a real file"
+    assert (model / "w.bin@3").read_bytes() == b"two"  # unchanged by the other file's publish
+
+
 def test_nothing_is_visible_before_close(model: Path) -> None:
     (model / "w.bin").write_bytes(b"old")
     with open(model / "w.bin", "r+b") as writer:  # starts from the current bytes
