@@ -328,7 +328,7 @@ async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb) -> Dae
     checkpoints = CheckpointPolicy.load(files, meta, config.checkpoint_sync_close, replicas)
     info = MountInfo(os.getpid(), config.data_dir, config.mountpoint, time.time_ns())
     virtual = VirtualTree(info, files, blocks, OwnerTable.load(meta))
-    shared = SharedMemory(config.shm_dir, blocks.reserve, blocks.unreserve)
+    shared = SharedMemory(config.shm_dir, blocks.reserve, blocks.unreserve, config.dram_budget_bytes // 4)
     sweep_stale(config.shm_dir)
     virtual.install(BuffersDir(virtual, buffers, shared))
     virtual.install(WeightsDir(virtual, weights, config.wait_timeout_s))

@@ -66,6 +66,14 @@ def sweep_stale(directory: str) -> int:
     return removed
 
 
+def slot_bytes_for(batch_bytes: int) -> int:
+    return -(-max(batch_bytes, MIN_SLOT_BYTES) // PAGE) * PAGE
+
+
+def region_bytes(batch_bytes: int) -> int:
+    return slot_bytes_for(batch_bytes) * SLOTS
+
+
 class Region:
     """One shared-memory file of `slots` equal slots, mapped here and by one client.
 
@@ -106,7 +114,7 @@ class Region:
         OutOfMemory when it does not fit in the DRAM budget; AccessDenied when the daemon
         cannot give the file to that user (a daemon not run as root serves its own user
         only)."""
-        slot_bytes = -(-max(batch_bytes, MIN_SLOT_BYTES) // PAGE) * PAGE
+        slot_bytes = slot_bytes_for(batch_bytes)
         size = slot_bytes * SLOTS
         if not reserve(size):
             raise OutOfMemory(f"a shared-memory region of {size} bytes does not fit in the DRAM budget")
@@ -176,10 +184,16 @@ class SharedMemory:
     """Where regions are made (the daemon's `--shm-dir`) and the set of live ones, whose
     bytes count against the DRAM budget through `reserve`/`unreserve`."""
 
-    def __init__(self, directory: str, reserve: Callable[[int], bool], unreserve: Callable[[int], None]) -> None:
+    def __init__(
+        self, directory: str, reserve: Callable[[int], bool], unreserve: Callable[[int], None], limit_bytes: int
+    ) -> None:
+        """`limit_bytes`: the most all regions together may hold (the daemon gives them a
+        quarter of the DRAM budget), so samplers that hold regions cannot push everyone
+        else's data out of DRAM."""
         self.directory = directory
         self._reserve = reserve
         self._unreserve = unreserve
+        self.limit_bytes = limit_bytes
         self.regions: set[Region] = set()
 
     @property
@@ -187,6 +201,14 @@ class SharedMemory:
         return os.path.isdir(self.directory) and os.access(self.directory, os.W_OK | os.X_OK)
 
     def create(self, batch_bytes: int, uid: int, gid: int) -> Region:
+        """A region for batches of `batch_bytes` (see Region.create); OutOfMemory past
+        `limit_bytes` in all."""
+        size = region_bytes(batch_bytes)
+        if self.held_bytes() + size > self.limit_bytes:
+            raise OutOfMemory(
+                f"a shared-memory region of {size} bytes would take the regions past {self.limit_bytes} bytes"
+                " (a quarter of the DRAM budget)"
+            )
         region = Region.create(self.directory, batch_bytes, uid, gid, self._reserve, self._unreserved)
         self.regions.add(region)
         return region

@@ -197,3 +197,27 @@ def test_a_killed_daemons_regions_are_removed_at_the_next_start(mount_factory: M
     mount = mount_factory()
     assert not os.path.exists(region)
     assert mount.unmount() == 0
+
+
+def test_regions_past_a_quarter_of_the_dram_budget_are_enomem_and_the_sampler_reads_the_files(
+    mount_factory: MountFactory,
+) -> None:
+    mount = mount_factory("--dram-budget", "64MiB")  # regions may hold 16 MiB in all
+    path = mount.path / "buffers" / "big"
+    path.mkdir()
+    (path / "config").write_text(json.dumps({"batch_size": 5}))
+    client.append(path, [bytes([i]) * 1_000_000 for i in range(6)])  # batches of 5 MB: 4 slots are 20 MB
+    fd = os.open(path / "sample.shm", os.O_RDWR)
+    try:
+        with pytest.raises(OSError) as refused:
+            os.read(fd, 4096)
+        assert refused.value.errno == errno.ENOMEM
+    finally:
+        os.close(fd)
+    assert stats(path)["samples"] == 0  # the refused batch counts nothing
+    with client.Sampler(path, transport="shm") as sampler:
+        assert len(sampler.sample()) == 5
+        assert sampler.transport == "fuse"
+    assert stats(path)["samples"] == 5
+    assert reserved(mount) == 0
+    assert mount.unmount() == 0
