@@ -550,6 +550,7 @@ ITEM_CACHE_S = 5.0
 # the kernel may cache them, which saves a GETATTR on every open of the RL loop's calls.
 # A chmod or chown of the buffer drops them at once (FsOperations._stale_attrs).
 CONTROL_CACHE_S = 1.0
+MAX_KEPT_NODES = 256  # unlisted sample files one buffer directory keeps
 
 
 class ItemNode(VirtualFile):
@@ -643,11 +644,8 @@ class BufferDir(NamedDir):
         stats = ControlFile(tree.new_ino(), b"stats", lambda: (json.dumps(b.stats(), indent=2) + "\n").encode())
         self._add(stats.govern(self, Access.READ))
         self._add(ItemsDir(tree.new_ino(), buffer).govern(self, Access.DIRECTORY))
-        self._sized: dict[int, BufferFile] = {}
-        self._streams: dict[int | None, BufferFile] = {}
-        self._shm_nodes: dict[int | None, BufferFile] = {}
+        self._unlisted: dict[bytes, BufferFile] = {}  # sample.N, sample.npz, sample.stream, sample.shm ...
         self._shared = shared
-        self._npz: BufferFile | None = None
 
     def _add(self, node: VirtualNode) -> None:
         self.children[node.name] = node
@@ -668,51 +666,53 @@ class BufferDir(NamedDir):
             return self._columnar_sample()
         return super().lookup(name)
 
+    def _sample_node(
+        self,
+        name: bytes,
+        make: Callable[[int, int], VirtualHandle],
+        access: Access = Access.CHANGES_ON_READ,
+        batch_of: int | None = None,
+    ) -> BufferFile:
+        """A sample-like control file that readdir does not list (`sample.N`,
+        `sample.npz`, `sample.stream`, `sample.shm` ...): made at its first lookup, kept
+        (up to MAX_KEPT_NODES of them; others are made per lookup) so its inode and
+        cached attributes stay put, and forgotten with the buffer."""
+        node = self._unlisted.get(name)
+        if node is None:
+            writable = access is Access.CHANGES_ON_READ_WRITE
+            node = BufferFile(self._tree.new_ino(), name, 0o666 if writable else 0o444, self.buffer, make, writable)
+            node.govern(self, access)
+            node.acts_on_read = True
+            node.cache_s = CONTROL_CACHE_S
+            node.batch_of = batch_of
+            if len(self._unlisted) < MAX_KEPT_NODES:
+                self._unlisted[name] = node
+            self._tree.register(node)
+        return node
+
     def _columnar_sample(self) -> BufferFile:
         """`sample.npz`: the batch as one contiguous array per field (not listed)."""
         if self.buffer.config.dtype is None:
             raise NotFound(f"buffers/{self.buffer.name}/sample.npz: only a buffer with a schema has fields")
-        node = self._npz
-        if node is None:
-            b = self.buffer
-            node = self._npz = BufferFile(
-                self._tree.new_ino(),
-                b"sample.npz",
-                0o444,
-                b,
-                lambda flags, pid: SampleHandle(b, None, bool(flags & os.O_NONBLOCK), pid, columnar=True),
-                False,
-            ).govern(self, Access.CHANGES_ON_READ)
-            node.acts_on_read = True
-            node.cache_s = CONTROL_CACHE_S
-            self._tree.register(node)
-        return node
+        b = self.buffer
+        return self._sample_node(
+            b"sample.npz", lambda flags, pid: SampleHandle(b, None, bool(flags & os.O_NONBLOCK), pid, columnar=True)
+        )
 
     def _shm(self, count: int | None) -> BufferFile:
         """`sample.shm` and `sample.N.shm`: batches through shared memory (not listed);
         ENOENT where this daemon has no shared-memory directory (clients fall back)."""
-        if self._shared is None or not self._shared.available:
+        shared = self._shared
+        if shared is None or not shared.available:
             raise NotFound(f"buffers/{self.buffer.name}/sample.shm: no shared memory on this machine")
         if count is not None and not 0 < count <= MAX_SAMPLE_COUNT:
             raise NotFound(f"buffers/{self.buffer.name}/sample.{count}.shm: batch size must be 1..{MAX_SAMPLE_COUNT}")
-        node = self._shm_nodes.get(count)
-        if node is None:
-            b, shared = self.buffer, self._shared
-            name = b"sample.shm" if count is None else b"sample.%d.shm" % count
-            node = BufferFile(
-                self._tree.new_ino(),
-                name,
-                0o666,
-                b,
-                lambda flags, pid: ShmSampleHandle(b, count, bool(flags & os.O_NONBLOCK), pid, shared),
-                True,
-            ).govern(self, Access.CHANGES_ON_READ_WRITE)
-            node.acts_on_read = True
-            node.cache_s = CONTROL_CACHE_S
-            if len(self._shm_nodes) < 64:
-                self._shm_nodes[count] = node
-            self._tree.register(node)
-        return node
+        b = self.buffer
+        return self._sample_node(
+            b"sample.shm" if count is None else b"sample.%d.shm" % count,
+            lambda flags, pid: ShmSampleHandle(b, count, bool(flags & os.O_NONBLOCK), pid, shared),
+            Access.CHANGES_ON_READ_WRITE,
+        )
 
     def _stream(self, count: int | None) -> BufferFile:
         """`sample.stream` and `sample.N.stream`: endless batches through one open (not
@@ -721,48 +721,23 @@ class BufferDir(NamedDir):
             raise NotFound(
                 f"buffers/{self.buffer.name}/sample.{count}.stream: batch size must be 1..{MAX_SAMPLE_COUNT}"
             )
-        node = self._streams.get(count)
-        if node is None:
-            b = self.buffer
-            name = b"sample.stream" if count is None else b"sample.%d.stream" % count
-            node = BufferFile(
-                self._tree.new_ino(),
-                name,
-                0o444,
-                b,
-                lambda flags, pid: StreamHandle(b, count, bool(flags & os.O_NONBLOCK), pid),
-                False,
-            ).govern(self, Access.CHANGES_ON_READ)
-            node.acts_on_read = True
-            node.cache_s = CONTROL_CACHE_S
-            node.batch_of = count or 0
-            if len(self._streams) < 64:
-                self._streams[count] = node
-            self._tree.register(node)
-        return node
+        b = self.buffer
+        return self._sample_node(
+            b"sample.stream" if count is None else b"sample.%d.stream" % count,
+            lambda flags, pid: StreamHandle(b, count, bool(flags & os.O_NONBLOCK), pid),
+            batch_of=count or 0,
+        )
 
     def _sized_sample(self, count: int) -> BufferFile:
         """`sample.N`: like `sample` with a batch of N (not listed by readdir)."""
         if not 0 < count <= MAX_SAMPLE_COUNT:
             raise NotFound(f"buffers/{self.buffer.name}/sample.{count}: batch size must be 1..{MAX_SAMPLE_COUNT}")
-        node = self._sized.get(count)
-        if node is None:
-            b = self.buffer
-            node = BufferFile(
-                self._tree.new_ino(),
-                b"sample.%d" % count,
-                0o444,
-                b,
-                lambda flags, pid: SampleHandle(b, count, bool(flags & os.O_NONBLOCK), pid),
-                False,
-            ).govern(self, Access.CHANGES_ON_READ)
-            node.acts_on_read = True
-            node.cache_s = CONTROL_CACHE_S
-            node.batch_of = count
-            if len(self._sized) < 64:  # a few sizes are kept; others are made per lookup
-                self._sized[count] = node
-            self._tree.register(node)
-        return node
+        b = self.buffer
+        return self._sample_node(
+            b"sample.%d" % count,
+            lambda flags, pid: SampleHandle(b, count, bool(flags & os.O_NONBLOCK), pid),
+            batch_of=count,
+        )
 
     async def unlink(self, name: bytes) -> None:
         """Control files come back: unlinking one is a no-op, so `rm -r` works."""
@@ -777,8 +752,7 @@ class BufferDir(NamedDir):
             raise NotFound(f"buffers/{self.buffer.name}: no directory {name.decode(errors='replace')!r}")
 
     def forget_nodes(self) -> None:
-        extra = [self._npz] if self._npz is not None else []
-        for node in [*self.children.values(), *self._sized.values(), *extra, self]:
+        for node in [*self.children.values(), *self._unlisted.values(), self]:
             self._tree.unregister(node.ino)
 
 
