@@ -76,39 +76,11 @@ class NumpyBuffer:
         self.max_priority = max(self.max_priority, float(priorities.max()))
 
 
-class OpenFileBuffer:
-    """The same with descriptors kept open: a write to `append` per transition, a read of
-    `sample.64.stream` per batch, a write to `priority` per update (one round trip each)."""
-
-    def __init__(self, path: Path) -> None:
-        FileBuffer(path)  # the same buffer and config
-        self.append_fd = os.open(path / "append", os.O_WRONLY)
-        self.stream_fd = os.open(path / "sample.64.stream", os.O_RDONLY)
-        self.priority_fd = os.open(path / "priority", os.O_WRONLY)
-        self.batch_bytes = os.fstat(self.stream_fd).st_size
-        self.seconds = {"append": 0.0, "sample": 0.0, "priority": 0.0}
-
-    def close(self) -> None:
-        for fd in (self.append_fd, self.stream_fd, self.priority_fd):
-            os.close(fd)
-
-    def append(self, record: np.ndarray) -> None:
-        started = time.perf_counter()
-        os.write(self.append_fd, record.tobytes())
-        self.seconds["append"] += time.perf_counter() - started
-
-    def sample(self) -> np.ndarray:
-        started = time.perf_counter()
-        batch = np.load(io.BytesIO(os.read(self.stream_fd, self.batch_bytes)))
-        self.seconds["sample"] += time.perf_counter() - started
-        return batch
-
-    def update(self, indices: np.ndarray, priorities: np.ndarray) -> None:
-        started = time.perf_counter()
-        out = io.BytesIO()
-        np.save(out, np.stack([indices.astype(np.float64), priorities], axis=1))
-        os.write(self.priority_fd, out.getvalue())
-        self.seconds["priority"] += time.perf_counter() - started
+def priority_npy(indices: np.ndarray, priorities: np.ndarray) -> bytes:
+    """The bytes of one write to `priority`: a .npy of (index, priority) pairs."""
+    out = io.BytesIO()
+    np.save(out, np.stack([indices.astype(np.float64), priorities], axis=1))
+    return out.getvalue()
 
 
 class FileBuffer:
@@ -141,13 +113,43 @@ class FileBuffer:
 
     def update(self, indices: np.ndarray, priorities: np.ndarray) -> None:
         started = time.perf_counter()
-        out = io.BytesIO()
-        np.save(out, np.stack([indices.astype(np.float64), priorities], axis=1))
         fd = os.open(self.priority_path, os.O_WRONLY)
         try:
-            os.write(fd, out.getvalue())
+            os.write(fd, priority_npy(indices, priorities))
         finally:
             os.close(fd)
+        self.seconds["priority"] += time.perf_counter() - started
+
+
+class OpenFileBuffer(FileBuffer):
+    """The same with descriptors kept open: a write to `append` per transition, a read of
+    `sample.64.stream` per batch, a write to `priority` per update (one round trip each)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.append_fd = os.open(path / "append", os.O_WRONLY)
+        self.stream_fd = os.open(path / "sample.64.stream", os.O_RDONLY)
+        self.priority_fd = os.open(path / "priority", os.O_WRONLY)
+        self.batch_bytes = os.fstat(self.stream_fd).st_size
+
+    def close(self) -> None:
+        for fd in (self.append_fd, self.stream_fd, self.priority_fd):
+            os.close(fd)
+
+    def append(self, record: np.ndarray) -> None:
+        started = time.perf_counter()
+        os.write(self.append_fd, record.tobytes())
+        self.seconds["append"] += time.perf_counter() - started
+
+    def sample(self) -> np.ndarray:
+        started = time.perf_counter()
+        batch = np.load(io.BytesIO(os.read(self.stream_fd, self.batch_bytes)))
+        self.seconds["sample"] += time.perf_counter() - started
+        return batch
+
+    def update(self, indices: np.ndarray, priorities: np.ndarray) -> None:
+        started = time.perf_counter()
+        os.write(self.priority_fd, priority_npy(indices, priorities))
         self.seconds["priority"] += time.perf_counter() - started
 
 
@@ -164,8 +166,11 @@ def run_loop(buffer: Any, steps: int, learning_starts: int) -> dict[str, Any]:
     import torch.nn as nn
 
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
-    target = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+
+    def q_network() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+
+    net, target = q_network(), q_network()
     target.load_state_dict(net.state_dict())
     optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
     env = gym.make("CartPole-v1")
