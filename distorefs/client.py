@@ -13,7 +13,9 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import io
 import mmap
 import os
@@ -296,6 +298,106 @@ def map_version(path: str | os.PathLike[str], attempts: int = 100) -> tuple[int,
         finally:
             os.close(fd)
     raise TimeoutError(f"{path}: versions changed during each of {attempts} attempts to map one")
+
+
+ADOPT_XATTR = "user.distore.adopt"
+_FALLBACK_CHUNK = 1 << 20
+
+
+def _on_distorefs(fd: int) -> bool:
+    """Whether open file `fd` lies on a distorefs mount (its device in mountinfo)."""
+    dev = os.fstat(fd).st_dev
+    want = f"{os.major(dev)}:{os.minor(dev)}"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 4 and fields[2] == want and " - fuse.distorefs " in line:
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+class StagedFile(io.BufferedWriter):
+    """A file written into a memfd of this process and handed to the daemon whole at
+    close (see `staged_open`). `adopted` says, after close, whether the daemon took the
+    memory over (True) or the bytes went through the mount instead (False)."""
+
+    def __init__(self, target_fd: int, memfd: int) -> None:
+        super().__init__(io.FileIO(memfd, "wb", closefd=True), buffer_size=_FALLBACK_CHUNK)
+        self._memfd = memfd
+        self._target = target_fd
+        self.adopted = False
+        self.fallback_reason = ""
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self.flush()
+            memfd = self._memfd
+            try:
+                fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, _SEALS)
+                os.setxattr(self._target, ADOPT_XATTR, b"%d" % memfd)
+                self.adopted = True
+            except OSError as exc:
+                # Not taken over (no room in DRAM, a daemon that may not reach into this
+                # process, an older daemon): the same bytes through the mount.
+                self.fallback_reason = f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}"
+                _copy_through(memfd, self._target)
+            os.close(self._target)  # the close of the file: it persists like any other
+            self._target = -1
+        finally:
+            if self._target >= 0:
+                os.close(self._target)
+                self._target = -1
+            super().close()
+
+
+def _copy_through(memfd: int, target: int) -> None:
+    size = os.fstat(memfd).st_size
+    with mmap.mmap(memfd, size, prot=mmap.PROT_READ) if size else contextlib.nullcontext(b"") as data:
+        view = memoryview(data)
+        at = 0
+        while at < size:
+            at += os.pwrite(target, view[at : at + _FALLBACK_CHUNK], at)
+        view.release()
+
+
+_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def staged_open(path: str | os.PathLike[str], mode: str = "wb") -> io.BufferedWriter:
+    """Open `path` for writing a whole file through shared memory instead of FUSE
+    writes: `with staged_open(f"{M}/checkpoints/run1/step-100.pt", "wb") as f:
+    torch.save(sd, f)`.
+
+    The bytes go into a memfd of this process at memory speed. At close the memfd is
+    sealed and handed to the daemon, which makes it the file's content without a copy
+    through the kernel's FUSE path: the file shows its new bytes in the mount at once and
+    persists like a file written through the mount (under checkpoints/: in the
+    background, with `user.distore.state`, fsync, retention and replicas; elsewhere: in
+    the log before close returns). The writer may die right after close: the daemon
+    holds the memory until the bytes are durable. Permissions are the mount's: the file
+    is created (or truncated) through the mount first, with this process's rights.
+
+    Where the daemon cannot take the memory (not enough DRAM budget, no memfd, a daemon
+    not allowed to reach into this process) the same bytes are written through the mount
+    at close; off a distorefs mount, the file is simply written where it is. The mode
+    is "wb" only: the file is written whole, never read back through this object.
+    """
+    if mode not in ("wb", "bw"):
+        raise ValueError(f"staged_open writes whole files: mode must be 'wb', got {mode!r}")
+    target = os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        if not _on_distorefs(target):
+            return open(target, "wb", closefd=True)  # noqa: SIM115  # the caller closes it
+        memfd = os.memfd_create("distorefs-staged", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except BaseException:
+        os.close(target)
+        raise
+    return StagedFile(target, memfd)
 
 
 def read_model(model_dir: str | os.PathLike[str]) -> tuple[int, dict[bytes, bytes]]:

@@ -115,7 +115,7 @@ class Metrics:
             ["kind", "op"], buckets=LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
-        directions = {"read": "out", "write": "in"}
+        directions = {"read": "out", "write": "in", "adopt": "adopted"}  # adopted: staged, past FUSE
         self._data_children = {
             (kind, op): (self._bytes.labels(kind, direction), self._data_latency.labels(kind, op))
             for kind in KINDS

@@ -33,6 +33,7 @@ import trio
 
 from distorefs.errors import Busy, CrossDevice, DistorefsError, Exists, NameTooLong, NotPermitted, ReadOnly
 from distorefs.fs.metrics import Metrics
+from distorefs.fs.shm import ADOPT_XATTR, borrow_sealed, parse_fd
 from distorefs.fs.virtual import KindDirectory, VirtualDir, VirtualFile, VirtualHandle, VirtualNode, VirtualTree
 from distorefs.logs import FailureLog
 from distorefs.stores.files import NAME_MAX, ROOT_INODE, Inode
@@ -656,7 +657,27 @@ class FsOperations(pyfuse3.Operations):
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
         if inode in self.virtual:
             raise ReadOnly("virtual nodes take no attributes")
+        if name == ADOPT_XATTR:
+            await self._adopt(inode, value, ctx)
+            return
         await self.tree.setxattr(inode, name, value)
+
+    async def _adopt(self, ino: int, value: bytes, ctx: pyfuse3.RequestContext) -> None:
+        """A staged file's close (`client.staged_open`): the caller's sealed memfd becomes
+        the file's content. The kernel has checked that the caller may write the file
+        (user.* attributes need write permission); the memfd must be the caller's own."""
+        started = time.perf_counter()
+        view = borrow_sealed(ctx.pid, parse_fd(value), ctx.uid)
+        await self.tree.adopt(ino, view)
+        self.metrics.transferred(self.tree.kind_of(ino), "adopt", len(view), started)
+
+        def drop() -> None:  # the kernel's size and pages of the file are stale now
+            try:
+                pyfuse3.invalidate_inode(ino, False)
+            except OSError as exc:
+                log.debug("invalidate_inode(%d): %s", ino, exc)
+
+        await trio.to_thread.run_sync(drop)
 
     @_translate(mutates=False)
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:

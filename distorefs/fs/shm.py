@@ -1,4 +1,4 @@
-"""Shared-memory regions: the zero-copy path for sampled batches beside FUSE.
+"""Shared memory beside FUSE: regions for sampled batches, and staged files.
 
 Owns the regions themselves: a file in the shared-memory directory (`/dev/shm`) made
 0600 for the uid that opened the control file (taken from the FUSE request), mapped by
@@ -8,20 +8,29 @@ or the kernel's RELEASE when the client died) unmaps and unlinks it, and its byt
 count against the DRAM budget meanwhile. The control protocol over `sample.shm` is in
 docs/formats.md ("Shared-memory sampling, version 1"); the handle that speaks it is in
 fs/buffers.py.
+
+Staged files go the other way: a client writes a file into a memfd of its own, seals
+it and names it in a setxattr on the target file (`client.staged_open`); the daemon
+takes the memfd over (`borrow_sealed`) and makes it the file's content without a copy
+through FUSE (docs/formats.md, "Staged files, version 1").
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import fcntl
 import logging
 import mmap
 import os
 import secrets
+import stat
 from collections.abc import Callable
 
 import numpy as np
 
-from distorefs.errors import AccessDenied, OutOfMemory, TryAgain
+from distorefs.errors import AccessDenied, InvalidArgument, NotFound, NotPermitted, NotSupported, OutOfMemory, TryAgain
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +232,87 @@ class SharedMemory:
     def close_all(self) -> None:
         for region in list(self.regions):
             region.close()
+
+
+# --- staged files: a client's sealed memfd taken over at close ------------------------
+
+ADOPT_XATTR = b"user.distore.adopt"  # setxattr(fd of a tree file, this, b"<memfd number>")
+SEALS_NEEDED = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_SYS_PIDFD_GETFD = 438  # the same number on every architecture (asm-generic)
+
+
+def parse_fd(value: bytes) -> int:
+    """The memfd number an adopt request names: 1-7 ASCII digits."""
+    text = value.strip()
+    if not text.isdigit() or len(text) > 7:
+        raise InvalidArgument(f"{ADOPT_XATTR.decode()} takes a file descriptor number, got {value[:20]!r}")
+    return int(text)
+
+
+def _thread_group(pid: int) -> int:
+    """The process of thread `pid` (FUSE names the calling thread)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Tgid:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    raise NotFound(f"process {pid} is gone")
+
+
+def _take_fd(pid: int, fd: int) -> int:
+    """A duplicate of process `pid`'s descriptor `fd` (pidfd_getfd: the same open file,
+    never re-opened, so a path or a device cannot be slipped in). NotPermitted when this
+    daemon may not reach into that process (not root, or another user's)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = os.pidfd_open(_thread_group(pid))
+    try:
+        got = libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
+        if got < 0:
+            code = ctypes.get_errno()
+            if code in (errno.EPERM, errno.EACCES):
+                raise NotPermitted(f"this daemon cannot take descriptors of process {pid} (not root?)")
+            if code == errno.EBADF:
+                raise InvalidArgument(f"process {pid} has no file descriptor {fd}")
+            if code == errno.ENOSYS:
+                raise NotSupported("the kernel has no pidfd_getfd (Linux 5.6 or later)")
+            raise OSError(code, os.strerror(code))
+        return int(got)
+    finally:
+        os.close(pidfd)
+
+
+def borrow_sealed(pid: int, fd: int, uid: int) -> memoryview:
+    """A read-only view of the sealed memfd `fd` of the calling process `pid`, whose
+    bytes are then the daemon's (docs/formats.md, "Staged files, version 1").
+
+    Refused unless the descriptor is a memfd (a file with no name) owned by `uid` (the
+    request's caller, from the kernel) and sealed against writing, growing and
+    shrinking, so nobody can change the bytes after this: EACCES for another user's
+    memfd, EINVAL for anything else. The daemon's mapping keeps the memory alive after
+    the client closes its descriptor or dies; it is freed when the daemon drops the
+    last view of it."""
+    dup = _take_fd(pid, fd)
+    try:
+        info = os.fstat(dup)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 0:
+            raise InvalidArgument(f"descriptor {fd} is not a memfd (memfd_create with MFD_ALLOW_SEALING)")
+        if info.st_uid != uid:
+            raise AccessDenied(f"descriptor {fd} is a memfd of uid {info.st_uid}, not of the caller (uid {uid})")
+        try:
+            seals = fcntl.fcntl(dup, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0
+        if seals & SEALS_NEEDED != SEALS_NEEDED:
+            raise InvalidArgument(
+                f"memfd {fd} must be sealed first: fcntl(F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW)"
+            )
+        if info.st_size == 0:
+            return memoryview(b"")
+        return memoryview(mmap.mmap(dup, info.st_size, prot=mmap.PROT_READ))
+    finally:
+        os.close(dup)
 
 
 def no_room(held: int) -> TryAgain:

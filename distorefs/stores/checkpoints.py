@@ -459,6 +459,7 @@ class CheckpointPolicy:
             if state.gen == gen and not self._files.dirty_bytes(ino):
                 state.durable_gen = gen
                 self._queue.pop(ino, None)
+                self._files.release_borrowed(ino)  # a staged file's memory (tree.adopt) goes back
                 directories.add(state.parent)
                 if not state.writers and self.replicator is not None and self.replicas(ino) > 1:
                     self.replication_queue.post(ino)

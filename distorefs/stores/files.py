@@ -496,6 +496,26 @@ class FileStore:
         self._stage(inode)
         return len(data)
 
+    async def adopt(self, ino: int, view: memoryview) -> Inode:
+        """Make `view` the file's whole content without copying it (a staged file whose
+        memory the fs layer took over, sealed): the old content goes, the new bytes are
+        in DRAM (borrowed blocks) and persist like written ones. OutOfMemory when they do
+        not fit in the DRAM budget; nothing changes then."""
+        inode = self._regular(ino)
+        if len(view) > MAX_FILE_BYTES:
+            raise FileTooLarge(f"{len(view)} bytes is past {MAX_FILE_BYTES}")
+        self._blocks.check_room(len(view))
+        await self._truncate(inode, 0)
+        await self._blocks.adopt(ino, view)
+        inode.size = len(view)
+        inode.mtime_ns = inode.ctime_ns = time.time_ns()
+        self._stage(inode)
+        return inode
+
+    def release_borrowed(self, ino: int) -> None:
+        """The file's adopted bytes are in the log: DRAM lets go of the memory they borrow."""
+        self._blocks.drop_borrowed(ino)
+
     async def flush(self, ino: int) -> None:
         """On close: the file's data goes to the log and its metadata to the database,
         so a killed daemon keeps it (not yet durable against power loss)."""

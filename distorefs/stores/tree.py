@@ -168,6 +168,19 @@ class PosixTree:
         self._changed(ino)
         return written
 
+    async def adopt(self, ino: int, view: memoryview) -> Inode:
+        """Make `view` (sealed memory the fs layer took over) the file's whole content, as
+        if written through an open of it: under checkpoints/ it persists in the
+        background like any checkpoint; elsewhere it is *logged* before this returns, as
+        a close would make it."""
+        inode = await self.files.adopt(ino, view)
+        if self.checkpoints.tracks(ino):
+            self.checkpoints.changed(ino)
+        else:
+            await self.files.flush(ino)
+            self.files.release_borrowed(ino)
+        return inode
+
     async def close(self, ino: int, writable: bool) -> None:
         """A close (FLUSH) of an open that could write: the file is *logged*; under
         checkpoints/ it persists in the background instead (unless sync-close applies).

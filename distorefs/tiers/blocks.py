@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import trio
 
+from distorefs.errors import OutOfMemory
 from distorefs.tiers.block_index import BlockIndex
 from distorefs.tiers.byte_ranges import ByteRanges
 from distorefs.tiers.compaction import Compaction
@@ -62,6 +63,7 @@ class BlockStatistics:
     moved_bytes: int
     blocks: int
     dram_reserved_bytes: int
+    dram_borrowed_bytes: int  # of dram_used_bytes: staged files' memory taken over (BlockStore.adopt)
     gathered_dram_bytes: int
     gathered_log_parts: int
     gathered_log_spans: int
@@ -147,8 +149,8 @@ class BlockStore(ByteRanges, Compaction):
         if self._remote is None or key.owner not in self._spillable:
             return
         location = self._index.get(key)
-        if location is not None and location.length == block.length:
-            self._remote.offer(key, location, block.buf)
+        if location is not None and location.length == block.length and not isinstance(block.buf, memoryview):
+            self._remote.offer(key, location, block.buf)  # (a borrowed block is a file's: never spilled)
 
     def remote_bytes(self, owner: int) -> int:
         """Bytes of `owner`'s blocks kept by peers (statistics only)."""
@@ -353,6 +355,54 @@ class BlockStore(ByteRanges, Compaction):
         self._dram.insert(key, block)
         self._mark_dirty(key, block)
 
+    async def adopt(self, owner: int, view: memoryview) -> None:
+        """Make `view` the whole content of `owner` (which has no blocks) without copying
+        it: each block's buffer is a read-only slice of `view` (a *borrowed* block),
+        dirty until the log has it. The caller must never change the memory behind
+        `view` (a sealed memfd). OutOfMemory when it does not fit in the DRAM budget
+        (after one wait for the flusher to make room)."""
+        size = len(view)
+        if self.owner_keys(owner):
+            raise ValueError(f"adopt: owner {owner} still has blocks")
+        self.check_room(size)
+        for attempt in range(2):
+            if self._dram.make_room(size):
+                break
+            if attempt or not self._dram.dirty_bytes:
+                raise self._no_room(size)
+            await self._wait_for_room()
+        bb = self.block_bytes
+        for number, start in enumerate(range(0, size, bb)):
+            part = view[start : start + bb]
+            key = BlockKey(owner, number)
+            block = Block(part, len(part), dirty=False)
+            self._dram.insert(key, block)
+            self._mark_dirty(key, block)
+
+    def check_room(self, size: int) -> None:
+        """OutOfMemory when `size` bytes could not fit in the DRAM budget even with every
+        block that can go gone (what is reserved outside the LRU stays)."""
+        if size > self._dram.budget_bytes - self._dram.reserved_bytes:
+            raise self._no_room(size)
+
+    def _no_room(self, size: int) -> OutOfMemory:
+        return OutOfMemory(
+            f"{size} bytes do not fit in the DRAM budget of {self._dram.budget_bytes} bytes "
+            f"({self._dram.used_bytes} in use, {self._dram.dirty_bytes} of it not yet in the log)"
+        )
+
+    def drop_borrowed(self, owner: int) -> int:
+        """Drop `owner`'s clean borrowed blocks from DRAM (the log has them): the memory
+        they borrow goes back to the system once nothing else holds a view of it.
+        Returns the bytes dropped."""
+        dropped = 0
+        for key in self.owner_keys(owner):
+            block = self._dram.peek(key)
+            if block is not None and block.borrowed and not block.dirty and id(block) not in self._frozen:
+                self._dram.remove(key)
+                dropped += block.capacity_bytes
+        return dropped
+
     def dram_bytes(self, owner: int) -> int:
         """Bytes of `owner`'s blocks in DRAM (walks the cache: for statistics only)."""
         return self._dram.owner_bytes(owner)
@@ -397,7 +447,9 @@ class BlockStore(ByteRanges, Compaction):
             have = block.capacity_bytes if block is not None else 0
             length = block.length if block is not None else 0
             want = capacity_for(max(end, length), self.block_bytes)
-            frozen = block is not None and id(block) in self._frozen
+            # A flush writing the old buffer from a thread, or a borrowed (read-only) buffer:
+            # the change goes to a copy.
+            frozen = block is not None and (id(block) in self._frozen or block.borrowed)
             need = want if frozen else max(0, want - have)
             if need and not self._dram.make_room(need):
                 await self._wait_for_room()
@@ -442,6 +494,7 @@ class BlockStore(ByteRanges, Compaction):
             moved_bytes=self._moved_bytes,
             blocks=len(self._index),
             dram_reserved_bytes=dram.reserved_bytes,
+            dram_borrowed_bytes=dram.borrowed_bytes,
             gathered_dram_bytes=self._gathered_dram_bytes,
             gathered_log_parts=self._gathered_parts,
             gathered_log_spans=self._gathered_spans,

@@ -136,7 +136,7 @@ class ByteRanges(BlockTierBase):
         for piece in pieces:
             by_block.setdefault(piece[0], []).append(piece)
         view = memoryview(out)
-        copies: list[tuple[bytearray, int, int, int]] = []
+        copies: list[tuple[bytearray | memoryview, int, int, int]] = []
         parts: list[tuple[LogLocation, int, memoryview]] = []
         spans: list[tuple[int, bytearray, list[tuple[int, int, int, int]]]] = []  # span start, buffer, pieces
         part_pieces: list[list[tuple[int, int, int, int]]] = []  # what each part serves, for retries

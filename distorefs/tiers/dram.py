@@ -6,7 +6,10 @@ clean, and only then can they go. Synchronous and atomic between awaits.
 
 A block's buffer is a bytearray sized by `capacity_for`; `length` says how many bytes
 are valid. Buffers are replaced when they grow, never resized
-in place, so a memoryview handed to the kernel reply never sees a resize.
+in place, so a memoryview handed to the kernel reply never sees a resize. A *borrowed*
+block's buffer is a read-only memoryview of memory the daemon took over whole (a staged
+checkpoint's sealed memfd, see BlockStore.adopt): it is never written in place; the
+first change copies it into a bytearray of its own.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ class Block:
 
     __slots__ = ("buf", "length", "dirty", "version")
 
-    def __init__(self, buf: bytearray, length: int, dirty: bool) -> None:
+    def __init__(self, buf: bytearray | memoryview, length: int, dirty: bool) -> None:
         self.buf = buf
         self.length = length
         self.dirty = dirty
@@ -35,6 +38,10 @@ class Block:
     @property
     def capacity_bytes(self) -> int:
         return len(self.buf)
+
+    @property
+    def borrowed(self) -> bool:
+        return isinstance(self.buf, memoryview)
 
 
 SMALL_BLOCK_BYTES = 64 * 1024
@@ -65,6 +72,7 @@ class DramStatistics:
     misses: int
     evictions: int
     reserved_bytes: int
+    borrowed_bytes: int
 
 
 class DramCache:
@@ -76,6 +84,7 @@ class DramCache:
         self.used_bytes = 0
         self.dirty_bytes = 0
         self.reserved_bytes = 0  # held outside the LRU (a stream's prefetched records)
+        self.borrowed_bytes = 0  # of used_bytes: borrowed blocks (staged files' memory)
         self._hits = 0
         self._misses = 0
         self._evictions = 0
@@ -120,6 +129,8 @@ class DramCache:
         assert key not in self._blocks
         self._blocks[key] = block
         self.used_bytes += block.capacity_bytes
+        if block.borrowed:
+            self.borrowed_bytes += block.capacity_bytes
         if block.dirty:
             self.dirty_bytes += block.capacity_bytes
 
@@ -127,6 +138,8 @@ class DramCache:
         block = self._blocks.pop(key, None)
         if block is not None:
             self.used_bytes -= block.capacity_bytes
+            if block.borrowed:
+                self.borrowed_bytes -= block.capacity_bytes
             if block.dirty:
                 self.dirty_bytes -= block.capacity_bytes
         return block
@@ -134,6 +147,8 @@ class DramCache:
     def replace_buffer(self, block: Block, buf: bytearray) -> None:
         """Swap a block's buffer for a bigger (or smaller) one, keeping the accounting."""
         delta = len(buf) - block.capacity_bytes
+        if block.borrowed:
+            self.borrowed_bytes -= block.capacity_bytes  # a copy of its own from now on
         block.buf = buf
         self.used_bytes += delta
         if block.dirty:
@@ -208,4 +223,5 @@ class DramCache:
             misses=self._misses,
             evictions=self._evictions,
             reserved_bytes=self.reserved_bytes,
+            borrowed_bytes=self.borrowed_bytes,
         )

@@ -6,6 +6,7 @@ state, sampling included."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import stat
@@ -222,3 +223,59 @@ def test_a_shared_memory_region_belongs_to_the_user_who_opened_sample_shm(shared
     finally:
         holder.communicate(input="\n", timeout=60)
     os.chmod(b, 0o755)
+
+
+STAGE_INTRUDER = textwrap.dedent(
+    """
+    import errno, fcntl, os, sys
+    target, memfd = sys.argv[1], int(sys.argv[2])
+    seals = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    out = []
+    try:  # 1. root's memfd, handed down, named for a file nobody may write
+        fd = os.open(target + "/shared.bin", os.O_WRONLY)
+        os.setxattr(fd, "user.distore.adopt", str(memfd).encode())
+        out.append("adopted")
+    except OSError as exc:
+        out.append(str(exc.errno))
+    try:  # 2. a file nobody may not write: refused at the open ...
+        open(target + "/roots.bin", "wb")
+        out.append("opened")
+    except OSError as exc:
+        out.append(str(exc.errno))
+    own = os.memfd_create("nobodys", os.MFD_ALLOW_SEALING)
+    os.write(own, b"nobody's bytes")
+    fcntl.fcntl(own, fcntl.F_ADD_SEALS, seals)
+    try:  # 3. ... and at the adopt request on a read-only open of it
+        fd = os.open(target + "/roots.bin", os.O_RDONLY)
+        os.setxattr(fd, "user.distore.adopt", str(own).encode())
+        out.append("adopted")
+    except OSError as exc:
+        out.append(str(exc.errno))
+    print(" ".join(out))
+    """
+)
+
+
+def test_staged_files_take_only_the_callers_own_memory_for_files_it_may_write(shared_mount: Mount) -> None:
+    """`client.staged_open`'s adopt request: the memfd must belong to the caller (EACCES
+    for one handed down by root), and the kernel checks the caller may write the file."""
+    top = shared_mount.path / "staged"
+    top.mkdir(mode=0o755)
+    os.chmod(top, 0o755)
+    shared = top / "shared.bin"
+    shared.write_bytes(b"kept")
+    os.chmod(shared, 0o666)
+    roots = top / "roots.bin"
+    roots.write_bytes(b"root's")
+    os.chmod(roots, 0o644)
+    memfd = os.memfd_create("roots", os.MFD_ALLOW_SEALING)
+    try:
+        os.write(memfd, b"root's memory")
+        fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        intruder = as_user(NOBODY, STAGE_INTRUDER, str(top), str(memfd), stdout=subprocess.PIPE, pass_fds=(memfd,))
+        out = intruder.communicate(timeout=60)[0].split()
+    finally:
+        os.close(memfd)
+    assert out == [str(errno.EACCES)] * 3
+    assert shared.read_bytes() == b"kept"
+    assert roots.read_bytes() == b"root's"

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from distorefs.errors import OutOfMemory
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.dram import DramCache
 from distorefs.tiers.metadb import MetaDb
@@ -176,3 +177,45 @@ async def test_recovery_reports_every_metadata_row_it_reads(tmp_path: Path) -> N
     assert sum(told) == 20
     assert meta.count_rows() >= 20
     meta.close()
+
+
+async def test_adopted_memory_is_borrowed_until_changed_then_copied_and_released_once_logged(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    source = bytearray(os.urandom(2 * BLOCK + 100))
+    view = memoryview(bytes(source))  # read-only, as a sealed memfd's mapping is
+    await store.adopt(7, view)
+    stats = store.statistics()
+    assert stats.dram_borrowed_bytes == len(view)
+    assert stats.dram_dirty_bytes == len(view)
+    assert [await read_all(store, BlockKey(7, i)) for i in range(3)] == [
+        bytes(source[:BLOCK]),
+        bytes(source[BLOCK : 2 * BLOCK]),
+        bytes(source[2 * BLOCK :]),
+    ]
+    with pytest.raises(ValueError):
+        await store.adopt(7, view)  # only onto an owner without blocks
+    await store.write(BlockKey(7, 1), 5, b"changed")  # copy on write: the borrowed memory stays as it was
+    assert bytes(view[BLOCK + 5 : BLOCK + 12]) == bytes(source[BLOCK + 5 : BLOCK + 12])
+    assert store.statistics().dram_borrowed_bytes == len(view) - BLOCK
+    await store.flush()
+    await store.commit(durable=True)
+    assert store.drop_borrowed(7) == BLOCK + 100
+    assert store.statistics().dram_borrowed_bytes == 0
+    await store.close()
+
+    store = open_store(tmp_path)  # from the log
+    expected = bytearray(source)
+    expected[BLOCK + 5 : BLOCK + 12] = b"changed"
+    assert b"".join([await read_all(store, BlockKey(7, i)) for i in range(3)]) == bytes(expected)
+    await store.close()
+
+
+async def test_adopting_more_than_the_budget_is_refused_without_change(tmp_path: Path) -> None:
+    store = open_store(tmp_path, budget=8 * BLOCK)
+    await store.write(BlockKey(1, 0), 0, b"kept")
+    with pytest.raises(OutOfMemory):
+        await store.adopt(2, memoryview(bytes(9 * BLOCK)))
+    assert store.owner_keys(2) == []
+    assert store.statistics().dram_borrowed_bytes == 0
+    assert await read_all(store, BlockKey(1, 0)) == b"kept"
+    await store.close()
