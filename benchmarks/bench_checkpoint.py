@@ -4,9 +4,11 @@
 
 Checkpoints: for state dicts of float32 tensors of mixed sizes, the stall (until
 `torch.save` or safetensors `save_file` returns) and the time until durable (save, then
-fsync) on distorefs' checkpoints/, against the same save to tmpfs and to the local disk
-followed by fsync. Weights: publish latency of a 100 MB model file and reads/s of it by
-N reader processes, against the same reads from tmpfs.
+fsync) on distorefs' checkpoints/, written through the mount and through
+`client.staged_open` (shared memory, issue 18), against the same save to tmpfs and to
+the local disk followed by fsync; medians of --repeats saves, the places interleaved.
+Weights: publish latency of a 100 MB model file and reads/s of it by N reader processes,
+against the same reads from tmpfs.
 
 Prints Markdown tables and writes the raw numbers as JSON (--json PATH). No thresholds:
 docs/benchmarks.md keeps the results and the aims they are read against.
@@ -15,6 +17,7 @@ docs/benchmarks.md keeps the results and the aims they are read against.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -80,27 +83,53 @@ def measure_save(save: Callable[[Path], None], path: Path) -> tuple[float, float
     return stall, durable
 
 
-def bench_checkpoints(sizes_gib: list[float], places: dict[str, Path]) -> list[dict[str, object]]:
+def bench_checkpoints(sizes_gib: list[float], places: dict[str, Path], repeats: int) -> list[dict[str, object]]:
+    """Each save `repeats` times per place, the places interleaved; medians."""
+    import safetensors.torch
     import torch
-    from safetensors.torch import save_file
 
-    savers: dict[str, Callable[[dict[str, object], Path], None]] = {
-        "torch.save": lambda sd, p: torch.save(sd, p),
-        "safetensors": lambda sd, p: save_file(sd, p),  # type: ignore[arg-type]
+    from distorefs import client
+
+    def torch_save(sd: dict[str, object], path: Path, staged: bool) -> None:
+        if staged:
+            with client.staged_open(path) as f:
+                torch.save(sd, f)
+        else:
+            torch.save(sd, path)
+
+    def safetensors_save(sd: dict[str, object], path: Path, staged: bool) -> None:
+        if staged:  # save_file writes a temporary beside its path and renames it: bytes instead
+            with client.staged_open(path) as f:
+                f.write(safetensors.torch.save(sd))  # type: ignore[arg-type]
+        else:
+            safetensors.torch.save_file(sd, path)  # type: ignore[arg-type]
+
+    Saver = Callable[[dict[str, object], Path, bool], None]
+
+    def save_one(saver: Saver, sd: dict[str, object], staged: bool, path: Path) -> None:
+        saver(sd, path, staged)
+
+    savers: dict[str, Saver] = {
+        "torch.save": torch_save,
+        "safetensors": safetensors_save,
     }
     rows = []
     for gib in sizes_gib:
         sd = state_dict(int(gib * (1 << 30)))
         for saver_name, saver in savers.items():
-            row: dict[str, object] = {"size_gib": gib, "writer": saver_name}
-            for place, directory in places.items():
-                path = directory / f"ckpt-{gib}.bin"
-                stall, durable = measure_save(lambda p, s=saver, d=sd: s(d, p), path)
-                row[f"{place}_stall_s"] = round(stall, 3)
-                row[f"{place}_durable_s"] = round(durable, 3)
-                path.unlink()
-            row["stall_vs_tmpfs"] = round(row["distorefs_stall_s"] / row["tmpfs_stall_s"], 2)  # type: ignore[operator]
-            row["durable_vs_disk"] = round(row["distorefs_durable_s"] / row["disk_durable_s"], 2)  # type: ignore[operator]
+            row: dict[str, object] = {"size_gib": gib, "writer": saver_name, "repeats": repeats}
+            times: dict[str, list[tuple[float, float]]] = {place: [] for place in places}
+            for _ in range(repeats):
+                for place, directory in places.items():
+                    path = directory / f"ckpt-{gib}.bin"
+                    times[place].append(measure_save(functools.partial(save_one, saver, sd, place == "staged"), path))
+                    path.unlink()
+            for place, measured in times.items():
+                row[f"{place}_stall_s"] = round(float(np.median([m[0] for m in measured])), 3)
+                row[f"{place}_durable_s"] = round(float(np.median([m[1] for m in measured])), 3)
+            for place in ("distorefs", "staged"):
+                row[f"{place}_stall_vs_tmpfs"] = round(row[f"{place}_stall_s"] / row["tmpfs_stall_s"], 2)  # type: ignore[operator]
+                row[f"{place}_durable_vs_disk"] = round(row[f"{place}_durable_s"] / row["disk_durable_s"], 2)  # type: ignore[operator]
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
         del sd
@@ -160,6 +189,8 @@ def main() -> int:
     parser.add_argument("--sizes-gib", type=float, nargs="+", default=[1.0, 4.0])
     parser.add_argument("--readers", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--repeats", type=int, default=3, help="saves per place and size (medians)")
+    parser.add_argument("--no-weights", action="store_true", help="checkpoints only")
     parser.add_argument("--dram-budget", default="6GiB")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -173,29 +204,31 @@ def main() -> int:
     try:
         run = mnt / "checkpoints" / "bench"
         run.mkdir()
-        places = {"tmpfs": shm, "disk": base / "disk", "distorefs": run}
-        checkpoints = bench_checkpoints(args.sizes_gib, places)
-        weights = bench_weights(mnt, shm, args.readers, args.seconds)
+        places = {"tmpfs": shm, "disk": base / "disk", "distorefs": run, "staged": run}
+        checkpoints = bench_checkpoints(args.sizes_gib, places, args.repeats)
+        weights = None if args.no_weights else bench_weights(mnt, shm, args.readers, args.seconds)
     finally:
         distore("umount", str(mnt))
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
 
-    print("| state dict | writer | tmpfs stall | distorefs stall | stall / tmpfs | disk save+fsync "
-          "| distorefs to durable | durable / disk |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| state dict | writer | tmpfs stall | mount stall | / tmpfs | staged stall | / tmpfs "
+          "| disk save+fsync | mount to durable | / disk | staged to durable | / disk |")  # fmt: skip
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in checkpoints:
         print(
             f"| {r['size_gib']} GiB | {r['writer']} | {r['tmpfs_stall_s']} s | {r['distorefs_stall_s']} s "
-            f"| {r['stall_vs_tmpfs']}x | {r['disk_durable_s']} s | {r['distorefs_durable_s']} s "
-            f"| {r['durable_vs_disk']}x |"
+            f"| {r['distorefs_stall_vs_tmpfs']}x | {r['staged_stall_s']} s | {r['staged_stall_vs_tmpfs']}x "
+            f"| {r['disk_durable_s']} s | {r['distorefs_durable_s']} s | {r['distorefs_durable_vs_disk']}x "
+            f"| {r['staged_durable_s']} s | {r['staged_durable_vs_disk']}x |"
         )
-    print()
-    print(
-        f"weights: publish of 100 MB {weights['publish_100mb_median_s']} s (tmpfs write "
-        f"{weights['tmpfs_write_100mb_s']} s); {weights['readers']} readers: {weights['distorefs_reads_per_s']} "
-        f"reads/s vs tmpfs {weights['tmpfs_reads_per_s']} ({weights['reads_vs_tmpfs']}x)"
-    )
+    if weights is not None:
+        print()
+        print(
+            f"weights: publish of 100 MB {weights['publish_100mb_median_s']} s (tmpfs write "
+            f"{weights['tmpfs_write_100mb_s']} s); {weights['readers']} readers: {weights['distorefs_reads_per_s']} "
+            f"reads/s vs tmpfs {weights['tmpfs_reads_per_s']} ({weights['reads_vs_tmpfs']}x)"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"checkpoints": checkpoints, "weights": weights}, indent=2))
     return 0

@@ -331,6 +331,11 @@ class StagedFile(io.BufferedWriter):
         self.adopted = False
         self.fallback_reason = ""
 
+    @property
+    def path(self) -> str:
+        """A path to the staged bytes, for writers that take a path (see `staged_path`)."""
+        return f"/proc/self/fd/{self._memfd}"
+
     def close(self) -> None:
         if self.closed:
             return
@@ -398,6 +403,17 @@ def staged_open(path: str | os.PathLike[str], mode: str = "wb") -> io.BufferedWr
         os.close(target)
         raise
     return StagedFile(target, memfd)
+
+
+def staged_path(f: io.BufferedWriter) -> str:
+    """The path to write a file that `staged_open` returned, for writers that take a
+    path (`torch.save(sd, staged_path(f))`): its memfd, or off a distorefs mount the file
+    itself. Write through it or through `f`, not both. Writers that write a temporary
+    file beside the path and rename it (safetensors' `save_file`) cannot use it: give
+    them bytes instead (`f.write(safetensors.torch.save(sd))`)."""
+    if isinstance(f, StagedFile):
+        return f.path
+    return f"/proc/self/fd/{f.fileno()}"
 
 
 def read_model(model_dir: str | os.PathLike[str]) -> tuple[int, dict[bytes, bytes]]:

@@ -160,6 +160,25 @@ def test_a_staged_file_outside_checkpoints_is_in_the_log_when_close_returns(moun
     assert mount.unmount() == 0
 
 
+def test_torch_save_and_safetensors_through_staged_files(mounted: Mount, scratch: Path) -> None:
+    torch = pytest.importorskip("torch")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    sd = {"w": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(7)}
+    with client.staged_open(scratch / "step-1.pt") as f:
+        torch.save(sd, f)  # a writer that takes a file
+    assert staged(f).adopted
+    with client.staged_open(scratch / "step-2.pt") as g:
+        torch.save(sd, client.staged_path(g))  # a writer that takes a path
+    assert staged(g).adopted
+    with client.staged_open(scratch / "step-1.safetensors") as h:
+        h.write(safetensors_torch.save(sd))  # type: ignore[arg-type]  # save_file writes a temporary beside the path
+    assert staged(h).adopted
+    mapped = safetensors_torch.load_file(scratch / "step-1.safetensors")
+    for loaded in (torch.load(scratch / "step-1.pt"), torch.load(scratch / "step-2.pt"), mapped):
+        for name, tensor in sd.items():
+            assert torch.equal(loaded[name], tensor)
+
+
 def test_an_empty_staged_file(mounted: Mount, scratch: Path) -> None:
     path = scratch / "empty.bin"
     path.write_bytes(b"old")
