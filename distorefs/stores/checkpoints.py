@@ -452,6 +452,7 @@ class CheckpointPolicy:
         """A durable commit covered these (file, change) pairs: the unchanged ones are
         durable now; the changed ones go back to pending. Then retention runs."""
         directories: set[int] = set()
+        released: list[int] = []
         for ino, gen in done:
             state = self._states.get(ino)
             if state is None:
@@ -459,12 +460,14 @@ class CheckpointPolicy:
             if state.gen == gen and not self._files.dirty_bytes(ino):
                 state.durable_gen = gen
                 self._queue.pop(ino, None)
-                self._files.release_borrowed(ino)  # a staged file's memory (tree.adopt) goes back
+                released.append(ino)  # a staged file's memory (tree.adopt) goes back
                 directories.add(state.parent)
                 if not state.writers and self.replicator is not None and self.replicas(ino) > 1:
                     self.replication_queue.post(ino)
             else:
                 self._mark_pending(ino)
+        for ino in released:
+            await self._files.release_borrowed(ino)
         removed = False
         for directory in directories:
             removed |= self.apply_retention(directory)

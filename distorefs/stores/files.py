@@ -19,6 +19,8 @@ import stat
 import time
 from dataclasses import dataclass
 
+import trio
+
 from distorefs.errors import (
     Exists,
     FileTooLarge,
@@ -512,9 +514,12 @@ class FileStore:
         self._stage(inode)
         return inode
 
-    def release_borrowed(self, ino: int) -> None:
-        """The file's adopted bytes are in the log: DRAM lets go of the memory they borrow."""
-        self._blocks.drop_borrowed(ino)
+    async def release_borrowed(self, ino: int) -> None:
+        """The file's adopted bytes are in the log: DRAM lets go of the memory they borrow
+        (unmapped in a worker thread, off the event loop)."""
+        dropped = self._blocks.drop_borrowed(ino)
+        if dropped:
+            await trio.to_thread.run_sync(dropped.clear)
 
     async def flush(self, ino: int) -> None:
         """On close: the file's data goes to the log and its metadata to the database,

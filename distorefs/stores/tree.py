@@ -178,7 +178,7 @@ class PosixTree:
             self.checkpoints.changed(ino)
         else:
             await self.files.flush(ino)
-            self.files.release_borrowed(ino)
+            await self.files.release_borrowed(ino)
         return inode
 
     async def close(self, ino: int, writable: bool) -> None:

@@ -199,7 +199,7 @@ async def test_adopted_memory_is_borrowed_until_changed_then_copied_and_released
     assert store.statistics().dram_borrowed_bytes == len(view) - BLOCK
     await store.flush()
     await store.commit(durable=True)
-    assert store.drop_borrowed(7) == BLOCK + 100
+    assert sorted(b.length for b in store.drop_borrowed(7)) == [100, BLOCK]  # block 1 is a copy of its own now
     assert store.statistics().dram_borrowed_bytes == 0
     await store.close()
 
