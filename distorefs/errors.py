@@ -97,6 +97,13 @@ class CrossDevice(DistorefsError):
     errno = _errno.EXDEV
 
 
+class Stale(DistorefsError):
+    """The inode the kernel named is not the one for this request: look the name up
+    again (the kernel retries an open that gets ESTALE once, with a fresh lookup)."""
+
+    errno = _errno.ESTALE
+
+
 class TimedOut(DistorefsError):
     """A bounded wait ran out of time."""
 

@@ -310,7 +310,7 @@ class FsOperations(pyfuse3.Operations):
                 return self._virtual_attrs(vdir)
             if name == b"..":
                 return self._entry(self.tree.get(ROOT_INODE))
-            return self._virtual_entry(vdir.lookup(name))
+            return self._virtual_entry(vdir.lookup_from(name, ctx.pid))
         if parent_inode == ROOT_INODE and name in self.virtual.root_nodes:
             return self._virtual_attrs(self.virtual.root_nodes[name])
         return self._entry(self.tree.lookup(parent_inode, name))

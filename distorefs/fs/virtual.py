@@ -356,6 +356,11 @@ class VirtualDir(VirtualNode):
             raise NotFound(f"no entry {name.decode(errors='replace')!r} in {self.name.decode()}/")
         return node
 
+    def lookup_from(self, name: bytes, pid: int) -> VirtualNode:
+        """A LOOKUP from the kernel on behalf of thread `pid` (a directory may answer a
+        process it asked to look again differently: weights/<model>/)."""
+        return self.lookup(name)
+
     def entries(self) -> list[tuple[bytes, int]]:
         """(name, inode) of each entry."""
         return [(name, node.ino) for name, node in self.children.items()]

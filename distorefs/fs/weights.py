@@ -4,15 +4,17 @@ Owns the FUSE side of weights: the nodes (`weights/<model>/`, its files, `versio
 `wait`), the handles of readers and writers, and how each version meets the kernel's
 caches. The models themselves are stores/weights.py.
 
-Every version of a file has bytes that never change, and every lookup of a model file
-gets an inode of its own for the current version (an alias): a reader holds the version
-it opened and keeps reading it after newer ones are published. Entries of a model are
-never cached (entry timeout 0): each open asks the daemon which version is current.
-libfuse makes the kernel cut the size and page cache of an inode that a writer opens
-with O_TRUNC (atomic_o_trunc), and pyfuse3 cannot turn that off; because a writer's open
-lands on its own alias, never on one a reader opened, readers go through the page cache
-and may map the file (torch.load(mmap=True), safetensors, np.load(mmap_mode='r'))
-without SIGBUS or changed bytes. Writers are direct_io.
+Every version of a file has bytes that never change, and a lookup of a published file
+gets the version's one inode, shared by all its readers: they read through the kernel's
+page cache of it (the first from the daemon, the others at memory speed), and a reader
+holds the version it opened and keeps reading it after newer ones are published.
+Entries of a model are never cached (entry timeout 0): each open asks the daemon which
+version is current. libfuse makes the kernel cut the size and page cache of an inode
+that a writer opens with O_TRUNC (atomic_o_trunc), and pyfuse3 cannot turn that off, so
+a writer must never open the shared inode: its open there gets ESTALE, which makes the
+kernel look the name up again once, and that lookup from the same thread gets an inode
+of its own (an alias). So readers may map the file (torch.load(mmap=True), safetensors,
+np.load(mmap_mode='r')) without SIGBUS or changed bytes. Writers are direct_io.
 
 A writer publishes at its last close, unless its process was exiting at that close (it
 was killed or crashed before closing): the flush that the kernel sends on close is
@@ -31,10 +33,11 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 
 import trio
 
-from distorefs.errors import CrossDevice, Exists, NotFound, NotPermitted, ReadOnly
+from distorefs.errors import CrossDevice, Exists, NotFound, NotPermitted, ReadOnly, Stale
 from distorefs.fs.buffers import run_waiting
 from distorefs.fs.virtual import (
     Access,
@@ -51,6 +54,8 @@ from distorefs.stores.weights import RESERVED_NAMES, Model, WeightFile, WeightSt
 
 PF_EXITING = 0x4
 FILE_ATTR_CACHE_S = 3600.0  # a version's inode never changes
+WRITER_RETRY_S = 2.0  # a writer sent back from a shared inode looks up again within this
+MAX_WRITER_RETRIES = 1024
 
 
 def thread_group(pid: int) -> int:
@@ -295,14 +300,23 @@ class FileNode(VirtualFile):
 
     async def open(self, flags: int, pid: int) -> VirtualHandle:
         store = self.kind.store
-        if flags & os.O_ACCMODE == os.O_RDONLY:
+        if flags & os.O_ACCMODE == os.O_RDONLY and not flags & os.O_TRUNC:
             await trio.lowlevel.checkpoint()
             if self.wf.freed:
-                # Republished and freed between the reader's lookup and its open: it
-                # reads the version now current under the name, never ENOENT.
-                return ReaderHandle(store, self._current_node())
+                # Republished and freed between the reader's lookup and its open: this
+                # inode's size and pages are the old version's, so the kernel looks the
+                # name up again (once) and opens the version now current, never ENOENT.
+                self._current_node()  # NotFound when the name is gone meanwhile
+                raise Stale(f"{self.name.decode(errors='replace')}: republished since the lookup; look it up again")
             return ReaderHandle(store, self)
         model_dir = self.kind.dir_holding(self)
+        model_dir.writer_landed(self.name, pid)
+        if not self.alias:
+            # The version's shared inode, whose pages readers share: a writer's open must
+            # not land here (the kernel would cut them). Send it back to look the name
+            # up again; that lookup, from this thread, gets an inode of its own.
+            model_dir.send_writer_back(self.name, pid)
+            raise Stale(f"{self.name.decode(errors='replace')}: a writer opens its own inode; look it up again")
         base = None if flags & os.O_TRUNC else self.wf
         if base is not None:
             store.hold(base)
@@ -364,6 +378,7 @@ class ModelDir(VirtualDir):
         self.discarded = 0  # writers that closed without publishing
         self.open_writers: dict[bytes, list[WriterHandle]] = {}  # by the name they will publish
         self.staged: dict[bytes, WeightFile] = {}  # closed files under staging names, held
+        self._writers_back: dict[tuple[bytes, int], float] = {}  # (name, thread) sent to look up again
         version = ControlFile(kind.tree.new_ino(), b"version", model.version_line)
         self.children[b"version"] = version.govern(self, Access.READ)
         self.children[b"wait"] = WaitFile(kind, model, kind.tree.new_ino()).govern(self, Access.READ)
@@ -378,11 +393,39 @@ class ModelDir(VirtualDir):
         if old is not None:
             self.kind.store.release(old)
 
+    def send_writer_back(self, name: bytes, pid: int) -> None:
+        """A writer's open (thread `pid`) met the shared inode of `name`: its lookups of
+        `name` get inodes of their own until its open lands on one (within
+        WRITER_RETRY_S; at most MAX_WRITER_RETRIES remembered, the oldest dropped)."""
+        now = time.monotonic()
+        self._writers_back[(name, pid)] = now
+        if len(self._writers_back) > MAX_WRITER_RETRIES:
+            for key in list(self._writers_back)[: len(self._writers_back) - MAX_WRITER_RETRIES]:
+                del self._writers_back[key]
+
+    def writer_landed(self, name: bytes, pid: int) -> None:
+        self._writers_back.pop((name, pid), None)
+
+    def lookup_from(self, name: bytes, pid: int) -> VirtualNode:
+        # The kernel's retry looks the name up twice (the revalidation of its cached entry,
+        # then a fresh lookup): both get an alias, until the writer's open lands on one.
+        sent = self._writers_back.get((name, pid))
+        if sent is not None and time.monotonic() - sent < WRITER_RETRY_S:
+            wf = self.model.files.get(name)
+            if wf is not None:
+                return self.kind.alias_for(wf, name).govern(self, Access.READ_WRITE)
+        return self.lookup(name)
+
     def lookup(self, name: bytes) -> VirtualNode:
         control = self.children.get(name)
         if control is not None:
             return control
-        wf = self.model.files.get(name) or self.staged.get(name)
+        published = self.model.files.get(name)
+        if published is not None:
+            # One inode per version, shared by every reader: the kernel's page cache of
+            # it serves them all. Writers are sent on to an inode of their own (open).
+            return self.kind.node_for(published, name).govern(self, Access.READ_WRITE)
+        wf = self.staged.get(name)
         if wf is None and name in self.open_writers:
             wf = self.open_writers[name][-1].pending  # created, not closed yet
         base, at, number = name.rpartition(b"@")

@@ -58,6 +58,31 @@ def test_close_publishes_and_each_close_is_a_version(model: Path) -> None:
     assert os.stat(model / "a.txt").st_size == 6
 
 
+def test_readers_of_a_version_share_one_inode_and_a_writer_opens_its_own(model: Path) -> None:
+    path = model / "params.bin"
+    path.write_bytes(b"v1" * 50_000)
+    first = os.open(path, os.O_RDONLY)
+    second = os.open(path, os.O_RDONLY)
+    try:
+        shared = os.fstat(first).st_ino
+        assert os.fstat(second).st_ino == shared  # one page cache for every reader of v1
+        assert os.stat(path).st_ino == shared
+        for flags in (os.O_WRONLY | os.O_TRUNC, os.O_RDWR):  # sent on to an inode of its own
+            writer = os.open(path, flags)
+            try:
+                assert os.fstat(writer).st_ino != shared
+                os.write(writer, b"v2")
+            finally:
+                os.close(writer)
+        assert os.pread(first, 4, 0) == b"v1v1"  # the readers' pages were never cut
+        assert os.stat(path).st_ino != shared  # the new version is another inode
+        assert path.read_bytes() == b"v2"
+        assert version(model) == 3
+    finally:
+        os.close(first)
+        os.close(second)
+
+
 def test_a_reader_keeps_the_version_it_opened(model: Path) -> None:
     first = os.urandom(3 << 20)
     (model / "w.bin").write_bytes(first)
