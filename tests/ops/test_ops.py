@@ -234,11 +234,20 @@ async def test_forget_never_raises(daemon: Daemon, monkeypatch: pytest.MonkeyPat
     assert daemon.ops.virtual.internal_errors == 1
 
 
-async def test_a_reader_whose_version_was_replaced_after_its_lookup_reads_the_current_one(daemon: Daemon) -> None:
+async def test_a_reader_whose_version_was_replaced_after_its_lookup_is_sent_to_the_current_one(
+    daemon: Daemon,
+) -> None:
     ops = daemon.ops
     weights = await lookup(ops, "weights")
     model = (await ops.mkdir(weights.st_ino, b"m", DIR_MODE, CTX)).st_ino
     await write_file(ops, model, b"w.bin", b"version one")
     old = (await ops.lookup(model, b"w.bin", CTX)).st_ino  # the reader's lookup
     await write_file(ops, model, b"w.bin", b"version two")  # republished: version one is freed
-    assert await read_file(ops, old) == b"version two"  # its open: no ENOENT
+    # Its open: ESTALE, not ENOENT (the old inode's size and pages are version one's);
+    # the kernel then looks the name up again and opens the current version.
+    with pytest.raises(pyfuse3.FUSEError) as stale:
+        await ops.open(old, os.O_RDONLY, CTX)
+    assert stale.value.errno == errno.ESTALE
+    current = (await ops.lookup(model, b"w.bin", CTX)).st_ino
+    assert current != old
+    assert await read_file(ops, current) == b"version two"
