@@ -323,8 +323,26 @@ class BlockStore(ByteRanges, Compaction):
 
         async with trio.open_nursery() as nursery:
             async for key in self._prefetch_recv:
-                await slots.acquire()
-                nursery.start_soon(load, key)
+                keys = [key]
+                while len(keys) < PREFETCH_QUEUE:
+                    try:
+                        keys.append(self._prefetch_recv.receive_nowait())
+                    except trio.WouldBlock:
+                        break
+                # One hint for the whole run ahead: the kernel reads it in large requests
+                # while the loads below copy block by block out of its page cache.
+                locations = [loc for k in keys if (loc := self._index.get(k)) is not None]
+                if len(locations) > 1:
+                    nursery.start_soon(self._hint, locations)
+                for each in keys:
+                    await slots.acquire()
+                    nursery.start_soon(load, each)
+
+    async def _hint(self, locations: list[LogLocation]) -> None:
+        try:
+            await trio.to_thread.run_sync(self._log.will_need, locations)
+        except OSError as exc:  # a hint: the loads read the blocks anyway
+            log.debug("read-ahead hint failed: %s", exc)
 
     async def write(self, key: BlockKey, offset: int, data: bytes | memoryview) -> None:
         """Copy `data` into the block at `offset` (zero-filling any gap); the block turns dirty.

@@ -193,3 +193,16 @@ def test_read_many_reads_neighbours_in_spans_and_still_checks_every_record(tmp_p
     with pytest.raises(Corrupted, match="is not"):
         log.read_many([(BlockKey(3, 5), locs[5]), (BlockKey(3, 99), locs[6])])  # a key that is not there
     log.close()
+
+
+def test_will_need_gives_one_hint_per_run_of_neighbouring_records(tmp_path: Path) -> None:
+    log = NvmeLog.open(str(tmp_path), segment_bytes=1 << 20)
+    near = log.append_many([(BlockKey(1, i), bytes([i]) * 1000) for i in range(5)])
+    big = log.append_many([(BlockKey(2, 0), b"x" * 200_000)])
+    after = log.append_many([(BlockKey(3, 0), b"y" * 100)])  # 200 KB past near: its own run
+    assert log.will_need(near) == 1  # neighbours: one hint for all five
+    assert log.will_need([near[0], near[2], near[4], *big]) == 1  # small gaps: still one run
+    assert log.will_need([near[0], *after]) == 2
+    assert log.will_need([LogLocation(99, 0, 10)]) == 0  # a segment that is gone: skipped
+    assert log.read(near[3], BlockKey(1, 3)) == bytes([3]) * 1000  # a hint changes nothing
+    log.close()
