@@ -401,15 +401,17 @@ class NvmeLog:
                 runs[-1] = (loc.segment, runs[-1][1], end)
             else:
                 runs.append((loc.segment, loc.offset, end))
+        hints = 0
         for segment, start, end in runs:
             seg = self._acquire(segment)
             if seg is None:
-                continue
+                continue  # deleted meanwhile (compaction): nothing to read ahead
             try:
                 os.posix_fadvise(seg.fd, start, end - start, os.POSIX_FADV_WILLNEED)
+                hints += 1
             finally:
                 self._release(seg)
-        return len(runs)
+        return hints
 
     def _read_span(
         self,
