@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 DEFAULT_BLOCK_BYTES = 1024 * 1024
 PREFETCH_QUEUE = 256
 PREFETCH_CONCURRENCY = 8
+READ_PIECE_BYTES = 8 * 1024 * 1024  # what one I/O thread reads of a big get_many
 
 
 @dataclass(frozen=True)
@@ -238,7 +239,7 @@ class BlockStore(ByteRanges, Compaction):
                 loaded = await self._read_remote(cold)
                 from_log = [(k, loc) for k, loc in cold.items() if k not in loaded]
                 if from_log:
-                    payloads = await trio.to_thread.run_sync(self._log.read_many, from_log, limiter=self._io_limiter)
+                    payloads = await self._read_many(from_log)
                     loaded.update(zip((k for k, _loc in from_log), payloads, strict=True))
             finally:
                 for key in cold:
@@ -255,6 +256,35 @@ class BlockStore(ByteRanges, Compaction):
         for i, key in enumerate(keys):
             if out[i] is None and key in self._index:
                 out[i] = await self.get(key)  # was loading elsewhere, or changed meanwhile
+        return out
+
+    async def _read_many(self, records: list[tuple[BlockKey, LogLocation]]) -> list[bytearray]:
+        """`NvmeLog.read_many` of `records`, in pieces of about READ_PIECE_BYTES of
+        neighbouring records read by several I/O threads at once when there are many (a
+        dataset stream loading its blocks whole), else in one trip to a thread."""
+        if sum(loc.length for _k, loc in records) <= 2 * READ_PIECE_BYTES:
+            return await trio.to_thread.run_sync(self._log.read_many, records, limiter=self._io_limiter)
+        order = sorted(range(len(records)), key=lambda i: records[i][1])
+        pieces: list[list[int]] = [[]]
+        size = 0
+        for i in order:
+            if size >= READ_PIECE_BYTES:
+                pieces.append([])
+                size = 0
+            pieces[-1].append(i)
+            size += records[i][1].length
+        out: list[bytearray] = [bytearray()] * len(records)
+
+        async def read(piece: list[int]) -> None:
+            got = await trio.to_thread.run_sync(
+                self._log.read_many, [records[i] for i in piece], limiter=self._io_limiter
+            )
+            for i, payload in zip(piece, got, strict=True):
+                out[i] = payload
+
+        async with trio.open_nursery() as nursery:
+            for piece in pieces:
+                nursery.start_soon(read, piece)
         return out
 
     async def _load(self, key: BlockKey, location: LogLocation) -> Block | None:

@@ -9,6 +9,7 @@ import pytest
 import trio
 
 from distorefs.errors import OutOfMemory
+from distorefs.tiers import blocks as blocks_module
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.dram import DramCache
 from distorefs.tiers.metadb import MetaDb
@@ -218,4 +219,22 @@ async def test_adopting_more_than_the_budget_is_refused_without_change(tmp_path:
     assert store.owner_keys(2) == []
     assert store.statistics().dram_borrowed_bytes == 0
     assert await read_all(store, BlockKey(1, 0)) == b"kept"
+    await store.close()
+
+
+async def test_a_big_get_many_is_read_in_pieces_by_several_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(blocks_module, "READ_PIECE_BYTES", 2 * BLOCK)  # 40 blocks: 20 pieces
+    store = open_store(tmp_path, budget=64 * BLOCK)
+    for i in range(40):
+        await store.write(BlockKey(3, i), 0, bytes([i]) * BLOCK)
+    await store.close()
+    store = open_store(tmp_path, budget=64 * BLOCK)
+    keys = [BlockKey(3, i) for i in (39, *range(39), 5)]  # out of order, one twice
+    got = await store.get_many(keys)
+    assert [bytes(b.buf[: b.length]) if b is not None else None for b in got] == [
+        bytes([k.number]) * BLOCK for k in keys
+    ]
+    assert store.statistics().dram_blocks == 40
     await store.close()

@@ -206,3 +206,24 @@ def test_will_need_gives_one_hint_per_run_of_neighbouring_records(tmp_path: Path
     assert log.will_need([LogLocation(99, 0, 10)]) == 0  # a segment that is gone: skipped
     assert log.read(near[3], BlockKey(1, 3)) == bytes([3]) * 1000  # a hint changes nothing
     log.close()
+
+
+def test_read_many_spans_with_gaps_and_spans_of_many_small_records(tmp_path: Path) -> None:
+    log = NvmeLog.open(str(tmp_path), segment_bytes=4 << 20)
+    locs = [log.append(BlockKey(5, i), i.to_bytes(4, "little") * (10 + i % 7)) for i in range(600)]
+    # every other record: one span, with the records between read into scratch (a gap)
+    every_other = [(BlockKey(5, i), locs[i]) for i in range(0, 40, 2)]
+    assert [bytes(p) for p in log.read_many(every_other)] == [
+        i.to_bytes(4, "little") * (10 + i % 7) for i in range(0, 40, 2)
+    ]
+    # more records in one span than one preadv takes buffers for: read whole, then cut
+    many = [(BlockKey(5, i), locs[i]) for i in range(600)]
+    got = log.read_many(many)
+    assert [bytes(p) for p in got] == [i.to_bytes(4, "little") * (10 + i % 7) for i in range(600)]
+    with open(tmp_path / segment_name(locs[20].segment), "r+b") as f:  # damage one record of each kind of span
+        f.seek(locs[20].offset + HEADER.size)
+        f.write(b"\xff")
+    for records in (every_other, many):
+        with pytest.raises(Corrupted, match="crc32c mismatch"):
+            log.read_many(records)
+    log.close()
