@@ -331,6 +331,22 @@ class StagedFile(io.BufferedWriter):
         self.adopted = False
         self.fallback_reason = ""
 
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is not None:
+            self.abandon()  # a save that raised: the file stays as its open left it (empty)
+        else:
+            self.close()
+
+    def abandon(self) -> None:
+        """Close without handing anything over: the target keeps what its open left it
+        (empty). What `with` does when the block raises."""
+        if self.closed:
+            return
+        os.close(self._target)
+        self._target = -1
+        with contextlib.suppress(OSError):  # unwritten buffered bytes are dropped with the memfd
+            super().close()
+
     @property
     def path(self) -> str:
         """A path to the staged bytes, for writers that take a path (see `staged_path`)."""

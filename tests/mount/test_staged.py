@@ -179,6 +179,18 @@ def test_torch_save_and_safetensors_through_staged_files(mounted: Mount, scratch
             assert torch.equal(loaded[name], tensor)
 
 
+def test_a_save_that_raises_leaves_the_file_empty_not_half_written(mounted: Mount, scratch: Path) -> None:
+    path = scratch / "step-9.pt"
+    path.write_bytes(b"the previous checkpoint")
+    f = staged(client.staged_open(path))
+    f.write(b"the first half of a checkpoint")
+    # what `with` does when its block raises (a save that meets CUDA out of memory half-way)
+    f.__exit__(RuntimeError, RuntimeError("CUDA out of memory"), None)
+    assert not f.adopted
+    assert f.closed
+    assert path.read_bytes() == b""  # truncated by the open, as open(path, "wb") would leave it
+
+
 def test_an_empty_staged_file(mounted: Mount, scratch: Path) -> None:
     path = scratch / "empty.bin"
     path.write_bytes(b"old")
