@@ -38,6 +38,9 @@ class BlockTierBase:
     async def write(self, key: BlockKey, offset: int, data: bytes | memoryview) -> None:
         raise NotImplementedError
 
+    async def write_whole(self, key: BlockKey, data: bytes) -> None:
+        raise NotImplementedError
+
     async def truncate(self, key: BlockKey, length: int) -> None:
         raise NotImplementedError
 

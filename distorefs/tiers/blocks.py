@@ -150,7 +150,7 @@ class BlockStore(ByteRanges, Compaction):
         if self._remote is None or key.owner not in self._spillable:
             return
         location = self._index.get(key)
-        if location is not None and location.length == block.length and not isinstance(block.buf, memoryview):
+        if location is not None and location.length == block.length and isinstance(block.buf, bytearray):
             self._remote.offer(key, location, block.buf)  # (a borrowed block is a file's: never spilled)
 
     def remote_bytes(self, owner: int) -> int:
@@ -383,11 +383,27 @@ class BlockStore(ByteRanges, Compaction):
         if end > self.block_bytes:
             raise ValueError(f"write to {key} ends at {end}, past the block size {self.block_bytes}")
         block = await self._writable(key, end)
+        buf = block.buf
+        assert isinstance(buf, bytearray)  # _writable gave it a buffer of its own
         if offset > block.length:
-            block.buf[block.length : offset] = bytes(offset - block.length)
-        block.buf[offset:end] = data
+            buf[block.length : offset] = bytes(offset - block.length)
+        buf[offset:end] = data
         if end > block.length:
             block.length = end
+        self._mark_dirty(key, block)
+
+    async def write_whole(self, key: BlockKey, data: bytes) -> None:
+        """A write that replaces the whole block with `data` (a 1 MiB write at a block's
+        start, as FUSE hands it over): `data` itself becomes the block's buffer, with no
+        copy and nothing read from the log first; the block turns dirty. Its first
+        partial change copies it (`bytes` cannot change)."""
+        if len(data) != self.block_bytes:
+            raise ValueError(f"write_whole of {len(data)} bytes to {key}: a block is {self.block_bytes}")
+        while not self._dram.make_room(len(data)):
+            await self._wait_for_room()
+        self._uncache(key)
+        block = Block(data, len(data), dirty=False)
+        self._dram.insert(key, block)
         self._mark_dirty(key, block)
 
     async def put(self, key: BlockKey, data: bytes | bytearray | memoryview) -> None:
@@ -497,7 +513,7 @@ class BlockStore(ByteRanges, Compaction):
             want = capacity_for(max(end, length), self.block_bytes)
             # A flush writing the old buffer from a thread, or a borrowed (read-only) buffer:
             # the change goes to a copy.
-            frozen = block is not None and (id(block) in self._frozen or block.borrowed)
+            frozen = block is not None and (id(block) in self._frozen or not block.writable)
             need = want if frozen else max(0, want - have)
             if need and not self._dram.make_room(need):
                 await self._wait_for_room()

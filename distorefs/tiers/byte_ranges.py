@@ -70,8 +70,11 @@ class ByteRanges(BlockTierBase):
         """Write `data` at `offset` of `owner`'s content, block by block, into DRAM."""
         if offset < 0:
             raise InvalidArgument(f"negative offset {offset}")
-        view = memoryview(data)
         bb = self.block_bytes
+        if type(data) is bytes and len(data) == bb and offset % bb == 0:
+            await self.write_whole(BlockKey(owner, offset // bb), data)  # the request's bytes, kept
+            return
+        view = memoryview(data)
         pos = 0
         while pos < len(view):
             at = offset + pos
@@ -136,7 +139,7 @@ class ByteRanges(BlockTierBase):
         for piece in pieces:
             by_block.setdefault(piece[0], []).append(piece)
         view = memoryview(out)
-        copies: list[tuple[bytearray | memoryview, int, int, int]] = []
+        copies: list[tuple[bytearray | memoryview | bytes, int, int, int]] = []
         parts: list[tuple[LogLocation, int, memoryview]] = []
         spans: list[tuple[int, bytearray, list[tuple[int, int, int, int]]]] = []  # span start, buffer, pieces
         part_pieces: list[list[tuple[int, int, int, int]]] = []  # what each part serves, for retries

@@ -9,7 +9,8 @@ are valid. Buffers are replaced when they grow, never resized
 in place, so a memoryview handed to the kernel reply never sees a resize. A *borrowed*
 block's buffer is a read-only memoryview of memory the daemon took over whole (a staged
 checkpoint's sealed memfd, see BlockStore.adopt): it is never written in place; the
-first change copies it into a bytearray of its own.
+first change copies it into a bytearray of its own. So is a block whose buffer is the
+`bytes` of a write that covered it whole (BlockStore.write_whole).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class Block:
 
     __slots__ = ("buf", "length", "dirty", "version")
 
-    def __init__(self, buf: bytearray | memoryview, length: int, dirty: bool) -> None:
+    def __init__(self, buf: bytearray | memoryview | bytes, length: int, dirty: bool) -> None:
         self.buf = buf
         self.length = length
         self.dirty = dirty
@@ -41,7 +42,14 @@ class Block:
 
     @property
     def borrowed(self) -> bool:
+        """Memory the daemon took over whole (a staged file's memfd): let go once logged."""
         return isinstance(self.buf, memoryview)
+
+    @property
+    def writable(self) -> bool:
+        """Whether the buffer may be changed in place (not borrowed, not a whole-block
+        write's own `bytes`, see BlockStore.write_whole)."""
+        return isinstance(self.buf, bytearray)
 
 
 SMALL_BLOCK_BYTES = 64 * 1024

@@ -238,3 +238,28 @@ async def test_a_big_get_many_is_read_in_pieces_by_several_threads(
     ]
     assert store.statistics().dram_blocks == 40
     await store.close()
+
+
+async def test_a_whole_block_write_keeps_the_requests_bytes_and_a_later_change_copies_them(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    data = os.urandom(BLOCK)
+    await store.write_range(4, 0, data)  # a whole block at its start: kept as it came
+    block = await store.get(BlockKey(4, 0))
+    assert block is not None
+    assert block.buf is data
+    await store.write_range(4, BLOCK + 10, b"tail")  # not whole: written into a block of its own
+    await store.write_range(4, 3, b"xyz")  # a change: into a copy (bytes cannot change)
+    block = await store.get(BlockKey(4, 0))
+    assert block is not None
+    assert block.buf is not data
+    assert await read_all(store, BlockKey(4, 0)) == data[:3] + b"xyz" + data[6:]
+    await store.close()
+
+    store = open_store(tmp_path)  # the log has both blocks
+    misses = store.statistics().dram_misses
+    again = os.urandom(BLOCK)
+    await store.write_range(4, BLOCK, again)  # a whole overwrite of a block only in the log: not read first
+    assert store.statistics().dram_misses == misses
+    assert await read_all(store, BlockKey(4, 1)) == again
+    assert await read_all(store, BlockKey(4, 0)) == data[:3] + b"xyz" + data[6:]
+    await store.close()
