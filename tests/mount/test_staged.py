@@ -191,6 +191,20 @@ def test_a_save_that_raises_leaves_the_file_empty_not_half_written(mounted: Moun
     assert path.read_bytes() == b""  # truncated by the open, as open(path, "wb") would leave it
 
 
+def test_a_staged_file_into_weights_goes_through_the_mount_and_publishes(mounted: Mount) -> None:
+    model = mounted.path / "weights" / "staged-model"
+    model.mkdir()
+    try:
+        with client.staged_open(model / "params.bin") as f:
+            f.write(b"v1 weights")
+        assert not staged(f).adopted  # weights files are not tree files: the daemon says EROFS
+        assert staged(f).fallback_reason.startswith("EROFS")
+        assert (model / "params.bin").read_bytes() == b"v1 weights"
+        assert (model / "version").read_text().split()[0] == "1"  # published once, at the close
+    finally:
+        subprocess.run(["rm", "-rf", str(model)], check=False)
+
+
 def test_an_empty_staged_file(mounted: Mount, scratch: Path) -> None:
     path = scratch / "empty.bin"
     path.write_bytes(b"old")
