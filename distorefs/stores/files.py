@@ -506,8 +506,8 @@ class FileStore:
         inode = self._regular(ino)
         if len(view) > MAX_FILE_BYTES:
             raise FileTooLarge(f"{len(view)} bytes is past {MAX_FILE_BYTES}")
-        self._blocks.check_room(len(view))
-        await self._truncate(inode, 0)
+        await self._blocks.make_room_for(len(view))  # before anything changes
+        await self._truncate(inode, 0)  # (no await inside for a cut to 0: the room stays)
         await self._blocks.adopt(ino, view)
         inode.size = len(view)
         inode.mtime_ns = inode.ctime_ns = time.time_ns()

@@ -428,13 +428,7 @@ class BlockStore(ByteRanges, Compaction):
         size = len(view)
         if self.owner_keys(owner):
             raise ValueError(f"adopt: owner {owner} still has blocks")
-        self.check_room(size)
-        for attempt in range(2):
-            if self._dram.make_room(size):
-                break
-            if attempt or not self._dram.dirty_bytes:
-                raise self._no_room(size)
-            await self._wait_for_room()
+        await self.make_room_for(size)
         bb = self.block_bytes
         for number, start in enumerate(range(0, size, bb)):
             part = view[start : start + bb]
@@ -442,6 +436,19 @@ class BlockStore(ByteRanges, Compaction):
             block = Block(part, len(part), dirty=False)
             self._dram.insert(key, block)
             self._mark_dirty(key, block)
+
+    async def make_room_for(self, size: int) -> None:
+        """Evict clean blocks until `size` more bytes fit in the DRAM budget, after one
+        wait for the flusher when dirty blocks are in the way; OutOfMemory, with nothing
+        held for the caller, when they still do not fit."""
+        self.check_room(size)
+        for attempt in range(2):
+            if self._dram.make_room(size):
+                return
+            if attempt or not self._dram.dirty_bytes:
+                break
+            await self._wait_for_room()
+        raise self._no_room(size)
 
     def check_room(self, size: int) -> None:
         """OutOfMemory when `size` bytes could not fit in the DRAM budget even with every
