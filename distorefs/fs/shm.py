@@ -31,6 +31,7 @@ from collections.abc import Callable
 import numpy as np
 
 from distorefs.errors import AccessDenied, InvalidArgument, NotFound, NotPermitted, NotSupported, OutOfMemory, TryAgain
+from distorefs.fs.procs import thread_group
 
 log = logging.getLogger(__name__)
 
@@ -249,24 +250,15 @@ def parse_fd(value: bytes) -> int:
     return int(text)
 
 
-def _thread_group(pid: int) -> int:
-    """The process of thread `pid` (FUSE names the calling thread)."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Tgid:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    raise NotFound(f"process {pid} is gone")
-
-
 def _take_fd(pid: int, fd: int) -> int:
     """A duplicate of process `pid`'s descriptor `fd` (pidfd_getfd: the same open file,
     never re-opened, so a path or a device cannot be slipped in). NotPermitted when this
     daemon may not reach into that process (not root, or another user's)."""
     libc = ctypes.CDLL(None, use_errno=True)
-    pidfd = os.pidfd_open(_thread_group(pid))
+    try:
+        pidfd = os.pidfd_open(thread_group(pid))
+    except ProcessLookupError:
+        raise NotFound(f"process {pid} is gone") from None
     try:
         got = libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
         if got < 0:

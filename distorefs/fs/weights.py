@@ -39,6 +39,7 @@ import trio
 
 from distorefs.errors import CrossDevice, Exists, NotFound, NotPermitted, ReadOnly, Stale
 from distorefs.fs.buffers import run_waiting
+from distorefs.fs.procs import process_exiting, thread_group
 from distorefs.fs.virtual import (
     Access,
     ControlFile,
@@ -52,33 +53,9 @@ from distorefs.fs.virtual import (
 from distorefs.stores.files import RENAME_NOREPLACE
 from distorefs.stores.weights import RESERVED_NAMES, Model, WeightFile, WeightStore, check_file_name
 
-PF_EXITING = 0x4
 FILE_ATTR_CACHE_S = 3600.0  # a version's inode never changes
 WRITER_RETRY_S = 2.0  # a writer sent back from a shared inode looks up again within this
 MAX_WRITER_RETRIES = 1024
-
-
-def thread_group(pid: int) -> int:
-    """The process (thread group) of thread `pid`; `pid` itself if /proc cannot say."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Tgid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return pid
-
-
-def process_exiting(tgid: int) -> bool:
-    """True when process `tgid` is gone or exiting (killed, crashed, or exit() with the
-    file still open): its closes are not the writer's own."""
-    try:
-        with open(f"/proc/{tgid}/stat", encoding="ascii", errors="replace") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return bool(int(fields[6]) & PF_EXITING)
-    except (OSError, IndexError, ValueError):
-        return True
 
 
 # --- handles ----------------------------------------------------------------------------
