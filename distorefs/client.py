@@ -342,8 +342,8 @@ class StagedFile(io.BufferedWriter):
         (empty). What `with` does when the block raises."""
         if self.closed:
             return
-        os.close(self._target)
-        self._target = -1
+        target, self._target = self._target, -1
+        os.close(target)
         with contextlib.suppress(OSError):  # unwritten buffered bytes are dropped with the memfd
             super().close()
 
@@ -367,8 +367,8 @@ class StagedFile(io.BufferedWriter):
                 # process, an older daemon): the same bytes through the mount.
                 self.fallback_reason = f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}"
                 _copy_through(memfd, self._target)
-            os.close(self._target)  # the close of the file: it persists like any other
-            self._target = -1
+            target, self._target = self._target, -1
+            os.close(target)  # the close of the file: it persists like any other (errors too)
         finally:
             if self._target >= 0:
                 os.close(self._target)
@@ -412,9 +412,12 @@ def staged_open(path: str | os.PathLike[str], mode: str = "wb") -> io.BufferedWr
         raise ValueError(f"staged_open writes whole files: mode must be 'wb', got {mode!r}")
     target = os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
     try:
-        if not _on_distorefs(target):
+        memfd = -1
+        if _on_distorefs(target):
+            with contextlib.suppress(OSError):  # no memfd here: the plain file below
+                memfd = os.memfd_create("distorefs-staged", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        if memfd < 0:
             return open(target, "wb", closefd=True)  # noqa: SIM115  # the caller closes it
-        memfd = os.memfd_create("distorefs-staged", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except BaseException:
         os.close(target)
         raise
