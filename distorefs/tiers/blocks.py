@@ -399,23 +399,21 @@ class BlockStore(ByteRanges, Compaction):
         partial change copies it (`bytes` cannot change)."""
         if len(data) != self.block_bytes:
             raise ValueError(f"write_whole of {len(data)} bytes to {key}: a block is {self.block_bytes}")
-        while not self._dram.make_room(len(data)):
-            await self._wait_for_room()
-        self._uncache(key)
-        block = Block(data, len(data), dirty=False)
-        self._dram.insert(key, block)
-        self._mark_dirty(key, block)
+        await self._replace(key, Block(data, len(data), dirty=False))
 
     async def put(self, key: BlockKey, data: bytes | bytearray | memoryview) -> None:
         """Replace the block's whole content with `data` (any size up to the log's record
         limit: buffer items, not file blocks). The block turns dirty. A bytearray is taken
         over as the block's buffer (the caller must not change it afterwards); anything
         else is copied."""
-        size = len(data)
-        while not self._dram.make_room(size):
+        buf = data if isinstance(data, bytearray) else bytearray(data)
+        await self._replace(key, Block(buf, len(buf), dirty=False))
+
+    async def _replace(self, key: BlockKey, block: Block) -> None:
+        """`block` (new, clean) becomes `key`'s block in DRAM, dirty, whatever was there."""
+        while not self._dram.make_room(block.capacity_bytes):
             await self._wait_for_room()
         self._uncache(key)
-        block = Block(data if isinstance(data, bytearray) else bytearray(data), size, dirty=False)
         self._dram.insert(key, block)
         self._mark_dirty(key, block)
 
