@@ -382,11 +382,7 @@ async def test_capacity_grows_with_items_and_keeps_them(tiers: tuple[BlockStore,
 
 
 async def test_store_restores_items_priorities_and_counters(tmp_path: Path) -> None:
-    def open_tiers() -> tuple[BlockStore, MetaDb]:
-        meta = MetaDb.open(str(tmp_path / "meta.sqlite"))
-        return BlockStore(NvmeLog.open(str(tmp_path / "log")), DramCache(64 << 20), meta), meta
-
-    blocks, meta = open_tiers()
+    _log, blocks, meta = open_tiers(tmp_path)
     store = BufferStore.load(blocks, meta)
     buf = store.create("dqn", BufferConfig(capacity=4, sampler="prioritized", compression="zstd:3"))
     await buf.append([b"item-%d" % i * 100 for i in range(6)])
@@ -397,7 +393,7 @@ async def test_store_restores_items_priorities_and_counters(tmp_path: Path) -> N
     await blocks.close()
     meta.close()
 
-    blocks, meta = open_tiers()
+    _log, blocks, meta = open_tiers(tmp_path)
     store = BufferStore.load(blocks, meta)
     buf = store.get("dqn")
     assert buf.live_indices().tolist() == [3, 4, 5, 6]
@@ -579,10 +575,10 @@ def test_segment_tree_bulk_update_matches_small_updates() -> None:
 # --- log-only appends and the log's tail ------------------------------------------------
 
 
-def open_tiers(tmp_path: Path) -> tuple[NvmeLog, BlockStore, MetaDb]:
+def open_tiers(tmp_path: Path, budget: int = 64 << 20) -> tuple[NvmeLog, BlockStore, MetaDb]:
     log = NvmeLog.open(str(tmp_path / "log"))
     meta = MetaDb.open(str(tmp_path / "meta.sqlite"))
-    return log, BlockStore(log, DramCache(64 << 20), meta), meta
+    return log, BlockStore(log, DramCache(budget), meta), meta
 
 
 async def crash_and_reload(tmp_path: Path, old: tuple[NvmeLog, BlockStore, MetaDb]) -> tuple[BlockStore, BufferStore]:
@@ -684,11 +680,7 @@ async def test_tail_records_of_other_owners_are_not_adopted(tmp_path: Path) -> N
 
 
 async def test_warm_up_reads_restored_buffers_into_dram_while_they_fit_in_half_the_budget(tmp_path: Path) -> None:
-    def open_small() -> tuple[BlockStore, MetaDb]:
-        meta = MetaDb.open(str(tmp_path / "meta.sqlite"))
-        return BlockStore(NvmeLog.open(str(tmp_path / "log")), DramCache(4 << 20), meta), meta
-
-    blocks, meta = open_small()
+    _log, blocks, meta = open_tiers(tmp_path, budget=4 << 20)
     store = BufferStore.load(blocks, meta)
     small, big = store.create("small", BufferConfig()), store.create("big", BufferConfig())
     await small.append([b"s" * 1000] * 500)  # 0.5 MB: fits in half of 4 MiB
@@ -696,7 +688,7 @@ async def test_warm_up_reads_restored_buffers_into_dram_while_they_fit_in_half_t
     await blocks.close()
     meta.close()
 
-    blocks, meta = open_small()
+    _log, blocks, meta = open_tiers(tmp_path, budget=4 << 20)
     store = BufferStore.load(blocks, meta)
     assert blocks.dram_bytes(store.get("small").owner) == 0  # a restart starts cold
     assert await store.warm_up(4 << 20) == 500
