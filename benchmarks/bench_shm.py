@@ -39,6 +39,11 @@ WORKLOADS = {  # name: (item bytes, batch, sampler, capacity, fill, items per ap
 
 
 def timed(seconds: float, step: Any) -> float:
+    """Samples per second of `step` over `seconds`, after a warm-up of a quarter of that
+    (a shared-memory arena fills in the background at a session's start)."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds / 4:
+        step()
     done, started = 0, time.perf_counter()
     while time.perf_counter() - started < seconds:
         done += step()
@@ -56,10 +61,26 @@ def cpprb_rate(item: int, batch: int, sampler: str, capacity: int, fill: int, se
     return timed(seconds, lambda: len(rb.sample(batch)["obs"]))
 
 
-def sampler_rate(path: Path, transport: str, seconds: float) -> float:
-    with client.Sampler(path, transport=transport) as sampler:
+def sampler_rate(path: Path, transport: str, seconds: float, prefetch: int = 0, gather: bool = False) -> float:
+    with client.Sampler(path, transport=transport, prefetch=prefetch) as sampler:
         assert sampler.transport == transport, f"{transport} fell back to {sampler.transport}"
+        assert transport == "fuse" or sampler.shm_version == 2, f"shm version {sampler.shm_version}"
+        if gather:  # what a learner does with blob views: one contiguous array, as cpprb returns
+            return timed(seconds, lambda: len(stacked(sampler.sample())))
         return timed(seconds, lambda: len(sampler.sample()))
+
+
+def stacked(batch: list[tuple[int, float, memoryview]]) -> np.ndarray:
+    return np.stack([np.frombuffer(item, np.uint8) for _index, _weight, item in batch])
+
+
+def version1_rate(path: Path, seconds: float) -> float:
+    """Version 1 (the daemon copies each batch into a region of the client's)."""
+    channel = client._ShmChannel(str(path / "sample.shm"))
+    try:
+        return timed(seconds, lambda: len(client._decode(channel.next(), copy=False)))
+    finally:
+        channel.close()
 
 
 def _worker(path: str, seconds: float, out: Any) -> None:
@@ -87,10 +108,14 @@ def main() -> int:
                     client.append(path, [distinct[(start + k) % 8] for k in range(min(per_append, fill - start))])
                 row = {
                     "fuse": sampler_rate(path, "fuse", args.seconds),
+                    "shm_v1": version1_rate(path, args.seconds),
                     "shm": sampler_rate(path, "shm", args.seconds),
+                    "shm_prefetch2": sampler_rate(path, "shm", args.seconds, prefetch=2),
+                    "shm_gathered": sampler_rate(path, "shm", args.seconds, gather=True),
                     "cpprb": cpprb_rate(item, batch, sampler, capacity, fill, args.seconds),
                 }
-                row["shm_vs_cpprb"] = row["shm"] / row["cpprb"]
+                for key in ("shm", "shm_prefetch2", "shm_gathered"):
+                    row[f"{key}_vs_cpprb"] = row[key] / row["cpprb"]
                 row["shm_vs_fuse"] = row["shm"] / row["fuse"]
                 report[name] = {k: round(v, 2 if "_vs_" in k else 0) for k, v in row.items()}
                 if name != "DQN":

@@ -1,7 +1,9 @@
-"""distorefs.client: helpers for replay buffers that use only the files.
+"""distorefs.client: helpers for replay buffers, weights and checkpoints.
 
-Nothing here talks to the daemon other than through open/read/write on the mount, so a
-user of another language can do the same by following docs/formats.md.
+Everything here talks to the daemon through the mount (open/read/write, an xattr for
+staged files), except `Sampler(transport="shm")`, which after opening `sample.shm`
+through the mount draws over the daemon's Unix socket; a user of another language can
+do the same by following docs/formats.md.
 
 Examples:
     >>> from distorefs import client
@@ -17,14 +19,25 @@ import contextlib
 import errno
 import fcntl
 import io
+import json
 import mmap
 import os
+import socket
+import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
-from distorefs.stores.replay.formats import NPY_MAGIC, batch_length, decode_blob_batch, frame_items, npy_header
+from distorefs.stores.replay.config import parse_schema
+from distorefs.stores.replay.formats import (
+    NPY_MAGIC,
+    batch_dtype,
+    batch_length,
+    decode_blob_batch,
+    frame_items,
+    npy_header,
+)
 
 
 def append(buffer_dir: str | os.PathLike[str], items: Sequence[bytes] | np.ndarray) -> None:
@@ -116,14 +129,19 @@ class Sampler:
     (R2D2's 40 MB) move at the mount's speed. What `sample` returns is a view into that
     buffer: valid until the next call.
 
-    With `transport="shm"` the batches come through shared memory instead
-    (`sample.shm`, docs/formats.md): the daemon writes each batch into a region mapped
-    by this process, and `sample` returns a view of it, with the same format, indices,
-    weights and accounting as through the files. Where the daemon has no shared memory
-    (no /dev/shm, an older daemon, a region that does not fit the DRAM budget) it falls
-    back to the files by itself; `transport` then says "fuse". Call `close()` (or use it
-    as a context manager) to hand the region back at once; the daemon also reclaims it
-    when this process exits or is killed.
+    With `transport="shm"` the batches come through shared memory instead: the items
+    sit in an arena the daemon keeps for the buffer, mapped read-only here, and each
+    draw only says where ("Shared-memory sampling, version 2" in docs/formats.md; a blob
+    batch's items are views into the arena, a schema batch is gathered from it). Same
+    format, indices, weights and accounting as through the files. `prefetch=N` keeps N
+    more draws in flight while the caller works (as Reverb's samplers do): faster, but
+    a priority update then reaches the draws after those N. Where version 2 is not there
+    (an older daemon, a compressed buffer, a batch over 4096 items) it uses version 1
+    (the daemon copies each batch into a region of its own), and where shared memory is
+    not there at all (no /dev/shm, another node, the arena does not fit the DRAM
+    budget) it goes back to the files by itself; `transport` then says "fuse". Call
+    `close()` (or use it as a context manager) to hand everything back at once; the
+    daemon also reclaims it when this process exits or is killed.
 
     Examples:
         >>> sampler = client.Sampler("/mnt/distore/buffers/r2d2")
@@ -132,22 +150,49 @@ class Sampler:
     """
 
     def __init__(
-        self, buffer_dir: str | os.PathLike[str], batch_size: int | None = None, transport: str = "fuse"
+        self,
+        buffer_dir: str | os.PathLike[str],
+        batch_size: int | None = None,
+        transport: str = "fuse",
+        prefetch: int = 0,
     ) -> None:
         if transport not in ("fuse", "shm"):
             raise ValueError(f"transport must be 'fuse' or 'shm', got {transport!r}")
+        if not 0 <= prefetch <= MAX_PREFETCH:
+            raise ValueError(f"prefetch must be 0..{MAX_PREFETCH}, got {prefetch}")
         name = "sample" if batch_size is None else f"sample.{batch_size}"
         self.path = os.path.join(buffer_dir, name)
         self._buf = bytearray()
         self.transport = transport
+        self.shm_version: int | None = None
         self._shm: _ShmChannel | None = None
+        self._session: _ShmSession | None = None
         if transport == "shm":
+            control = os.path.join(buffer_dir, f"{name}.shm")
             try:
-                self._shm = _ShmChannel(os.path.join(buffer_dir, f"{name}.shm"))
+                self._session = _ShmSession(control, os.fspath(buffer_dir), prefetch)
+                self.shm_version = 2
             except OSError:
-                self.transport = "fuse"  # no shared-memory path here: the files it is
+                try:
+                    self._shm = _ShmChannel(control)
+                    self.shm_version = 1
+                except OSError:
+                    self.transport = "fuse"  # no shared-memory path here: the files it is
 
     def sample(self) -> Any:
+        if self._session is not None:
+            try:
+                return self._session.next()
+            except OSError as exc:
+                if exc.errno not in SESSION_GIVES_UP:
+                    raise
+                self._session.close()  # version 2 cannot serve this buffer now: version 1 or the files
+                self._session = None
+                try:
+                    self._shm = _ShmChannel(self.path + ".shm")
+                    self.shm_version = 1
+                except OSError:
+                    self.close()
         if self._shm is not None:
             try:
                 return _decode(self._shm.next(), copy=False)
@@ -161,16 +206,152 @@ class Sampler:
         return _decode(data, copy=False)
 
     def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
         if self._shm is not None:
             self._shm.close()
             self._shm = None
-            self.transport = "fuse"
+        self.transport = "fuse"
+        self.shm_version = None
 
     def __enter__(self) -> Sampler:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+MAX_PREFETCH = 8  # the daemon lets a session hold 16 batches
+SESSION_REQUEST = struct.Struct("<IIQ")  # docs/formats.md, "Shared-memory sampling, version 2"
+SESSION_REPLY = struct.Struct("<iIQQQQ")
+SESSION_ITEM_BYTES = 28  # index, weight, arena slot, length
+SESSION_MAX_BATCH = 4096
+# a session's errors after which version 1 (or the files) may still serve the buffer
+SESSION_GIVES_UP = frozenset(
+    {
+        errno.ENOMEM, errno.EOPNOTSUPP, errno.EMSGSIZE, errno.EACCES, errno.EPROTO, errno.ECONNRESET,
+        errno.ECONNREFUSED, errno.EPIPE, errno.ENOENT,
+    }
+)  # fmt: skip
+
+
+class _ShmSession:
+    """The client side of a version 2 session: the control file held open (the daemon's
+    proof that this process may sample), the socket, and the arena mapped read-only."""
+
+    def __init__(self, control: str, buffer_dir: str, prefetch: int) -> None:
+        with open(os.path.join(buffer_dir, "config"), "rb") as f:
+            schema_json = json.loads(f.read()).get("schema")
+        self._schema = parse_schema("config", schema_json) if schema_json else None
+        self._prefetch = prefetch
+        self._fd = os.open(control, os.O_RDWR | os.O_CLOEXEC)
+        self._sock: socket.socket | None = None
+        try:
+            os.write(self._fd, b"session 2\n")
+            words = os.read(self._fd, 4096).split()
+            if len(words) != 3 or words[0] != b"DSSHM2":
+                raise OSError(errno.EPROTO, f"sample.shm: not a version 2 ticket: {b' '.join(words)[:40]!r}")
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            self._sock.connect(os.fsdecode(words[1]))
+            self._sock.send(words[2])
+        except BaseException:
+            self.close()
+            raise
+        self._in_flight = 0
+        self._last_id = 0  # the batch handed out last (released by the next request)
+        self._arena_fd: int | None = None
+        self._arena_number = 0
+        self._map: mmap.mmap | None = None
+        self._mapped_slots = 0
+        self._stride = 0
+        self._reply = bytearray(SESSION_REPLY.size + SESSION_ITEM_BYTES * SESSION_MAX_BATCH + 4096)
+        self._out: np.ndarray | None = None
+
+    def next(self) -> Any:
+        sock = self._sock
+        assert sock is not None
+        try:
+            while self._in_flight <= self._prefetch:
+                sock.send(SESSION_REQUEST.pack(1, 0, self._last_id + 1))
+                self._in_flight += 1
+            size, ancdata, _flags, _addr = sock.recvmsg_into([self._reply], socket.CMSG_SPACE(4))
+        except BaseException:
+            self.close()  # a reply may still be on its way: this session is done
+            raise
+        self._in_flight -= 1
+        for level, kind, data in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                self._new_arena(int.from_bytes(data[:4], "little", signed=True))
+        if size < SESSION_REPLY.size:
+            raise OSError(errno.ECONNRESET, "sample.shm: the daemon ended the session")
+        status, count, batch_id, stride, slots, number = SESSION_REPLY.unpack_from(self._reply)
+        if status:
+            message = bytes(self._reply[SESSION_REPLY.size : size]).decode(errors="replace")
+            raise OSError(status, f"sample.shm: {message}")
+        if number != self._arena_number or stride != self._stride or slots > self._mapped_slots:
+            self._map_arena(stride, slots, number)
+        self._last_id = batch_id
+        at = SESSION_REPLY.size
+        reply = self._reply
+        indices = np.frombuffer(reply, "<i8", count, at)
+        weights = np.frombuffer(reply, "<f4", count, at + 8 * count)
+        arena_slots = np.frombuffer(reply, "<i8", count, at + 12 * count)
+        lengths = np.frombuffer(reply, "<i8", count, at + 20 * count)
+        if self._schema is None:
+            assert self._map is not None
+            view = memoryview(self._map)
+            return [
+                (index, weight, view[slot * stride : slot * stride + length])
+                for index, weight, slot, length in zip(
+                    indices.tolist(), weights.tolist(), arena_slots.tolist(), lengths.tolist(), strict=True
+                )
+            ]
+        return self._gather(indices, weights, arena_slots)
+
+    def _gather(self, indices: np.ndarray, weights: np.ndarray, arena_slots: np.ndarray) -> np.ndarray:
+        """A schema batch: the records gathered out of the arena, then `_index`/`_weight`."""
+        assert self._schema is not None
+        assert self._map is not None
+        dtype = batch_dtype(self._schema)
+        count, record = len(indices), self._schema.itemsize
+        if self._out is None or len(self._out) != count:
+            self._out = np.empty(count, dtype=dtype)
+        out = self._out
+        rows = np.frombuffer(self._map, np.uint8, self._mapped_slots * self._stride).reshape(-1, self._stride)
+        raw = out.view(np.uint8).reshape(count, dtype.itemsize)
+        if record >= 4096:  # big records: one copy each, straight into the batch
+            for k, slot in enumerate(arena_slots.tolist()):
+                raw[k, :record] = rows[slot, :record]
+        else:
+            raw[:, :record] = rows[arena_slots, :record]
+        out["_index"] = indices
+        out["_weight"] = weights
+        return out
+
+    def _new_arena(self, fd: int) -> None:
+        if self._arena_fd is not None:
+            os.close(self._arena_fd)
+        self._arena_fd = fd
+        self._mapped_slots = 0  # map it on the reply's numbers
+
+    def _map_arena(self, stride: int, slots: int, number: int) -> None:
+        if self._arena_fd is None:
+            raise OSError(errno.EPROTO, "sample.shm: a batch in an arena the daemon did not send")
+        self._map = mmap.mmap(self._arena_fd, stride * slots, prot=mmap.PROT_READ)  # the old map goes with its views
+        self._stride, self._mapped_slots, self._arena_number = stride, slots, number
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if getattr(self, "_arena_fd", None) is not None:
+            assert self._arena_fd is not None
+            os.close(self._arena_fd)
+            self._arena_fd = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class _ShmChannel:

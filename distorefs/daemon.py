@@ -30,6 +30,7 @@ from distorefs.fs.buffers import BuffersDir
 from distorefs.fs.datasets import DatasetsDir
 from distorefs.fs.ops import FsOperations
 from distorefs.fs.shm import SharedMemory, sweep_stale
+from distorefs.fs.shm_sessions import SampleSessions
 from distorefs.fs.virtual import MountInfo, VirtualTree
 from distorefs.fs.weights import WeightsDir
 from distorefs.memory import run_memory_trim
@@ -43,6 +44,7 @@ from distorefs.stores.datasets.dataset import MIN_WINDOW_BYTES
 from distorefs.stores.datasets.store import DatasetStore
 from distorefs.stores.files import FileStore
 from distorefs.stores.owners import OwnerTable
+from distorefs.stores.replay.mirror import ArenaBudget
 from distorefs.stores.replay.store import BufferStore
 from distorefs.stores.tree import PosixTree
 from distorefs.stores.weights import WeightStore
@@ -229,6 +231,8 @@ class Daemon:
         nursery.start_soon(self.buffers.run_snapshots, config.snapshot_interval_s, name="snapshots")
         nursery.start_soon(self.buffers.warm_up, config.dram_budget_bytes, name="buffer warm-up")
         nursery.start_soon(self.datasets.run_streams, name="dataset streams")
+        if self.shared.sessions is not None:
+            nursery.start_soon(self.shared.sessions.serve, name="shm sampling sessions")
         nursery.start_soon(run_memory_trim, self._accounted_bytes, name="memory trim")
 
     def _accounted_bytes(self) -> int:
@@ -330,6 +334,9 @@ async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb) -> Dae
     virtual = VirtualTree(info, files, blocks, OwnerTable.load(meta))
     shared = SharedMemory(config.shm_dir, blocks.reserve, blocks.unreserve, config.dram_budget_bytes // 4)
     sweep_stale(config.shm_dir)
+    if shared.available:  # buffers' arenas for version 2 sessions: at most half the DRAM budget
+        arenas = ArenaBudget(blocks.reserve, blocks.unreserve, config.dram_budget_bytes // 2)
+        shared.sessions = SampleSessions(config.shm_dir, arenas)
     virtual.install(BuffersDir(virtual, buffers, shared))
     virtual.install(WeightsDir(virtual, weights, config.wait_timeout_s))
     virtual.install(DatasetsDir(virtual, datasets))

@@ -26,11 +26,13 @@ import numpy as np
 import trio
 
 from distorefs.errors import (
+    Busy,
     DistorefsError,
     FileTooLarge,
     Interrupted,
     InvalidArgument,
     NotFound,
+    NotSupported,
     ReadOnly,
 )
 from distorefs.fs.shm import SLOTS as SHM_SLOTS
@@ -303,6 +305,7 @@ class StreamHandle(VirtualHandle):
 
 
 SHM_MAGIC = b"DSSHM1"
+SHM_SESSION_MAGIC = b"DSSHM2"
 SHM_READ_BYTES = 512  # a read of sample.shm must take at least this much (one descriptor line)
 SHM_INPUT_BYTES = 64 * 1024
 SHM_INLINE_COPY_BYTES = 4 << 20  # bigger batches (over ~0.4 ms of copying) go into their slot from a thread
@@ -330,6 +333,7 @@ class ShmSampleHandle(VirtualHandle):
         self._region: Region | None = None  # the newest; older ones close once their slots are back
         self._next_id = 0
         self._input = bytearray()
+        self._ticket: bytes | None = None  # version 2: the session this open asked for
 
     def opened_by(self, uid: int, gid: int) -> None:
         self._owner = (uid, gid)
@@ -375,6 +379,10 @@ class ShmSampleHandle(VirtualHandle):
                 self._buffer,
                 InvalidArgument(f"buffers/{self._buffer.name}/sample.shm: read at least {SHM_READ_BYTES} bytes"),
             )
+        sessions = self._shared.sessions
+        if self._ticket is not None and sessions is not None:
+            await trio.lowlevel.checkpoint()
+            return b"%s %s %s\n" % (SHM_SESSION_MAGIC, sessions.path.encode(), self._ticket)
         region = self._region
         if region is not None and len(region.held) == SHM_SLOTS:
             raise no_room(SHM_SLOTS)  # before the draw: nothing is counted
@@ -385,7 +393,9 @@ class ShmSampleHandle(VirtualHandle):
         )
 
     async def write(self, offset: int, data: bytes) -> int:
-        """`release <slot> [<slot> ...]` lines give slots back; an unknown slot is EINVAL."""
+        """`release <slot> [<slot> ...]` lines give slots back; an unknown slot is EINVAL.
+        `session 2` asks for a version 2 session: reads return its ticket from then on
+        (ENOTSUP where the daemon has none, EBUSY for a second one)."""
         await trio.lowlevel.checkpoint()
         if len(self._input) + len(data) > SHM_INPUT_BYTES:
             self._input.clear()
@@ -396,6 +406,9 @@ class ShmSampleHandle(VirtualHandle):
         for line in lines:
             words = line.split()
             if not words:
+                continue
+            if words == [b"session", b"2"]:
+                self._start_session()
                 continue
             if words[0] != b"release" or not all(w.isdigit() for w in words[1:]):
                 raise _recorded(
@@ -408,6 +421,15 @@ class ShmSampleHandle(VirtualHandle):
             for word in words[1:]:
                 self._release(int(word))
         return len(data)
+
+    def _start_session(self) -> None:
+        sessions = self._shared.sessions
+        name = f"buffers/{self._buffer.name}/sample.shm"
+        if sessions is None or not sessions.available:
+            raise NotSupported(f"{name}: this daemon has no shared-memory sampling sessions")
+        if self._ticket is not None:
+            raise Busy(f"{name}: this open has its session already (open the file again for another)")
+        self._ticket = sessions.issue(self._buffer, self._count, self._owner[0])
 
     def _release(self, slot_id: int) -> None:
         held = self._slots.pop(slot_id, None)
@@ -422,6 +444,8 @@ class ShmSampleHandle(VirtualHandle):
 
     async def release(self) -> None:
         await trio.lowlevel.checkpoint()
+        if self._ticket is not None and self._shared.sessions is not None:
+            self._shared.sessions.revoke(self._ticket)
         for region, _slot in list(self._slots.values()):
             region.close()
         if self._region is not None:

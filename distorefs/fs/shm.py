@@ -27,11 +27,15 @@ import os
 import secrets
 import stat
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from distorefs.errors import AccessDenied, InvalidArgument, NotFound, NotPermitted, NotSupported, OutOfMemory, TryAgain
 from distorefs.fs.procs import thread_group
+
+if TYPE_CHECKING:
+    from distorefs.fs.shm_sessions import SampleSessions
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +209,7 @@ class SharedMemory:
         self._unreserve = unreserve
         self.limit_bytes = limit_bytes
         self.regions: set[Region] = set()
+        self.sessions: SampleSessions | None = None  # version 2's socket (fs/shm_sessions.py), once it listens
 
     @property
     def available(self) -> bool:

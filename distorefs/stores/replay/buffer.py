@@ -28,13 +28,14 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 import trio
 import zstandard
 
-from distorefs.errors import FileTooLarge, InvalidArgument, NotFound, TryAgain
+from distorefs.errors import FileTooLarge, InvalidArgument, NotFound, NotSupported, OutOfMemory, TryAgain
 from distorefs.news import Outbox
 from distorefs.stores.replay.config import BufferConfig
 from distorefs.stores.replay.draws import (
@@ -47,6 +48,7 @@ from distorefs.stores.replay.draws import (
     importance_weights,
 )
 from distorefs.stores.replay.formats import MAX_ITEM_BYTES
+from distorefs.stores.replay.mirror import INLINE_BYTES, Mirror, stride_for
 from distorefs.stores.replay.rate_limiter import RateLimiter
 from distorefs.stores.replay.removers import make_remover
 from distorefs.stores.replay.samplers import make_sampler
@@ -59,6 +61,17 @@ from distorefs.types import BlockKey
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+@dataclass
+class MirroredBatch:
+    """A batch drawn for a shared-memory sampler: where its items sit in the arena."""
+
+    mirror: Mirror
+    indices: np.ndarray  # int64
+    weights: np.ndarray  # float32
+    arena_slots: np.ndarray  # int64
+    lengths: np.ndarray  # int64, each item's bytes
 
 
 async def _as_is(batch: Batch) -> Batch:
@@ -116,6 +129,7 @@ class ReplayBuffer:
         self._changed = trio.Event()
         self._snapshot_dirty = False
         self._snapshot: bytes | None = None  # the last staged snapshot (its own row, see stage_snapshot)
+        self.mirror: Mirror | None = None  # the items in shared memory, once a sampler asked (mirror.py)
         self._apply_config(config, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64))
 
     # --- layout ---------------------------------------------------------------------
@@ -124,6 +138,7 @@ class ReplayBuffer:
         self, config: BufferConfig, indices: np.ndarray, priorities: np.ndarray, times: np.ndarray, sizes: np.ndarray
     ) -> None:
         """(Re)build the ring for `config` holding the given live items."""
+        self.close_mirror()  # its ring layout was the old config's
         self.config = config
         self._config_json = config.dumps()  # the row carries it on every append: once here
         self.limiter = RateLimiter.from_config(config)
@@ -292,6 +307,7 @@ class ReplayBuffer:
                 await self._blocks.put(self.key(first + k), data)  # bytes first ...
             sizes = [len(item) for item in items[at : at + count]]
             self._publish(first, sizes)  # ... then samplers may see the indices
+            self._mirror_place(np.arange(first, first + count, dtype=np.int64), chunk)
             added.extend(range(first, first + count))
             at += count
         self._snapshot_dirty = True
@@ -369,8 +385,11 @@ class ReplayBuffer:
 
     def _drop_items(self, indices: np.ndarray | list[int]) -> None:
         """Delete these items' bytes from the block tier and count them removed."""
-        for index in np.asarray(indices, dtype=np.int64).tolist():
+        as_array = np.asarray(indices, dtype=np.int64)
+        for index in as_array.tolist():
             self._blocks.delete(self.key(index))
+        if self.mirror is not None:
+            self.mirror.forget(as_array)
         self.removed += len(indices)
 
     def delete_item(self, index: int) -> None:
@@ -418,6 +437,7 @@ class ReplayBuffer:
             raise NotFound(f"buffers/{self.name}: item {index} left while it was written")
         self._size[slot] = len(data)
         await self._blocks.put(self.key(index), stored)
+        self._mirror_place(np.array([index], dtype=np.int64), [data])
 
     # --- priorities -------------------------------------------------------------------
 
@@ -472,30 +492,146 @@ class ReplayBuffer:
         if self._spread is not None:
             return await place(await self._spread.sample(count, nonblocking))
         drawn = await self.pick(count, nonblocking)
-        weights = importance_weights(
-            drawn.probabilities, len(drawn.indices), self.size, self._tree.min / max(self._tree.total, 1e-300),
-            self.config.beta,
-        )  # fmt: skip
+        weights = self._weights(drawn.probabilities, len(drawn.indices))
         placed = await place(
             Batch(encode_batch(self.config, drawn.payloads, drawn.indices, weights), drawn.indices, weights)
         )
         self.commit(drawn.indices)
         return placed
 
-    async def pick(self, count: int, nonblocking: bool = False) -> Drawn:
-        """Pick `count` items of this shard: their indices, their sampling probabilities
-        within it (None where the sampler is not prioritized) and their bytes. Nothing is
-        counted: `commit` does that once the batch is handed out."""
+    def _weights(self, probabilities: np.ndarray | None, count: int) -> np.ndarray:
+        return importance_weights(
+            probabilities, count, self.size, self._tree.min / max(self._tree.total, 1e-300), self.config.beta
+        )
+
+    async def _pick_slots(self, count: int, nonblocking: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """Wait for the rate limiter, then pick `count` ring slots (and their
+        probabilities: None where the sampler is not prioritized). Nothing is counted."""
         await self._wait_until(
             lambda: self.limiter.can_sample(self.size, self.inserts, self.samples, count),
             nonblocking,
             f"sample of {count}",
             writer=False,
         )
-        slots, probabilities = self._sampler.pick(self, count, self._rng)
+        return self._sampler.pick(self, count, self._rng)
+
+    async def pick(self, count: int, nonblocking: bool = False) -> Drawn:
+        """Pick `count` items of this shard: their indices, their sampling probabilities
+        within it (None where the sampler is not prioritized) and their bytes. Nothing is
+        counted: `commit` does that once the batch is handed out."""
+        slots, probabilities = await self._pick_slots(count, nonblocking)
         indices = self._slot_index[slots].copy()
         payloads = await self._payloads(indices)
         return Drawn(indices, probabilities, payloads)
+
+    # --- the shared-memory mirror (mirror.py) -------------------------------------------
+
+    def open_mirror(self, reserve: Callable[[int], bool], unreserve: Callable[[int], None]) -> Mirror:
+        """The buffer's items in a shared-memory arena (made on the first call; items
+        come in as appended and, older ones, at their first draw). ENOTSUP for buffers
+        whose items are not kept as they are (compression) or live on several nodes."""
+        if self.mirror is not None:
+            return self.mirror
+        if self._zstd_level is not None:
+            raise NotSupported(f"buffers/{self.name}: compressed items have no shared-memory copy")
+        if self._spread is not None:
+            raise NotSupported(f"buffers/{self.name}: a buffer spread over nodes has no shared-memory copy")
+        item_bytes = self.config.itemsize
+        if item_bytes is None:  # blobs: slots as big as the biggest item now (a bigger one is left out)
+            item_bytes = int(self._size.max()) if self.size else 0
+        if item_bytes == 0:
+            raise TryAgain(f"buffers/{self.name}: no items yet to size the shared-memory copy for")
+        self.mirror = Mirror(self.config.capacity, stride_for(item_bytes), reserve, unreserve)
+        return self.mirror
+
+    def close_mirror(self) -> None:
+        """Drop the arena (a reconfiguration, a deletion, the daemon stopping); samplers
+        holding views of it keep them readable, and open a new one if they go on."""
+        if getattr(self, "mirror", None) is not None:
+            assert self.mirror is not None
+            self.mirror.close()
+            self.mirror = None
+
+    def _mirror_place(self, indices: np.ndarray, items: Sequence[bytes | bytearray]) -> None:
+        """Copy items that are live now into the arena (not ones a newer append replaced)."""
+        if self.mirror is None:
+            return
+        live = self._slot_index[indices % self.config.capacity] == indices
+        if not live.all():
+            indices, items = indices[live], [item for item, ok in zip(items, live.tolist(), strict=True) if ok]
+        self.mirror.place(indices, items)
+
+    async def _fill_mirror(self, mirror: Mirror, indices: np.ndarray) -> None:
+        """Bring drawn items that are not in the arena in (read from the block tier; big
+        ones copied from a thread). Items that cannot come in stay out."""
+        blocks = await self._blocks.get_many([self.key(i) for i in indices.tolist()])
+        for index, block in zip(indices.tolist(), blocks, strict=True):
+            if block is None or mirror.closed:
+                continue
+            arena_slot = mirror.reserve_slot(block.length)
+            if arena_slot is None:
+                continue
+            view = memoryview(block.buf)[: block.length]
+            if block.length > INLINE_BYTES:
+                await trio.to_thread.run_sync(mirror.copy_into, arena_slot, view)
+            else:
+                mirror.copy_into(arena_slot, view)
+            if self._slot_index[index % self.config.capacity] == index and not mirror.closed:
+                mirror.commit_slot(index, arena_slot)
+            else:
+                mirror.abandon_slot(arena_slot)  # it left meanwhile
+
+    async def fill_mirror(self, mirror: Mirror, step_bytes: int = 1 << 20) -> int:
+        """Bring every live item that is not in the arena yet in, about `step_bytes` per
+        trip through the event loop (a session starts this once, beside its draws); stops
+        when the arena is full or replaced. Returns how many came in."""
+        missing = self.live_indices()
+        missing = missing[mirror.ring[missing % self.config.capacity] < 0]
+        sizes = self._size[missing % self.config.capacity]
+        placed, at = 0, 0
+        while at < len(missing) and not mirror.closed:
+            end = at + 1 + int(np.searchsorted(np.cumsum(sizes[at:]), step_bytes))
+            before = mirror.free_slots()
+            await self._fill_mirror(mirror, missing[at:end])
+            placed += max(0, before - mirror.free_slots())
+            at = end
+            if mirror.full():
+                break
+        return placed
+
+    async def draw_mirrored(
+        self, mirror: Mirror, count: int | None, nonblocking: bool, place: Callable[[MirroredBatch], Awaitable[T]]
+    ) -> T:
+        """Draw a batch as `sample` does, but hand `place` where its items sit in the
+        arena instead of their bytes; the items count as sampled once `place` returns
+        (which leases the arena slots, so they stay unchanged until released). ENOMEM
+        when a drawn item cannot be brought into the arena."""
+        count = count or self.config.batch_size
+        if self._spread is not None:
+            raise NotSupported(f"buffers/{self.name}: a buffer spread over nodes has no shared-memory copy")
+        for _attempt in range(3):
+            slots, probabilities = await self._pick_slots(count, nonblocking)
+            indices = self._slot_index[slots].copy()
+            arena_slots = mirror.ring[slots]
+            if (arena_slots < 0).any():
+                await self._fill_mirror(mirror, np.unique(indices[arena_slots < 0]))
+                if mirror.closed:
+                    raise TryAgain(f"buffers/{self.name}: the shared-memory copy was replaced")
+                if not (self._slot_index[slots] == indices).all():
+                    continue  # an item left during the fill: draw again (nothing was counted)
+                arena_slots = mirror.ring[slots]
+                if (arena_slots < 0).any():
+                    raise OutOfMemory(
+                        f"buffers/{self.name}: a drawn item does not fit the shared-memory copy (its slots are"
+                        f" {mirror.stride} bytes, its share of the DRAM budget is used)"
+                    )
+            batch = MirroredBatch(
+                mirror, indices, self._weights(probabilities, len(indices)), arena_slots, self._size[slots].copy()
+            )
+            placed = await place(batch)
+            self.commit(indices)
+            return placed
+        raise TryAgain(f"buffers/{self.name}: items kept leaving while a batch was drawn; try again")
 
     def shard_state(self) -> ShardState:
         """What a sharded sample needs to split a batch over shards and weigh it."""
@@ -668,5 +804,6 @@ class ReplayBuffer:
             "rate_limiter": self.limiter.state(self.size, self.inserts, self.samples, self.config.batch_size),
             "total_priority": self._tree.total,
             "errors": self.errors,
+            **({"shared_memory": self.mirror.statistics()} if self.mirror is not None else {}),
             **({"cluster": self._spread.stats_now()} if self._spread is not None else {}),
         }

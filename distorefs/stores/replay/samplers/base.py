@@ -21,6 +21,8 @@ class Ring(Protocol):
     @property
     def capacity(self) -> int: ...
 
+    next_index: int  # the index the next append gets (items 0.. were appended before)
+
     @property
     def priority_tree(self) -> SegmentTree:
         """Scaled priorities by slot (0 for empty slots)."""

@@ -12,5 +12,11 @@ class UniformSampler:
     prioritized = False
 
     def pick(self, ring: Ring, count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray | None]:
+        size = round(ring.live_tree.total)
+        if size == min(ring.next_index, ring.capacity):
+            # no holes: the live slots are exactly 0..size-1, where the tree walk would land
+            # a prefix in [k, k+1) on slot k; so take k without the walk (a third of a draw)
+            prefixes = stratified_prefixes(float(size), count, rng)
+            return np.minimum(prefixes.astype(np.int64), size - 1), None
         slots = ring.live_tree.find(stratified_prefixes(ring.live_tree.total, count, rng))
         return slots, None

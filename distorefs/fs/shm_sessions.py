@@ -1,0 +1,266 @@
+"""Sampling sessions over a Unix socket: batches as places in a shared-memory arena.
+
+Owns the socket the daemon listens on beside its shared-memory regions, the tickets
+that let a connection in, and each session's held batches. A client that opened a
+buffer's `sample.shm` through the mount (so the kernel and the daemon checked it may)
+writes `session 2` there and reads back the socket's path and a one-time ticket; it
+connects, sends the ticket, and from then on each request draws a batch whose items
+it reads straight out of the buffer's arena (stores/replay/mirror.py): the daemon sends
+where they are, never their bytes. docs/formats.md, "Shared-memory sampling, version
+2", has the wire format.
+
+Who may use a ticket is checked twice: the connecting process's uid (SO_PEERCRED,
+from the kernel, not from anything the client says) must be the uid that opened the
+control file. A session ends when its socket closes (the client exited or was killed)
+or when that open is released, and the batches it held go back to the arena then.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import errno
+import logging
+import os
+import secrets
+import socket
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+import trio
+
+from distorefs.errors import DistorefsError, InvalidArgument, NotSupported
+from distorefs.stores.replay.buffer import MirroredBatch, ReplayBuffer
+from distorefs.stores.replay.mirror import ArenaBudget, Mirror
+
+log = logging.getLogger(__name__)
+
+PREFIX = "distorefs-"
+REQUEST = struct.Struct("<IIQ")  # op, count (0: the buffer's batch_size), release every batch before this id
+RESPONSE = struct.Struct("<iIQQQQ")  # errno (0: a batch), items, batch id, stride, arena slots, arena number
+OP_DRAW = 1
+MAX_BATCH = 4096  # items in one batch through a session (a reply is one datagram of 28 bytes per item)
+MAX_HELD = 16  # batches one session may hold at once
+MAX_TICKETS = 4096
+TICKET_BYTES = 32
+HELLO_TIMEOUT_S = 5.0
+_UCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+@dataclass
+class Ticket:
+    buffer: ReplayBuffer
+    count: int | None
+    uid: int
+    cancel: trio.CancelScope = field(default_factory=trio.CancelScope)
+    used: bool = False
+
+
+@dataclass
+class _Held:
+    mirror: Mirror
+    arena_slots: np.ndarray
+
+
+class SampleSessions:
+    """The daemon's sampling socket and its sessions.
+
+    Examples:
+        >>> sessions = SampleSessions("/dev/shm", ArenaBudget(blocks.reserve, blocks.unreserve, limit))
+        >>> nursery.start_soon(sessions.serve)
+        >>> ticket = sessions.issue(buffer, None, uid)   # from a sample.shm open, after `session 2`
+        >>> sessions.revoke(ticket)                      # that open was released
+    """
+
+    def __init__(self, directory: str, budget: ArenaBudget) -> None:
+        self.path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}.sock")
+        self.budget = budget
+        self._tickets: dict[bytes, Ticket] = {}
+        self._listening = False
+        self._nursery: trio.Nursery | None = None
+        self.sessions = 0
+
+    @property
+    def available(self) -> bool:
+        return self._listening
+
+    def issue(self, buffer: ReplayBuffer, count: int | None, uid: int) -> bytes:
+        """A ticket for one session of `uid` on `buffer`; EAGAIN when too many are out."""
+        if not self._listening:
+            raise NotSupported(f"buffers/{buffer.name}/sample.shm: this daemon has no sampling socket")
+        if len(self._tickets) >= MAX_TICKETS:
+            raise DistorefsError(f"{MAX_TICKETS} shared-memory sampling sessions are open; close some first")
+        token = secrets.token_hex(TICKET_BYTES // 2).encode()
+        self._tickets[token] = Ticket(buffer, count, uid)
+        return token
+
+    def revoke(self, token: bytes) -> None:
+        """The open that asked for the ticket is gone: so is its session."""
+        ticket = self._tickets.pop(token, None)
+        if ticket is not None:
+            ticket.cancel.cancel()
+
+    async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen until cancelled; a session per connection. No socket (the directory is
+        not writable): sessions are off and clients stay on version 1."""
+        listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            await listener.bind(self.path)
+            os.chmod(self.path, 0o666)  # who may draw is the ticket's and SO_PEERCRED's business
+            listener.listen(128)
+        except OSError as exc:
+            log.warning("shared-memory sampling sessions are off: cannot listen on %s: %s", self.path, exc)
+            listener.close()
+            task_status.started()
+            return
+        self._listening = True
+        task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                while True:
+                    conn, _ = await listener.accept()
+                    nursery.start_soon(self._session, conn, name="shm sampling session")
+        finally:
+            self._listening = False
+            listener.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+    async def _session(self, conn: trio.socket.SocketType) -> None:
+        held: dict[int, _Held] = {}
+        ticket: Ticket | None = None
+        try:
+            with conn:
+                ticket = await self._hello(conn)
+                if ticket is None:
+                    return
+                self.sessions += 1
+                assert self._nursery is not None
+                with ticket.cancel:
+                    await _Session(conn, ticket, self.budget, held, self._nursery).run()
+        except OSError as exc:
+            log.debug("shm sampling session ended: %s", exc)
+        except Exception:  # a session's failure is its own: it never ends the daemon
+            log.exception("shm sampling session failed")
+        finally:
+            for h in held.values():
+                h.mirror.release(h.arena_slots)
+            held.clear()
+            if ticket is not None and ticket.used:
+                self.sessions -= 1
+
+    async def _hello(self, conn: trio.socket.SocketType) -> Ticket | None:
+        """The first datagram is the ticket; its owner's uid must be the peer's."""
+        with trio.move_on_after(HELLO_TIMEOUT_S):
+            token = await conn.recv(TICKET_BYTES + 1)
+            _pid, uid, _gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            ticket = self._tickets.get(token)
+            if ticket is None or ticket.used:
+                await _send_error(conn, errno.EACCES, "not a ticket this daemon gave out (or one already used)")
+                return None
+            if uid != ticket.uid:
+                log.warning("shm sampling: uid %d presented a ticket of uid %d; refused", uid, ticket.uid)
+                await _send_error(conn, errno.EACCES, "the ticket belongs to another user")
+                return None
+            ticket.used = True
+            return ticket
+        return None
+
+
+async def _fill(buffer: ReplayBuffer, mirror: Mirror) -> None:
+    try:
+        placed = await buffer.fill_mirror(mirror)
+        log.info("buffers/%s: %d items copied into the shared-memory arena", buffer.name, placed)
+    except Exception:  # draws bring items in one by one instead
+        log.exception("buffers/%s: filling the shared-memory arena failed", buffer.name)
+
+
+async def _send_error(conn: trio.socket.SocketType, code: int, message: str) -> None:
+    await conn.send(RESPONSE.pack(code, 0, 0, 0, 0, 0) + message.encode()[:1024])
+
+
+class _Session:
+    """One connection: requests in order, one reply each."""
+
+    def __init__(
+        self,
+        conn: trio.socket.SocketType,
+        ticket: Ticket,
+        budget: ArenaBudget,
+        held: dict[int, _Held],
+        nursery: trio.Nursery,
+    ) -> None:
+        self._conn = conn
+        self._nursery = nursery
+        self._ticket = ticket
+        self._budget = budget
+        self._held = held
+        self._next_id = 1
+        self._sent_mirror: Mirror | None = None
+        self._mirror_number = 0
+
+    async def run(self) -> None:
+        buffer = self._ticket.buffer
+        while True:
+            message = await self._conn.recv(REQUEST.size + 1)
+            if not message:
+                return  # the client closed (or died)
+            if len(message) != REQUEST.size:
+                await _send_error(self._conn, errno.EPROTO, f"a request is {REQUEST.size} bytes")
+                return
+            op, count, release_before = REQUEST.unpack(message)
+            if op != OP_DRAW or count > MAX_BATCH or release_before > self._next_id:
+                await _send_error(
+                    self._conn, errno.EINVAL,
+                    f"expected a draw of at most {MAX_BATCH} items releasing batches up to {self._next_id}",
+                )  # fmt: skip
+                return
+            for batch_id in [b for b in self._held if b < release_before]:
+                held = self._held.pop(batch_id)
+                held.mirror.release(held.arena_slots)
+            wanted = count or self._ticket.count or buffer.config.batch_size
+            if wanted > MAX_BATCH:
+                await _send_error(self._conn, errno.EMSGSIZE, f"a session's batch is at most {MAX_BATCH} items")
+                continue
+            if buffer.deleted:
+                await _send_error(self._conn, errno.ENOENT, f"buffers/{buffer.name} was deleted")
+                return
+            try:
+                if len(self._held) >= MAX_HELD:
+                    raise InvalidArgument(f"a session may hold {MAX_HELD} batches; release some first")
+                mirror = buffer.open_mirror(self._budget.reserve, self._budget.unreserve)
+                if not mirror.filling:
+                    mirror.filling = True
+                    self._nursery.start_soon(_fill, buffer, mirror, name="shm arena fill")
+                await buffer.draw_mirrored(mirror, count or self._ticket.count, False, self._place)
+            except DistorefsError as exc:
+                buffer.record_error(str(exc))
+                await _send_error(self._conn, exc.errno, str(exc))
+
+    async def _place(self, batch: MirroredBatch) -> None:
+        """Lease the items, then send where they are (and the arena, the first time)."""
+        mirror = batch.mirror
+        batch_id = self._next_id
+        self._held[batch_id] = _Held(mirror, mirror.lease(batch.arena_slots))
+        self._next_id += 1
+        if mirror is not self._sent_mirror:
+            self._mirror_number += 1
+        head = RESPONSE.pack(0, len(batch.indices), batch_id, mirror.stride, mirror.slots, self._mirror_number)
+        body = [
+            head,
+            batch.indices.astype("<i8", copy=False).tobytes(),
+            batch.weights.astype("<f4", copy=False).tobytes(),
+            batch.arena_slots.astype("<i8", copy=False).tobytes(),
+            batch.lengths.astype("<i8", copy=False).tobytes(),
+        ]
+        if mirror is self._sent_mirror:
+            await self._conn.sendmsg(body)
+            return
+        fd = mirror.read_only_fd()
+        try:
+            await self._conn.sendmsg(body, [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+        finally:
+            os.close(fd)
+        self._sent_mirror = mirror

@@ -1,0 +1,159 @@
+"""The shared-memory arena of a buffer (stores/replay/mirror.py), without a mount: where
+items go, that a held slot is never reused, growth against a budget, and a buffer's
+draws through it (same accounting as a plain sample)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distorefs.errors import NotSupported, OutOfMemory
+from distorefs.stores.replay.buffer import MirroredBatch, ReplayBuffer
+from distorefs.stores.replay.config import BufferConfig
+from distorefs.stores.replay.mirror import ArenaBudget, Mirror, stride_for
+from distorefs.tiers.blocks import BlockStore
+from distorefs.tiers.dram import DramCache
+from distorefs.tiers.metadb import MetaDb
+from distorefs.tiers.nvme_log import NvmeLog
+
+
+class Budget:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def reserve(self, nbytes: int) -> bool:
+        if self.used + nbytes > self.limit:
+            return False
+        self.used += nbytes
+        return True
+
+    def unreserve(self, nbytes: int) -> None:
+        self.used -= nbytes
+
+
+def item(index: int, size: int = 100) -> bytes:
+    return bytes([index % 251]) * size
+
+
+def read(mirror: Mirror, index: int, size: int = 100) -> bytes:
+    arena_slot = int(mirror.ring[index % mirror.capacity])
+    assert arena_slot >= 0
+    return bytes(mirror.rows[arena_slot, :size])
+
+
+def test_items_land_in_slots_a_reader_maps_read_only_and_leave_with_forget() -> None:
+    budget = Budget(1 << 30)
+    mirror = Mirror(capacity=10, stride=stride_for(100), reserve=budget.reserve, unreserve=budget.unreserve)
+    mirror.place(np.arange(5), [item(i) for i in range(5)])
+    assert [read(mirror, i) for i in range(5)] == [item(i) for i in range(5)]
+    assert budget.used == mirror.size_bytes > 0
+    fd = mirror.read_only_fd()
+    try:
+        with mmap.mmap(fd, mirror.size_bytes, prot=mmap.PROT_READ) as view:
+            slot = int(mirror.ring[3])
+            assert view[slot * mirror.stride : slot * mirror.stride + 100] == item(3)
+        with pytest.raises(OSError):  # read-only: a sampler cannot change the arena
+            os.write(fd, b"x")
+    finally:
+        os.close(fd)
+    mirror.forget(np.array([3, 77]))  # 77 was never here: skipped
+    assert mirror.ring[3] == -1
+    assert mirror.statistics()["items"] == 4
+    mirror.close()
+    assert budget.used == 0
+
+
+def test_a_held_slot_keeps_its_bytes_while_the_item_is_replaced_and_frees_at_release() -> None:
+    budget = Budget(1 << 30)
+    mirror = Mirror(capacity=4, stride=128, reserve=budget.reserve, unreserve=budget.unreserve)
+    mirror.place(np.arange(4), [item(i) for i in range(4)])
+    held = mirror.lease(mirror.ring[np.array([1, 1, 2])])  # item 1 drawn twice
+    old_slot = int(mirror.ring[1])
+    mirror.place(np.array([5]), [item(5)])  # index 5 takes ring slot 1 (FIFO)
+    assert int(mirror.ring[1]) != old_slot
+    assert bytes(mirror.rows[old_slot, :100]) == item(1)  # the holder still sees item 1
+    for _ in range(mirror.max_slots):  # churn: the held slot is never handed out
+        mirror.place(np.array([9]), [item(9)])
+        assert int(mirror.ring[9 % 4]) != old_slot
+    assert bytes(mirror.rows[old_slot, :100]) == item(1)
+    mirror.release(held)
+    assert mirror.held_slots() == 0
+    assert old_slot in mirror._free
+    assert mirror._free.count(old_slot) == 1
+
+
+def test_growth_stops_at_the_budget_and_items_past_it_stay_out() -> None:
+    stride = stride_for(1 << 20)
+    budget = Budget(3 * stride)
+    mirror = Mirror(capacity=100, stride=stride, reserve=budget.reserve, unreserve=budget.unreserve)
+    mirror.place(np.arange(5), [item(i, 1 << 20) for i in range(5)])
+    assert mirror.statistics()["items"] == 3
+    assert mirror.full()
+    assert (mirror.ring[3:5] == -1).all()
+    with pytest.raises(OutOfMemory):
+        mirror.lease(mirror.ring[np.array([0, 4])])
+    assert mirror.reserve_slot(stride + 1) is None  # bigger than a slot: never here
+    arenas = ArenaBudget(budget.reserve, budget.unreserve, limit_bytes=stride)
+    assert arenas.reserve(stride) is False  # the budget itself is full
+    mirror.close()
+    assert arenas.reserve(stride)
+    assert not arenas.reserve(1)  # past the arenas' own limit
+
+
+@pytest.fixture
+async def tiers(tmp_path: Path) -> AsyncIterator[tuple[BlockStore, MetaDb]]:
+    meta = MetaDb.open(str(tmp_path / "meta.sqlite"))
+    blocks = BlockStore(NvmeLog.open(str(tmp_path / "log")), DramCache(64 * 1024 * 1024), meta)
+    yield blocks, meta
+    await blocks.close()
+    meta.close()
+
+
+def make(tiers: tuple[BlockStore, MetaDb], name: str, owner: int, **config: object) -> ReplayBuffer:
+    blocks, meta = tiers
+    return ReplayBuffer(name, owner, BufferConfig().updated(name, config, has_items=False), blocks, meta)
+
+
+async def test_a_buffers_mirrored_draws_count_like_plain_samples(tiers: tuple[BlockStore, MetaDb]) -> None:
+    blocks, _meta = tiers
+    buf = make(tiers, "m", 1 << 48, capacity=8, batch_size=4)
+    await buf.append([item(i) for i in range(6)])
+    mirror = buf.open_mirror(blocks.reserve, blocks.unreserve)
+    assert buf.open_mirror(blocks.reserve, blocks.unreserve) is mirror
+    assert await buf.fill_mirror(mirror) == 6
+    got: list[MirroredBatch] = []
+
+    async def place(batch: MirroredBatch) -> None:
+        batch.mirror.lease(batch.arena_slots)
+        got.append(batch)
+
+    await buf.draw_mirrored(mirror, None, False, place)
+    [batch] = got
+    assert len(batch.indices) == 4
+    for index, arena_slot, length in zip(batch.indices, batch.arena_slots, batch.lengths, strict=True):
+        assert bytes(mirror.rows[arena_slot, :length]) == item(int(index))
+    assert buf.stats()["samples"] == 4
+    await buf.append([item(i) for i in range(6, 14)])  # a whole ring later: every held item was replaced
+    for index, arena_slot in zip(batch.indices, batch.arena_slots, strict=True):
+        assert bytes(mirror.rows[arena_slot, :100]) == item(int(index))
+    assert buf.stats()["shared_memory"]["held_slots"] == len(set(batch.arena_slots.tolist()))
+
+    async def refuse(batch: MirroredBatch) -> None:
+        raise OutOfMemory("refused")
+
+    with pytest.raises(OutOfMemory):
+        await buf.draw_mirrored(mirror, 2, False, refuse)
+    assert buf.stats()["samples"] == 4  # a refused batch counts nothing
+    buf.reconfigure({"capacity": 16})  # a new ring layout: the arena goes
+    assert mirror.closed
+    assert buf.mirror is None
+    compressed = make(tiers, "z", 2 << 48, capacity=8, compression="zstd")
+    await compressed.append([item(1)])
+    with pytest.raises(NotSupported):
+        compressed.open_mirror(blocks.reserve, blocks.unreserve)
