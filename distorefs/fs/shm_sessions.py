@@ -211,11 +211,10 @@ class _Session:
                 await _send_error(self._conn, errno.EPROTO, f"a request is {REQUEST.size} bytes")
                 return
             op, count, release_before = REQUEST.unpack(message)
-            if op != OP_DRAW or count > MAX_BATCH or release_before > self._next_id:
+            if op != OP_DRAW or release_before > self._next_id:
                 await _send_error(
-                    self._conn, errno.EINVAL,
-                    f"expected a draw of at most {MAX_BATCH} items releasing batches up to {self._next_id}",
-                )  # fmt: skip
+                    self._conn, errno.EINVAL, f"expected a draw (op 1) releasing batches up to {self._next_id}"
+                )
                 return
             for batch_id in [b for b in self._held if b < release_before]:
                 held = self._held.pop(batch_id)

@@ -225,6 +225,60 @@ def test_a_shared_memory_region_belongs_to_the_user_who_opened_sample_shm(shared
     os.chmod(b, 0o755)
 
 
+SESSION_USER = textwrap.dedent(
+    """
+    import mmap, os, socket, struct, sys
+    def session(path, ticket, draw):
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        conn.settimeout(10)
+        conn.connect(path)
+        conn.send(ticket)
+        if draw:
+            conn.send(struct.pack("<IIQ", 1, 0, 0))
+        data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 20, 1)
+        status = struct.unpack_from("<i", data)[0]
+        writable = None
+        for fd in fds:  # the arena: it maps for reading, never for writing
+            try:
+                mmap.mmap(fd, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                writable = True
+            except OSError:
+                writable = False
+            os.close(fd)
+        return status, writable
+    if sys.argv[1] == "stolen":  # root's ticket
+        print(*session(sys.argv[2], sys.argv[3].encode(), False))
+    else:  # a ticket of its own, from its own open
+        fd = os.open(sys.argv[2], os.O_RDWR)
+        os.write(fd, b"session 2\\n")
+        _magic, path, ticket = os.read(fd, 4096).split()
+        print(*session(path.decode(), ticket, True))
+        os.close(fd)
+    """
+)
+
+
+def test_a_sampling_session_is_only_for_the_user_who_opened_sample_shm(shared_mount: Mount) -> None:
+    """Version 2: a ticket works only for the uid of the open that asked for it (the
+    kernel's SO_PEERCRED, not the client's word), and the arena it gets is read-only."""
+    mount = shared_mount
+    make_objects(mount)
+    b = mount.path / "buffers" / "shared"
+    fd = os.open(b / "sample.shm", os.O_RDWR)
+    try:
+        os.write(fd, b"session 2\n")
+        _magic, path, ticket = os.read(fd, 4096).split()
+        stolen = as_user(NOBODY, SESSION_USER, "stolen", path.decode(), ticket.decode(), stdout=subprocess.PIPE)
+        assert stolen.communicate(timeout=60)[0].split() == [str(errno.EACCES), "None"]
+    finally:
+        os.close(fd)
+    os.chmod(b, 0o777)
+    own = as_user(NOBODY, SESSION_USER, "own", str(b / "sample.shm"), stdout=subprocess.PIPE)
+    assert own.communicate(timeout=60)[0].split() == ["0", "False"]
+    os.chmod(b, 0o755)
+    assert state_of(mount)["samples"] == 2  # nobody's one batch of 2; the stolen ticket drew nothing
+
+
 STAGE_INTRUDER = textwrap.dedent(
     """
     import errno, fcntl, os, sys

@@ -1,6 +1,8 @@
 """Sampling through shared memory (`sample.shm`, `client.Sampler(transport="shm")`)
-through a real mount: the same batches and accounting as the files, slots held until
-released, a killed client's region reclaimed, and the fallback to the files."""
+through a real mount, both versions: 1 (the daemon copies each batch into a region of
+the client's) and 2 (a session over the daemon's socket; the items sit in the buffer's
+arena). The same batches and accounting as the files, batches held until released, a
+killed client's memory reclaimed, hostile session input, and the fallbacks."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ import errno
 import json
 import os
 import signal
+import socket
 import stat
+import struct
 import subprocess
 import sys
 import textwrap
@@ -59,6 +63,28 @@ def wait_until(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
     return check()
 
 
+class Version1:
+    """`sample.shm` version 1 as a client speaks it (client._ShmChannel)."""
+
+    def __init__(self, path: Path) -> None:
+        self._channel = client._ShmChannel(str(path))
+
+    def sample(self) -> object:
+        return client._decode(self._channel.next(), copy=False)
+
+    def __enter__(self) -> Version1:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._channel.close()
+
+
+def arena(path: Path) -> dict[str, int]:
+    result = stats(path).get("shared_memory", {})
+    assert isinstance(result, dict)
+    return result
+
+
 def test_blob_batches_through_shared_memory_are_the_items_and_count_like_the_files(
     mounted: Mount, buffer: Path
 ) -> None:
@@ -66,10 +92,10 @@ def test_blob_batches_through_shared_memory_are_the_items_and_count_like_the_fil
     items = [bytes([i]) * (5000 + i) for i in range(20)]
     client.append(buffer, items)
     before = regions()
-    with client.Sampler(buffer, transport="shm") as sampler:
-        assert sampler.transport == "shm"
+    with Version1(buffer / "sample.shm") as sampler:
         for _ in range(10):
             batch = sampler.sample()
+            assert isinstance(batch, list)
             assert len(batch) == 8
             for index, weight, item in batch:
                 assert bytes(item) == items[index]
@@ -83,6 +109,76 @@ def test_blob_batches_through_shared_memory_are_the_items_and_count_like_the_fil
     assert wait_until(lambda: regions() == before and reserved(mounted) == 0)  # closed: gone
 
 
+def test_version2_batches_are_the_arenas_items_with_the_files_accounting(mounted: Mount, buffer: Path) -> None:
+    (buffer / "config").write_text(json.dumps({"batch_size": 8, "sampler": "prioritized"}))
+    items = [bytes([i]) * (5000 + i) for i in range(20)]
+    client.append(buffer, items)
+    client.update_priorities(buffer, [3], [50.0])  # item 3 is drawn far more often, with the smallest weight
+    with client.Sampler(buffer, transport="shm") as sampler:
+        assert (sampler.transport, sampler.shm_version) == ("shm", 2)
+        drawn = []
+        for _ in range(10):
+            batch = sampler.sample()
+            assert len(batch) == 8
+            for index, weight, item in batch:
+                assert isinstance(item, memoryview)
+                assert bytes(item) == items[index]
+                assert 0 < weight <= 1
+                drawn.append((index, weight))
+        shared = arena(buffer)
+        assert shared["arena_bytes"] >= 20 * 5024
+        assert shared["held_slots"] > 0  # the last batch, until the next draw or the close
+        assert reserved(mounted) >= shared["arena_bytes"]  # the arena counts against the DRAM budget
+    assert stats(buffer)["samples"] == 80
+    indices = [index for index, _w in drawn]
+    assert indices.count(3) > 20
+    assert min(w for i, w in drawn if i == 3) == min(w for _i, w in drawn)
+    assert wait_until(lambda: arena(buffer)["held_slots"] == 0)  # the close released the last batch
+    with client.Sampler(buffer, transport="shm", prefetch=2) as ahead:
+        for _ in range(5):
+            assert len(ahead.sample()) == 8
+    # draws in flight at the close count once the daemon answered them (at most two more)
+    assert wait_until(lambda: arena(buffer)["held_slots"] == 0)
+    assert 80 + 40 <= int(stats(buffer)["samples"]) <= 80 + 56  # type: ignore[call-overload]
+
+
+def test_version2_schema_batches_are_gathered_from_the_arena(buffer: Path) -> None:
+    (buffer / "config").write_text(json.dumps({"schema": {"x": "<i8", "y": ["u1", [7000]]}, "batch_size": 3}))
+    records = np.zeros(30, dtype=[("x", "<i8"), ("y", "u1", (7000,))])
+    records["x"] = np.arange(30) * 10
+    records["y"] = np.arange(30)[:, None]
+    client.append(buffer, records)
+    small = np.zeros(1, dtype=[("x", "<i8"), ("y", "u1", (7000,))])
+    with client.Sampler(buffer, transport="shm") as three, client.Sampler(buffer, 9, transport="shm") as nine:
+        assert three.shm_version == nine.shm_version == 2
+        for sampler, count in ((three, 3), (nine, 9), (three, 3)):
+            batch = sampler.sample()
+            assert batch.dtype.names == ("x", "y", "_index", "_weight")
+            assert len(batch) == count
+            assert (batch["x"] == batch["_index"] * 10).all()
+            assert (batch["y"] == (batch["_index"] % 256)[:, None]).all()
+            assert (batch["_weight"] == 1).all()
+        assert wait_until(lambda: arena(buffer)["items"] == 30)  # the session's start brought them all in
+        small["x"] = 7
+        client.append(buffer, small)  # appended while a session is open: in the arena at once
+        assert arena(buffer)["items"] == 31
+    assert stats(buffer)["samples"] == 15
+
+
+def test_version2_held_batches_stay_unchanged_while_the_ring_wraps_past_them(buffer: Path) -> None:
+    (buffer / "config").write_text(json.dumps({"batch_size": 4, "capacity": 8}))
+    client.append(buffer, [b"first %d" % i + b"." * 900 for i in range(8)])
+    with client.Sampler(buffer, transport="shm") as sampler:
+        held = sampler.sample()
+        copies = [(index, bytes(item)) for index, _w, item in held]
+        client.append(buffer, [b"later %d" % i + b"." * 900 for i in range(40)])  # every old item is gone
+        assert [(index, bytes(item)) for index, _w, item in held] == copies
+        assert all(item.startswith(b"first %d" % index) for index, item in copies)
+        for index, _w, item in sampler.sample():  # the next draw released the first batch
+            assert bytes(item).startswith(b"later %d" % (index - 8))
+        assert arena(buffer)["held_slots"] <= 4
+
+
 def test_schema_batches_have_index_and_weight_and_grow_into_a_new_region(mounted: Mount, buffer: Path) -> None:
     (buffer / "config").write_text(json.dumps({"schema": {"x": "<i8", "y": ["u1", [70000]]}, "batch_size": 2}))
     records = np.zeros(6, dtype=[("x", "<i8"), ("y", "u1", (70000,))])
@@ -90,12 +186,13 @@ def test_schema_batches_have_index_and_weight_and_grow_into_a_new_region(mounted
     records["y"] = np.arange(6)[:, None]
     client.append(buffer, records)
     with (
-        client.Sampler(buffer, transport="shm") as small,
-        client.Sampler(buffer, 5, transport="shm") as big,
-        client.Sampler(buffer, 70, transport="shm") as huge,  # 4.9 MB: copied into its slot from a thread
+        Version1(buffer / "sample.shm") as small,
+        Version1(buffer / "sample.5.shm") as big,
+        Version1(buffer / "sample.70.shm") as huge,  # 4.9 MB: copied into its slot from a thread
     ):
         for sampler, count in ((small, 2), (big, 5), (small, 2), (huge, 70), (huge, 70)):
             batch = sampler.sample()
+            assert isinstance(batch, np.ndarray)
             assert len(batch) == count
             assert (batch["x"] == batch["_index"] * 10).all()
             assert (batch["y"][:, 0] == batch["_index"]).all()
@@ -170,6 +267,127 @@ def test_a_client_killed_while_holding_a_batch_leaks_nothing(mounted: Mount, buf
     assert wait_until(lambda: not os.path.exists(path) and reserved(mounted) == 0)
 
 
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from distorefs import client
+    sampler = client.Sampler(sys.argv[1], transport="shm")
+    batch = sampler.sample()
+    print(sampler.shm_version, len(batch), flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_version2_a_client_killed_holding_a_batch_gives_it_back(buffer: Path) -> None:
+    (buffer / "config").write_text(json.dumps({"batch_size": 5}))
+    client.append(buffer, [b"x" * 1000] * 40)
+    child = subprocess.Popen([sys.executable, "-c", HOLDER, str(buffer)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().split() == ["2", "5"]
+        assert arena(buffer)["held_slots"] > 0
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=10)
+        if child.stdout is not None:
+            child.stdout.close()
+    assert wait_until(lambda: arena(buffer)["held_slots"] == 0)
+    assert stats(buffer)["samples"] == 5
+
+
+REQUEST = struct.Struct("<IIQ")
+REPLY = struct.Struct("<iIQQQQ")
+
+
+def ticket_for(fd: int) -> tuple[str, bytes]:
+    os.write(fd, b"session 2\n")
+    magic, path, ticket = os.read(fd, 4096).split()
+    assert magic == b"DSSHM2"
+    return path.decode(), ticket
+
+
+def reply_errno(conn: socket.socket) -> int:
+    try:
+        data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 20, 4)
+    except ConnectionResetError:
+        return -1  # closed with our request unread
+    for fd in fds:
+        os.close(fd)
+    if not data:
+        return -1  # closed
+    return int(REPLY.unpack_from(data)[0])
+
+
+def test_version2_hostile_session_input_is_refused_and_ends_only_that_session(buffer: Path) -> None:
+    (buffer / "config").write_text(json.dumps({"batch_size": 2}))
+    client.append(buffer, [b"a" * 100] * 10)
+    fd = os.open(buffer / "sample.shm", os.O_RDWR)
+    ticket_for(fd)
+    with pytest.raises(OSError) as twice:
+        os.write(fd, b"session 2\n")
+    assert twice.value.errno == errno.EBUSY
+    with pytest.raises(OSError) as closed:  # a refused write is reported again at the close
+        os.close(fd)
+    assert closed.value.errno == errno.EBUSY
+    fd = os.open(buffer / "sample.shm", os.O_RDWR)
+    try:
+        path, ticket = ticket_for(fd)
+        cases = [
+            (b"0" * 32, []),  # a ticket nobody was given
+            (ticket, [b"short", REQUEST.pack(1, 0, 0)]),  # a request of the wrong size ends the session
+        ]
+        for hello, requests in cases:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+                conn.settimeout(10)
+                conn.connect(path)
+                conn.send(hello)
+                if not requests:
+                    assert reply_errno(conn) == errno.EACCES
+                    continue
+                conn.send(requests[0])
+                assert reply_errno(conn) == errno.EPROTO
+                with contextlib.suppress(OSError):
+                    conn.send(requests[1])
+                assert reply_errno(conn) == -1
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:  # a ticket is good once
+            conn.settimeout(10)
+            conn.connect(path)
+            conn.send(ticket)
+            assert reply_errno(conn) == errno.EACCES
+    finally:
+        os.close(fd)
+    for request, code in (
+        (REQUEST.pack(1, 5000, 0), errno.EMSGSIZE),  # more than a session's batch
+        (REQUEST.pack(1, 0, 99), errno.EINVAL),  # releasing batches never handed out
+        (REQUEST.pack(7, 0, 0), errno.EINVAL),  # no such operation
+    ):
+        fd = os.open(buffer / "sample.shm", os.O_RDWR)
+        try:
+            path, ticket = ticket_for(fd)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+                conn.settimeout(10)
+                conn.connect(path)
+                conn.send(ticket)
+                conn.send(request)
+                assert reply_errno(conn) == code
+        finally:
+            os.close(fd)
+    assert stats(buffer)["samples"] == 0
+    with client.Sampler(buffer, transport="shm") as sampler:  # the daemon and the buffer are fine
+        assert sampler.shm_version == 2
+        assert len(sampler.sample()) == 2
+
+
+def test_a_compressed_buffer_samples_through_version1(buffer: Path) -> None:
+    (buffer / "config").write_text(json.dumps({"batch_size": 2, "compression": "zstd"}))
+    client.append(buffer, [b"z" * 1000] * 4)
+    with client.Sampler(buffer, transport="shm") as sampler:
+        batch = sampler.sample()
+        assert (sampler.transport, sampler.shm_version) == ("shm", 1)
+        assert [bytes(item) for _i, _w, item in batch] == [b"z" * 1000] * 2
+
+
 def test_without_shared_memory_the_sampler_falls_back_to_the_files(mount_factory: MountFactory, tmp_path: Path) -> None:
     mount = mount_factory("--shm-dir", str(tmp_path / "missing"))
     path = mount.path / "buffers" / "plain"
@@ -177,6 +395,7 @@ def test_without_shared_memory_the_sampler_falls_back_to_the_files(mount_factory
     client.append(path, [b"a", b"b", b"c"])
     with pytest.raises(FileNotFoundError):
         os.open(path / "sample.shm", os.O_RDWR)
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".sock")]
     with client.Sampler(path, transport="shm") as sampler:
         assert sampler.transport == "fuse"
         assert {bytes(item) for _i, _w, item in sampler.sample()} <= {b"a", b"b", b"c"}
@@ -202,7 +421,10 @@ def test_a_killed_daemons_regions_are_removed_at_the_next_start(mount_factory: M
 def test_regions_past_a_quarter_of_the_dram_budget_are_enomem_and_the_sampler_reads_the_files(
     mount_factory: MountFactory,
 ) -> None:
-    mount = mount_factory("--dram-budget", "64MiB")  # regions may hold 16 MiB in all
+    """Version 1's regions may hold a quarter of the DRAM budget, version 2's arenas
+    half: past that, a draw is ENOMEM and counts nothing, and the sampler goes on with
+    the next path down (version 1, then the files)."""
+    mount = mount_factory("--dram-budget", "64MiB")  # regions may hold 16 MiB in all, arenas 32 MiB
     path = mount.path / "buffers" / "big"
     path.mkdir()
     (path / "config").write_text(json.dumps({"batch_size": 5}))
@@ -217,7 +439,14 @@ def test_regions_past_a_quarter_of_the_dram_budget_are_enomem_and_the_sampler_re
     assert stats(path)["samples"] == 0  # the refused batch counts nothing
     with client.Sampler(path, transport="shm") as sampler:
         assert len(sampler.sample()) == 5
-        assert sampler.transport == "fuse"
-    assert stats(path)["samples"] == 5
-    assert reserved(mount) == 0
+        assert (sampler.transport, sampler.shm_version) == ("shm", 2)  # 6 items of 1 MB fit the arena
+        client.append(path, [bytes([i]) * 1_000_000 for i in range(6, 50)])  # 50 MB do not
+        drawn = 1
+        while sampler.transport == "shm" and drawn < 200:
+            batch = sampler.sample()
+            drawn += 1
+            assert all(bytes(item) == bytes([index]) * 1_000_000 for index, _w, item in batch)
+        assert sampler.transport == "fuse"  # arena full, version 1's regions too big: the files
+        assert int(arena(path)["arena_bytes"]) <= 32 << 20
+    assert stats(path)["samples"] == 5 * drawn
     assert mount.unmount() == 0
