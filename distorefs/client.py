@@ -300,13 +300,11 @@ class _ShmSession:
         lengths = np.frombuffer(reply, "<i8", count, at + 20 * count)
         if self._schema is None:
             assert self._map is not None
-            view = memoryview(self._map)
-            return [
-                (index, weight, view[slot * stride : slot * stride + length])
-                for index, weight, slot, length in zip(
-                    indices.tolist(), weights.tolist(), arena_slots.tolist(), lengths.tolist(), strict=True
-                )
-            ]
+            starts = arena_slots * stride
+            pieces = map(slice, starts.tolist(), (starts + lengths).tolist())
+            # (index, weight, view) tuples built by zip and map in C: no Python step per item
+            views = map(memoryview(self._map).__getitem__, pieces)
+            return list(zip(indices.tolist(), weights.tolist(), views, strict=True))
         return self._gather(indices, weights, arena_slots)
 
     def _gather(self, indices: np.ndarray, weights: np.ndarray, arena_slots: np.ndarray) -> np.ndarray:
