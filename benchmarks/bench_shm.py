@@ -35,6 +35,8 @@ WORKLOADS = {  # name: (item bytes, batch, sampler, capacity, fill, items per ap
     "DQN": (110_000, 32, "prioritized", 20_000, 3_000, 16),
     "SAC": (3_000, 256, "uniform", 200_000, 50_000, 256),
     "R2D2": (10_000_000, 4, "prioritized", 200, 60, 1),
+    # DQN as a schema buffer: the sampler gathers each batch into one array, as cpprb does
+    "DQN-schema": (110_000, 32, "prioritized", 20_000, 3_000, 16),
 }
 
 
@@ -91,21 +93,42 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--processes", default="1,2")
+    parser.add_argument("--only", default="", help="comma-separated workloads (default: all)")
     args = parser.parse_args()
+    chosen = [w for w in WORKLOADS if not args.only or w in args.only.split(",")]
     report: dict[str, Any] = {}
     base = Path(tempfile.mkdtemp(prefix="distorefs-shm-", dir="/var/tmp"))
     try:
         with mounted(base, "--dram-budget", "6GiB") as mnt:
-            for name, (item, batch, sampler, capacity, fill, per_append) in WORKLOADS.items():
+            for name in chosen:
+                item, batch, sampler, capacity, fill, per_append = WORKLOADS[name]
+                schema = name.endswith("-schema")
                 path = mnt / "buffers" / name.lower()
                 path.mkdir()
-                (path / "config").write_text(
-                    json.dumps({"capacity": capacity, "sampler": sampler, "batch_size": batch, "sample_timeout": 30})
-                )
+                config = {"capacity": capacity, "sampler": sampler, "batch_size": batch, "sample_timeout": 30}
+                if schema:
+                    config["schema"] = {"obs": ["u1", [item]]}
+                (path / "config").write_text(json.dumps(config))
                 rng = np.random.default_rng(0)
                 distinct = [rng.integers(0, 256, item, dtype=np.uint8).tobytes() for _ in range(8)]
                 for start in range(0, fill, per_append):
-                    client.append(path, [distinct[(start + k) % 8] for k in range(min(per_append, fill - start))])
+                    items = [distinct[(start + k) % 8] for k in range(min(per_append, fill - start))]
+                    if schema:
+                        client.append(path, np.frombuffer(b"".join(items), dtype=[("obs", "u1", (item,))]))
+                    else:
+                        client.append(path, items)
+                if schema:  # the sampler's arrays are what cpprb returns: no user-side gather to add
+                    row = {
+                        "fuse": sampler_rate(path, "fuse", args.seconds),
+                        "shm": sampler_rate(path, "shm", args.seconds),
+                        "shm_prefetch2": sampler_rate(path, "shm", args.seconds, prefetch=2),
+                        "cpprb": cpprb_rate(item, batch, sampler, capacity, fill, args.seconds),
+                    }
+                    for key in ("shm", "shm_prefetch2"):
+                        row[f"{key}_vs_cpprb"] = row[key] / row["cpprb"]
+                    report[name] = {k: round(v, 2 if "_vs_" in k else 0) for k, v in row.items()}
+                    shutil.rmtree(path, ignore_errors=True)
+                    continue
                 row = {
                     "fuse": sampler_rate(path, "fuse", args.seconds),
                     "shm_v1": version1_rate(path, args.seconds),
@@ -121,7 +144,7 @@ def main() -> int:
                 if name != "DQN":
                     shutil.rmtree(path, ignore_errors=True)
             scaling = {}
-            for count in (int(n) for n in args.processes.split(",")):
+            for count in (int(n) for n in args.processes.split(",") if "DQN" in chosen):
                 queue: Any = multiprocessing.get_context("fork").Queue()
                 procs = [
                     multiprocessing.get_context("fork").Process(
