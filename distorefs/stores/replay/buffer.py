@@ -48,7 +48,7 @@ from distorefs.stores.replay.draws import (
     importance_weights,
 )
 from distorefs.stores.replay.formats import MAX_ITEM_BYTES
-from distorefs.stores.replay.mirror import INLINE_BYTES, Mirror, stride_for
+from distorefs.stores.replay.mirror import INLINE_BYTES, Mirror, add_at, stride_for
 from distorefs.stores.replay.rate_limiter import RateLimiter
 from distorefs.stores.replay.removers import make_remover
 from distorefs.stores.replay.samplers import make_sampler
@@ -672,7 +672,7 @@ class ReplayBuffer:
         self.samples += len(indices)
         slots = indices % self.config.capacity
         still = self._slot_index[slots] == indices  # not left while the batch was read
-        np.add.at(self._times, slots[still], 1)  # an item drawn twice counts twice
+        add_at(self._times, slots[still], 1)  # an item drawn twice counts twice
         done = self._remover.after_sampled(slots[still], self._times[slots[still]])
         if len(done):
             self._remove_slots(done, self._slot_index[done].tolist())

