@@ -164,6 +164,8 @@ class Sampler:
         self.path = os.path.join(buffer_dir, name)
         self._buf = bytearray()
         self.transport = transport
+        self._buffer_dir = os.fspath(buffer_dir)
+        self._prefetch = prefetch
         self.shm_version: int | None = None
         self._shm: _ShmChannel | None = None
         self._session: _ShmSession | None = None
@@ -180,6 +182,15 @@ class Sampler:
                     self.transport = "fuse"  # no shared-memory path here: the files it is
 
     def sample(self) -> Any:
+        if self._session is not None and self._session.closed:
+            # a wait cut short (a signal, KeyboardInterrupt) closed it: a reply may have been due
+            try:
+                self._session = _ShmSession(self.path + ".shm", self._buffer_dir, self._prefetch)
+            except OSError:
+                self._session = None
+                self.shm_version = None if self._shm is None else 1
+                if self._shm is None:
+                    self.transport = "fuse"
         if self._session is not None:
             try:
                 return self._session.next()
@@ -268,9 +279,14 @@ class _ShmSession:
         self._reply = bytearray(SESSION_REPLY.size + SESSION_ITEM_BYTES * SESSION_MAX_BATCH + 4096)
         self._out: np.ndarray | None = None
 
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
     def next(self) -> Any:
         sock = self._sock
-        assert sock is not None
+        if sock is None:
+            raise OSError(errno.ECONNRESET, "sample.shm: the session was closed")
         try:
             while self._in_flight <= self._prefetch:
                 sock.send(SESSION_REQUEST.pack(1, 0, self._last_id + 1))

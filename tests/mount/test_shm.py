@@ -450,3 +450,66 @@ def test_regions_past_a_quarter_of_the_dram_budget_are_enomem_and_the_sampler_re
         assert int(arena(path)["arena_bytes"]) <= 32 << 20
     assert stats(path)["samples"] == 5 * drawn
     assert mount.unmount() == 0
+
+
+def test_version2_sessions_follow_the_buffer_and_end_with_their_open(mounted: Mount) -> None:
+    """A reconfiguration replaces the arena (the client maps the new one), the close of
+    the open that asked for a session ends it, and a deleted buffer is ENOENT."""
+    path = mounted.path / "buffers" / "follows"
+    path.mkdir()
+    (path / "config").write_text(json.dumps({"batch_size": 3, "capacity": 100}))
+    items = [b"%03d" % i * 100 for i in range(30)]
+    client.append(path, items)
+    with client.Sampler(path, transport="shm") as sampler:
+        assert all(bytes(item) == items[i] for i, _w, item in sampler.sample())
+        (path / "config").write_text(json.dumps({"capacity": 200}))  # a new ring: a new arena
+        for _ in range(5):
+            assert all(bytes(item) == items[i] for i, _w, item in sampler.sample())
+        assert sampler.shm_version == 2
+    fd = os.open(path / "sample.shm", os.O_RDWR)
+    socket_path, ticket = ticket_for(fd)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+        conn.settimeout(10)
+        conn.connect(socket_path)
+        conn.send(ticket)
+        conn.send(REQUEST.pack(1, 0, 0))
+        assert reply_errno(conn) == 0
+        assert arena(path)["held_slots"] > 0
+        os.close(fd)  # the open goes: so do the session and what it held
+        assert reply_errno(conn) == -1
+    assert wait_until(lambda: arena(path)["held_slots"] == 0)
+    with client.Sampler(path, transport="shm") as sampler:
+        sampler.sample()
+        os.rmdir(path)
+        with pytest.raises(FileNotFoundError):
+            sampler.sample()
+
+
+class Alarm(Exception):
+    pass
+
+
+def test_version2_a_wait_cut_short_by_a_signal_counts_nothing_and_the_sampler_goes_on(buffer: Path) -> None:
+    (buffer / "config").write_text(json.dumps({"batch_size": 2, "min_size_to_sample": 4, "sample_timeout": 30}))
+    client.append(buffer, [b"one"])
+
+    def ring(signum: int, frame: object) -> None:
+        raise Alarm
+
+    previous = signal.signal(signal.SIGALRM, ring)
+    try:
+        with client.Sampler(buffer, transport="shm") as sampler:
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            started = time.monotonic()
+            with pytest.raises(Alarm):
+                sampler.sample()  # too few items: waits until the signal
+            assert time.monotonic() - started < 10
+            client.append(buffer, [b"two", b"three", b"four"])
+            batch = sampler.sample()
+            assert sampler.shm_version == 2
+            assert {bytes(item) for _i, _w, item in batch} <= {b"one", b"two", b"three", b"four"}
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert wait_until(lambda: arena(buffer)["held_slots"] == 0)
+    assert stats(buffer)["samples"] == 2  # the cut-short draw counted nothing

@@ -11,11 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from distorefs.errors import NotSupported, OutOfMemory
 from distorefs.stores.replay.buffer import MirroredBatch, ReplayBuffer
 from distorefs.stores.replay.config import BufferConfig
-from distorefs.stores.replay.mirror import ArenaBudget, Mirror, stride_for
+from distorefs.stores.replay.mirror import ArenaBudget, Mirror, add_at, stride_for
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.dram import DramCache
 from distorefs.tiers.metadb import MetaDb
@@ -157,3 +159,12 @@ async def test_a_buffers_mirrored_draws_count_like_plain_samples(tiers: tuple[Bl
     await compressed.append([item(1)])
     with pytest.raises(NotSupported):
         compressed.open_mirror(blocks.reserve, blocks.unreserve)
+
+
+@given(st.lists(st.integers(0, 20), max_size=40), st.integers(-3, 3))
+def test_add_at_counts_a_repeated_position_each_time(positions: list[int], delta: int) -> None:
+    target = np.arange(21, dtype=np.int64)
+    expected = target.copy()
+    np.add.at(expected, np.array(positions, dtype=np.int64), delta)
+    add_at(target, np.array(positions, dtype=np.int64), delta)
+    assert (target == expected).all()
