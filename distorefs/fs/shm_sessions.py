@@ -241,8 +241,11 @@ class _Session:
 
     async def run(self) -> None:
         buffer = self._ticket.buffer
+        drew = True
         while True:
-            await trio.lowlevel.checkpoint()  # one pass through the scheduler a request: others go too
+            if not drew:  # a draw passes through the scheduler once; a refused request must too
+                await trio.lowlevel.checkpoint()
+            drew = False
             message = await self._conn.recv(REQUEST.size + 1)
             if not message:
                 return  # the client closed (or died)
@@ -273,6 +276,7 @@ class _Session:
                     mirror.filling = True
                     self._nursery.start_soon(_fill, buffer, mirror, name="shm arena fill")
                 await buffer.draw_mirrored(mirror, count or self._ticket.count, False, self._place)
+                drew = True
             except DistorefsError as exc:
                 buffer.record_error(str(exc))
                 await _send_error(self._conn, exc.errno, str(exc))
