@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
-from distorefs.errors import DistorefsError, InvalidArgument, NotSupported
+from distorefs.errors import DistorefsError, InvalidArgument, NotSupported, OutOfMemory
 from distorefs.stores.replay.buffer import MirroredBatch, ReplayBuffer
 from distorefs.stores.replay.mirror import ArenaBudget, Mirror
 
@@ -271,15 +271,26 @@ class _Session:
             try:
                 if len(self._held) >= MAX_HELD:
                     raise InvalidArgument(f"a session may hold {MAX_HELD} batches; release some first")
-                mirror = buffer.open_mirror(self._budget.reserve, self._budget.unreserve)
-                if not mirror.filling:
-                    mirror.filling = True
-                    self._nursery.start_soon(_fill, buffer, mirror, name="shm arena fill")
-                await buffer.draw_mirrored(mirror, count or self._ticket.count, False, self._place)
+                await self._draw(buffer, count or self._ticket.count)
                 drew = True
             except DistorefsError as exc:
                 buffer.record_error(str(exc))
                 await _send_error(self._conn, exc.errno, str(exc))
+
+    async def _draw(self, buffer: ReplayBuffer, count: int | None) -> None:
+        """Draw into the buffer's arena; once more into a new one when a drawn blob was
+        bigger than the arena's slots (nothing was counted for the first try)."""
+        for attempt in range(2):
+            mirror = buffer.open_mirror(self._budget.reserve, self._budget.unreserve)
+            if not mirror.filling:
+                mirror.filling = True
+                self._nursery.start_soon(_fill, buffer, mirror, name="shm arena fill")
+            try:
+                await buffer.draw_mirrored(mirror, count, False, self._place)
+                return
+            except OutOfMemory:
+                if attempt or not mirror.outgrown:
+                    raise
 
     async def _place(self, batch: MirroredBatch) -> None:
         """Lease the items, then send where they are (and the arena, the first time)."""

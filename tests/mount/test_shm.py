@@ -513,3 +513,26 @@ def test_version2_a_wait_cut_short_by_a_signal_counts_nothing_and_the_sampler_go
         signal.signal(signal.SIGALRM, previous)
     assert wait_until(lambda: arena(buffer)["held_slots"] == 0)
     assert stats(buffer)["samples"] == 2  # the cut-short draw counted nothing
+
+
+def test_version2_a_blob_bigger_than_the_arenas_slots_gets_a_new_arena(buffer: Path) -> None:
+    (buffer / "config").write_text(json.dumps({"batch_size": 4, "capacity": 10}))
+    items = {i: bytes([65 + i]) * 1000 for i in range(6)}
+    client.append(buffer, list(items.values()))
+    with client.Sampler(buffer, transport="shm") as sampler:
+        held = sampler.sample()
+        before = [(index, bytes(item)) for index, _w, item in held]
+        assert arena(buffer)["slot_bytes"] == 1024
+        items[6] = b"big" * 3000  # 9,000 bytes: no slot of this arena holds it
+        client.append(buffer, [items[6]])
+        seen = set()
+        for _ in range(60):
+            for index, _w, item in sampler.sample():
+                assert bytes(item) == items[index]
+                seen.add(index)
+            if 6 in seen:
+                break
+        assert 6 in seen
+        assert sampler.shm_version == 2  # not the fallback: a new arena with bigger slots
+        assert arena(buffer)["slot_bytes"] >= 9000
+        assert [(index, bytes(item)) for index, _w, item in held] == before  # the old arena's views live on

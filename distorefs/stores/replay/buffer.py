@@ -530,15 +530,17 @@ class ReplayBuffer:
         """The buffer's items in a shared-memory arena (made on the first call; items
         come in as appended and, older ones, at their first draw). ENOTSUP for buffers
         whose items are not kept as they are (compression) or live on several nodes."""
-        if self.mirror is not None:
+        if self.mirror is not None and not self.mirror.outgrown:
             return self.mirror
+        outgrown = self.mirror.outgrown if self.mirror is not None else 0
+        self.close_mirror()  # blobs outgrew its slots: a new arena with bigger ones (held batches stay readable)
         if self._zstd_level is not None:
             raise NotSupported(f"buffers/{self.name}: compressed items have no shared-memory copy")
         if self._spread is not None:
             raise NotSupported(f"buffers/{self.name}: a buffer spread over nodes has no shared-memory copy")
         item_bytes = self.config.itemsize
-        if item_bytes is None:  # blobs: slots as big as the biggest item now (a bigger one is left out)
-            item_bytes = int(self._size.max()) if self.size else 0
+        if item_bytes is None:  # blobs: slots as big as the biggest item now (a bigger one: a new arena)
+            item_bytes = max(outgrown, int(self._size.max()) if self.size else 0)
         if item_bytes == 0:
             raise TryAgain(f"buffers/{self.name}: no items yet to size the shared-memory copy for")
         self.mirror = Mirror(self.config.capacity, stride_for(item_bytes), reserve, unreserve)

@@ -76,6 +76,7 @@ class Mirror:
         self._free: list[int] = []
         self.closed = False
         self.failed_growth = False  # the DRAM budget refused more slots once
+        self.outgrown = 0  # the biggest item that did not fit a slot (0: none)
         self.filling = False  # a task is bringing the items in (fill_mirror)
 
     @property
@@ -135,8 +136,11 @@ class Mirror:
 
     def reserve_slot(self, length: int) -> int | None:
         """A free arena slot for an item of `length` bytes; None when it does not fit a
-        slot or the arena is full."""
-        if length > self.stride or self.closed:
+        slot (`outgrown` remembers the biggest such item) or the arena is full."""
+        if length > self.stride:
+            self.outgrown = max(self.outgrown, length)
+            return None
+        if self.closed:
             return None
         return self._take()
 
