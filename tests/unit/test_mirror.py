@@ -152,6 +152,9 @@ async def test_a_buffers_mirrored_draws_count_like_plain_samples(tiers: tuple[Bl
     with pytest.raises(OutOfMemory):
         await buf.draw_mirrored(mirror, 2, False, refuse)
     assert buf.stats()["samples"] == 4  # a refused batch counts nothing
+    buf.reconfigure({"beta": 0.5})  # the same ring and items: the arena stays
+    assert buf.mirror is mirror
+    assert not mirror.closed
     buf.reconfigure({"capacity": 16})  # a new ring layout: the arena goes
     assert mirror.closed
     assert buf.mirror is None

@@ -130,6 +130,7 @@ class ReplayBuffer:
         self._snapshot_dirty = False
         self._snapshot: bytes | None = None  # the last staged snapshot (its own row, see stage_snapshot)
         self.mirror: Mirror | None = None  # the items in shared memory, once a sampler asked (mirror.py)
+        self.config: BufferConfig = config  # (set again, with everything it implies, by _apply_config)
         self._apply_config(config, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64))
 
     # --- layout ---------------------------------------------------------------------
@@ -138,7 +139,11 @@ class ReplayBuffer:
         self, config: BufferConfig, indices: np.ndarray, priorities: np.ndarray, times: np.ndarray, sizes: np.ndarray
     ) -> None:
         """(Re)build the ring for `config` holding the given live items."""
-        self.close_mirror()  # its ring layout was the old config's
+        mirror = self.mirror
+        if mirror is not None:
+            same_items = config.zstd_level is None and config.itemsize == self.config.itemsize
+            if config.capacity != mirror.capacity or not same_items:
+                self.close_mirror()  # laid out for the old ring or items: the next draw makes a new one
         self.config = config
         self._config_json = config.dumps()  # the row carries it on every append: once here
         self.limiter = RateLimiter.from_config(config)
@@ -400,6 +405,7 @@ class ReplayBuffer:
 
     def delete_all(self) -> None:
         """Remove every item at once (buffer deletion): one pass, no per-item tree updates."""
+        self.close_mirror()
         self._drop_items(self.live_indices())
         self.stored_bytes = 0
         self._apply_config(self.config, *(np.zeros(0, dtype) for dtype in (np.int64, np.float64, np.int64, np.int64)))
@@ -530,6 +536,8 @@ class ReplayBuffer:
         """The buffer's items in a shared-memory arena (made on the first call; items
         come in as appended and, older ones, at their first draw). ENOTSUP for buffers
         whose items are not kept as they are (compression) or live on several nodes."""
+        if self.deleted:
+            raise NotFound(f"buffers/{self.name} was deleted")
         if self.mirror is not None and not self.mirror.outgrown:
             return self.mirror
         outgrown = self.mirror.outgrown if self.mirror is not None else 0
@@ -549,8 +557,7 @@ class ReplayBuffer:
     def close_mirror(self) -> None:
         """Drop the arena (a reconfiguration, a deletion, the daemon stopping); samplers
         holding views of it keep them readable, and open a new one if they go on."""
-        if getattr(self, "mirror", None) is not None:
-            assert self.mirror is not None
+        if self.mirror is not None:
             self.mirror.close()
             self.mirror = None
 
