@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
-from distorefs.errors import DistorefsError, InvalidArgument, NotSupported, OutOfMemory
+from distorefs.errors import DistorefsError, InvalidArgument, NotSupported, OutOfMemory, TryAgain
 from distorefs.stores.replay.buffer import MirroredBatch, ReplayBuffer
 from distorefs.stores.replay.mirror import ArenaBudget, Mirror
 
@@ -90,7 +90,7 @@ class SampleSessions:
         if not self._listening:
             raise NotSupported(f"buffers/{buffer.name}/sample.shm: this daemon has no sampling socket")
         if len(self._tickets) >= MAX_TICKETS:
-            raise DistorefsError(f"{MAX_TICKETS} shared-memory sampling sessions are open; close some first")
+            raise TryAgain(f"{MAX_TICKETS} shared-memory sampling sessions are open; close some first")
         token = secrets.token_hex(TICKET_BYTES // 2).encode()
         self._tickets[token] = Ticket(buffer, count, uid)
         return token
