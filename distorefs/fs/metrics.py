@@ -27,6 +27,7 @@ from distorefs.stores.weights import WeightStore
 MAX_LABELLED = 200
 LATENCY_BUCKETS = (50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 BUFFER_GAUGES = ("size", "inserts", "samples", "removed", "bytes_stored", "blocked_readers", "blocked_writers")
+SHM_GAUGES = ("arena_bytes", "held_slots")  # a buffer's shared-memory arena (0: none)
 PEER_GAUGES = ("calls", "failures", "retries", "bytes_sent", "bytes_received", "rtt_ms")
 KINDS = ("tree", "checkpoints", "buffers", "weights", "datasets", "control")
 
@@ -62,11 +63,21 @@ class DaemonCollector(Collector):
             name: GaugeMetricFamily(f"distorefs_buffer_{name}", f"replay buffer: {name}", labels=["buffer"])
             for name in BUFFER_GAUGES
         }
+        arenas = {
+            name: GaugeMetricFamily(
+                f"distorefs_buffer_shm_{name}", f"replay buffer's shared-memory arena: {name}", labels=["buffer"]
+            )
+            for name in SHM_GAUGES
+        }
         for name in sorted(self._buffers.names())[:MAX_LABELLED]:
             stats: dict[str, Any] = self._buffers.get(name).stats()
             for key, family in families.items():
                 family.add_metric([name], float(stats[key]))
+            arena = stats.get("shared_memory", {})
+            for key, family in arenas.items():
+                family.add_metric([name], float(arena.get(key, 0)))
         yield from families.values()
+        yield from arenas.values()
         yield GaugeMetricFamily("distorefs_buffers", "replay buffers", value=float(len(self._buffers.names())))
         versions = GaugeMetricFamily("distorefs_weights_version", "a model's current version", labels=["model"])
         for model_name in sorted(self._weights.models)[:MAX_LABELLED]:

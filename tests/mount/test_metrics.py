@@ -37,13 +37,17 @@ def test_metrics_file_and_port_serve_requests_state_and_buffers(tmp_path: Path) 
         client.append(buffer, [b"x" * 100] * 5)
         client.sample(buffer, 2)
         (mount.path / "f.txt").write_bytes(b"hello")
-        status = json.loads((mount.path / ".distore" / "status").read_text())
-        text = client.read_all(mount.path / ".distore" / "metrics").decode()
+        with client.Sampler(buffer, 5, transport="shm") as sampler:
+            assert len(sampler.sample()) == 5  # held until the next draw or the close: its arena slots count
+            status = json.loads((mount.path / ".distore" / "status").read_text())
+            text = client.read_all(mount.path / ".distore" / "metrics").decode()
         got = samples(text)
         assert got[("distorefs_dram_budget_bytes", ())] == status["dram_budget_bytes"]
         assert got[("distorefs_degraded", ())] == 0
         assert got[("distorefs_buffer_size", (("buffer", "m"),))] == 5
-        assert got[("distorefs_buffer_samples", (("buffer", "m"),))] == 2
+        assert got[("distorefs_buffer_samples", (("buffer", "m"),))] == 7
+        assert got[("distorefs_buffer_shm_arena_bytes", (("buffer", "m"),))] >= 5 * 128
+        assert got[("distorefs_buffer_shm_held_slots", (("buffer", "m"),))] >= 1
         assert got[("distorefs_requests_total", (("errno", "0"), ("op", "write")))] >= 1
         assert got[("distorefs_requests_total", (("errno", "2"), ("op", "lookup")))] >= 1  # f.txt did not exist
         assert got[("distorefs_request_seconds_count", (("op", "write"),))] >= 1
