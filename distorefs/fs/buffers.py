@@ -800,8 +800,12 @@ class BuffersDir(NamedKindDirectory):
         return BufferDir(self._tree, obj, self._shared)
 
     async def mkdir(self, name: bytes, mode: int) -> VirtualNode:
-        await trio.lowlevel.checkpoint()
-        self._store.create(name.decode(errors="surrogateescape"))
+        """A new buffer, its row committed before the mkdir returns: appends then persist
+        log-only, and a start-up adopts logged items only into buffers whose row it
+        finds (before, a buffer made and appended to just before a kill -9 came back
+        missing, with its acknowledged items)."""
+        buffer = self._store.create(name.decode(errors="surrogateescape"))
+        await buffer.persist()
         return self._dir(name.decode(errors="surrogateescape"))
 
     async def rmdir(self, name: bytes) -> None:

@@ -417,6 +417,24 @@ def test_appends_closed_before_any_commit_come_back_from_the_log_after_kill_9(mo
     assert mount.unmount() == 0
 
 
+def test_a_buffer_made_and_appended_to_just_before_kill_9_comes_back_with_its_items(
+    mount_factory: MountFactory,
+) -> None:
+    # No config written (its close commits the row): the mkdir itself must, or the
+    # restart finds logged items of a buffer it does not know.
+    mount = mount_factory("--flush-interval", "600", "--sync-interval", "600", "--snapshot-interval", "600")
+    path = mount.path / "buffers" / "new"
+    path.mkdir()
+    client.append(path, [b"item %d" % i for i in range(10)])
+    mount.kill9()
+
+    mount = mount_factory()
+    path = mount.path / "buffers" / "new"
+    assert sorted(int(n) for n in os.listdir(path / "items")) == list(range(10))
+    assert (path / "items" / "7").read_bytes() == b"item 7"
+    assert mount.unmount() == 0
+
+
 def test_with_busy_polling_the_rl_calls_are_served_and_an_idle_daemon_sleeps(mount_factory: MountFactory) -> None:
     mount = mount_factory("--busy-poll-us", "2000")
     path = mount.path / "buffers" / "polled"

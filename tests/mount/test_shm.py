@@ -409,13 +409,22 @@ def test_a_killed_daemons_regions_are_removed_at_the_next_start(mount_factory: M
     client.append(path, [b"a"] * 10)
     fd = os.open(path / "sample.shm", os.O_RDWR)
     region = os.read(fd, 4096).split()[1].decode()
+    session = os.open(path / "sample.shm", os.O_RDWR)
+    socket_path, _ticket = ticket_for(session)
     mount.kill9()
-    with contextlib.suppress(OSError):  # ENOTCONN: the daemon is gone
-        os.close(fd)
+    for opened in (fd, session):
+        with contextlib.suppress(OSError):  # ENOTCONN: the daemon is gone
+            os.close(opened)
     assert os.path.exists(region)
+    assert os.path.exists(socket_path)  # a killed daemon leaves its socket too
     mount = mount_factory()
     assert not os.path.exists(region)
+    assert not os.path.exists(socket_path)
+    session = os.open(path / "sample.shm", os.O_RDWR)
+    socket_path, _ticket = ticket_for(session)
+    os.close(session)
     assert mount.unmount() == 0
+    assert not os.path.exists(socket_path)  # a daemon that stops takes its socket away
 
 
 def test_regions_past_a_quarter_of_the_dram_budget_are_enomem_and_the_sampler_reads_the_files(
