@@ -170,27 +170,28 @@ class Sampler:
         self._shm: _ShmChannel | None = None
         self._session: _ShmSession | None = None
         if transport == "shm":
-            control = os.path.join(buffer_dir, f"{name}.shm")
+            self._connect(version2=True)
+
+    def _connect(self, version2: bool) -> None:
+        """Take the best shared-memory path left: a version 2 session (unless told not
+        to), else version 1, else the files (`transport` then says "fuse")."""
+        control = self.path + ".shm"
+        if version2:
             try:
-                self._session = _ShmSession(control, os.fspath(buffer_dir), prefetch)
+                self._session = _ShmSession(control, self._buffer_dir, self._prefetch)
                 self.shm_version = 2
+                return
             except OSError:
-                try:
-                    self._shm = _ShmChannel(control)
-                    self.shm_version = 1
-                except OSError:
-                    self.transport = "fuse"  # no shared-memory path here: the files it is
+                self._session = None
+        try:
+            self._shm = _ShmChannel(control)
+            self.shm_version = 1
+        except OSError:
+            self.close()  # no shared-memory path here: the files it is
 
     def sample(self) -> Any:
         if self._session is not None and self._session.closed:
-            # a wait cut short (a signal, KeyboardInterrupt) closed it: a reply may have been due
-            try:
-                self._session = _ShmSession(self.path + ".shm", self._buffer_dir, self._prefetch)
-            except OSError:
-                self._session = None
-                self.shm_version = None if self._shm is None else 1
-                if self._shm is None:
-                    self.transport = "fuse"
+            self._connect(version2=True)  # a wait cut short (a signal) closed it: a reply may have been due
         if self._session is not None:
             try:
                 return self._session.next()
@@ -199,11 +200,7 @@ class Sampler:
                     raise
                 self._session.close()  # version 2 cannot serve this buffer now: version 1 or the files
                 self._session = None
-                try:
-                    self._shm = _ShmChannel(self.path + ".shm")
-                    self.shm_version = 1
-                except OSError:
-                    self.close()
+                self._connect(version2=False)
         if self._shm is not None:
             try:
                 return _decode(self._shm.next(), copy=False)
@@ -256,8 +253,9 @@ class _ShmSession:
             schema_json = json.loads(f.read()).get("schema")
         self._schema = parse_schema("config", schema_json) if schema_json else None
         self._prefetch = prefetch
-        self._fd = os.open(control, os.O_RDWR | os.O_CLOEXEC)
         self._sock: socket.socket | None = None
+        self._arena_fd: int | None = None
+        self._fd = os.open(control, os.O_RDWR | os.O_CLOEXEC)
         try:
             os.write(self._fd, b"session 2\n")
             words = os.read(self._fd, 4096).split()
@@ -271,7 +269,6 @@ class _ShmSession:
             raise
         self._in_flight = 0
         self._last_id = 0  # the batch handed out last (released by the next request)
-        self._arena_fd: int | None = None
         self._arena_number = 0
         self._map: mmap.mmap | None = None
         self._mapped_slots = 0
@@ -359,8 +356,7 @@ class _ShmSession:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        if getattr(self, "_arena_fd", None) is not None:
-            assert self._arena_fd is not None
+        if self._arena_fd is not None:
             os.close(self._arena_fd)
             self._arena_fd = None
         if self._fd >= 0:
