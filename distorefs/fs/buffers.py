@@ -164,7 +164,9 @@ class ConfigHandle(WholeInputHandle):
 
     async def flush(self) -> None:
         await super().flush()
-        await self._buffer.persist()
+        if self.applied:  # a read of the config commits nothing
+            self.applied = False
+            await self._buffer.persist()
 
 
 class AppendHandle(VirtualHandle):

@@ -96,7 +96,9 @@ class ConfigHandle(WholeInputHandle):
 
     async def flush(self) -> None:
         await super().flush()
-        await self._ds.persist()
+        if self.applied:  # a read of the config commits nothing
+            self.applied = False
+            await self._ds.persist()
 
 
 class AppendHandle(VirtualHandle):

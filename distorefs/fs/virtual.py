@@ -210,6 +210,7 @@ class WholeInputHandle(RenderedHandle):
         self.label = label
         self._record = record
         self._pending = bytearray()
+        self.applied = False  # an input applied since the last flush (what a flush may persist)
 
     def recorded(self, exc: DistorefsError) -> DistorefsError:
         self._record(exc.message)
@@ -230,6 +231,7 @@ class WholeInputHandle(RenderedHandle):
         try:
             if await self._apply_if_complete(self._pending):
                 self._pending.clear()
+                self.applied = True
         except DistorefsError as exc:
             self._pending.clear()
             raise self.recorded(exc) from None

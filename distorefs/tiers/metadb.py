@@ -72,6 +72,8 @@ class MetaDb:
         self._lock = trio.Lock()
         self._thread_lock = threading.Lock()
         self.commits = 0
+        self._staged = 0  # changes staged so far, counted (a mark: see `mark`)
+        self._committed = 0  # the count a successful commit had taken when it began
 
     @classmethod
     def open(cls, path: str) -> MetaDb:
@@ -114,9 +116,19 @@ class MetaDb:
 
     def put(self, table: str, key: tuple[Any, ...], values: Row) -> None:
         self._pending[table][key] = values
+        self._staged += 1
 
     def delete(self, table: str, key: tuple[Any, ...]) -> None:
         self._pending[table][key] = None
+        self._staged += 1
+
+    def mark(self) -> int:
+        """A mark for every change staged so far: `carried(mark)` is True once a commit
+        has written them (whoever started that commit)."""
+        return self._staged
+
+    def carried(self, mark: int) -> bool:
+        return self._committed >= mark
 
     @property
     def pending_changes(self) -> int:
@@ -142,8 +154,10 @@ class MetaDb:
             if not any(pending.values()) and not durable and before_commit is None:
                 return
             self._pending = {t: {} for t in TABLES}
+            taken = self._staged
             try:
                 await trio.to_thread.run_sync(self._commit_sync, pending, durable, before_commit, checkpoint)
+                self._committed = taken
             except BaseException:
                 # Put the changes back, newer staged values winning, so nothing is lost.
                 for table, changes in pending.items():

@@ -116,6 +116,7 @@ def cluster_node(etcd: Etcd, tmp_path: Path) -> Iterator[NodeFactory]:
                 codes[mount.path.parent.name] = mount.unmount()
             except (subprocess.SubprocessError, OSError) as exc:
                 codes[mount.path.parent.name] = repr(exc)
+    for mount in started:  # after every unmount: a node restarted on a killed one's mount point
         mount.cleanup()
     etcd.wipe()
     assert all(code == 0 for code in codes.values()), f"daemons did not exit cleanly: {codes}"

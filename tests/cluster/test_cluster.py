@@ -215,6 +215,36 @@ def test_kill9_keeps_replicated_checkpoints_and_fails_fast_on_unreplicated_data(
     wait_for(lambda: (other.path / "buffers" / "after").is_dir(), what="new dir visible after the kill")
 
 
+def test_a_shard_made_by_a_peer_and_appended_to_just_before_kill_9_comes_back_with_its_items(
+    cluster_node: NodeFactory,
+) -> None:
+    """n1 makes its shard of a buffer created on n0 when the config reaches it (no mkdir
+    there to commit the row). Its appends persist log-only; a start-up adopts logged
+    items only into buffers whose row it finds, so the first append must commit it."""
+    a = cluster_node("n0")
+    b = cluster_node("n1", "--flush-interval", "60")  # no background commit inside the test's window
+    buf = a.path / "buffers" / "sh"
+    buf.mkdir()
+    configure(buf, schema={"x": "int64"}, shards=2, capacity=1000)
+    on_b = b.path / "buffers" / "sh"
+    wait_for(lambda: len(json.loads((on_b / "stats").read_text())["cluster"]["shards"]) == 2, what="n1's shard")
+    values = np.arange(50, dtype=np.int64) + 7000
+    with open(on_b / "append", "wb") as f:  # into n1's own shard, with nothing else opened first
+        np.save(f, values.astype([("x", "<i8")]))
+
+    def shard_size(mount: Mount) -> int:
+        stats = json.loads((mount.path / "buffers" / "sh" / "stats").read_text())
+        return int(stats["size"])  # this node's shard
+
+    assert shard_size(b) == 50
+    b.kill9()
+    wait_for(lambda: len(peers(a)["live_nodes"]) == 1, what="n1 leaves the member list")
+    b = cluster_node("n1", "--flush-interval", "60")
+    assert shard_size(b) == 50
+    samples = np.load(io.BytesIO((on_b / "sample").read_bytes()))
+    assert set(samples["x"].tolist()) <= set(values.tolist())
+
+
 def test_a_background_mount_keeps_its_cluster_flags(etcd: Etcd, tmp_path: Path) -> None:
     missing = fuse_missing()
     if missing:

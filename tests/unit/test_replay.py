@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import io
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -619,6 +620,49 @@ async def test_appends_persisted_log_only_come_back_after_a_crash_before_any_com
     await blocks.commit()  # the adopted rows commit: a second crash keeps them without a tail
     await buf.append([b"next"])
     assert buf.live_indices().tolist()[-1] == 20
+    await blocks.close()
+
+
+async def test_appends_into_a_buffer_whose_row_never_committed_commit_it_first(tmp_path: Path) -> None:
+    # A peer's shard is made by the store with no commit after it: a log-only append
+    # would leave items that a start-up cannot adopt (it finds no row to adopt them into).
+    tiers = open_tiers(tmp_path)
+    _log, blocks, meta = tiers
+    store = BufferStore.load(blocks, meta)
+    buf = store.create("shard", BufferConfig(capacity=100))
+    assert not buf.row_committed
+    commits = meta.commits
+    await buf.append([b"first"])
+    await buf.persist_appends()
+    assert buf.row_committed  # this append committed the row
+    assert meta.commits == commits + 1
+    for i in range(5):
+        await buf.append([b"item-%d" % i])
+        await buf.persist_appends()
+    assert meta.commits == commits + 1  # and the next ones went to the log alone
+
+    blocks, store = await crash_and_reload(tmp_path, tiers)
+    buf = store.get("shard")
+    assert buf.row_committed
+    assert buf.live_indices().tolist() == list(range(6))
+    assert bytes(await buf.read_item(0)) == b"first"
+    assert bytes(await buf.read_item(5)) == b"item-4"
+    await blocks.close()
+
+
+async def test_a_failed_commit_does_not_count_as_carrying_the_row(tmp_path: Path) -> None:
+    _log, blocks, meta = open_tiers(tmp_path)
+    store = BufferStore.load(blocks, meta)
+    buf = store.create("b", BufferConfig())
+
+    def refuse() -> None:
+        raise OSError(errno.EIO, "the log's fsync failed")
+
+    with pytest.raises(OSError):
+        await meta.commit(before_commit=refuse)
+    assert not buf.row_committed
+    await meta.commit()
+    assert buf.row_committed
     await blocks.close()
 
 

@@ -130,6 +130,7 @@ class ReplayBuffer:
         self._snapshot_dirty = False
         self._snapshot: bytes | None = None  # the last staged snapshot (its own row, see stage_snapshot)
         self.mirror: Mirror | None = None  # the items in shared memory, once a sampler asked (mirror.py)
+        self._row_mark: int | None = None  # MetaDb mark of the row's first staging (0: read from it)
         self.config: BufferConfig = config  # (set again, with everything it implies, by _apply_config)
         self._apply_config(config, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64))
 
@@ -364,10 +365,11 @@ class ReplayBuffer:
         go to the log (small ones without leaving the event loop) and their rows commit
         with the flusher's next pass; a start-up adopts the records after the last commit
         (BufferStore.load, docs/design.md "Log-only appends"). A `sync` buffer commits
-        durably instead."""
+        durably instead, and so does a buffer whose row no commit has carried yet (made
+        since the last one: a peer's shard, a store's caller that did not persist it)."""
         self.stage_row()
-        if self.config.sync:
-            await self._blocks.persist(self.owner, durable=True)
+        if self.config.sync or not self.row_committed:
+            await self._blocks.persist(self.owner, durable=self.config.sync)
         else:
             await self._blocks.persist(self.owner, log_only=True)
 
@@ -717,6 +719,14 @@ class ReplayBuffer:
     def stage_row(self) -> None:
         """Stage the buffer's row: config and counters (small: staged on every append)."""
         self._meta.put("buffers", (self.name,), self._row())
+        if self._row_mark is None:
+            self._row_mark = self._meta.mark()
+
+    @property
+    def row_committed(self) -> bool:
+        """Whether the buffer's row is in the metadata database: a start-up adopts logged
+        items only into buffers whose row it finds."""
+        return self._row_mark is not None and self._meta.carried(self._row_mark)
 
     def _row(self) -> tuple[object, ...]:
         return (
@@ -770,6 +780,7 @@ class ReplayBuffer:
         if dropped:
             log.error("buffers/%s: saved config fields no longer valid, defaults used: %s", name, "; ".join(dropped))
         buf = cls(name, owner, config, blocks, meta, news, shard_limit)
+        buf._row_mark = 0  # the row came from the database
         indices = np.fromiter(item_sizes, dtype=np.int64, count=len(item_sizes))
         sizes = np.fromiter(item_sizes.values(), dtype=np.int64, count=len(item_sizes))
         order = np.argsort(indices)
