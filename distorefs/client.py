@@ -457,26 +457,46 @@ def open_model(model_dir: str | os.PathLike[str], attempts: int = 100) -> tuple[
     raise TimeoutError(f"{model_dir}: versions changed during each of {attempts} attempts to open one")
 
 
-def map_version(path: str | os.PathLike[str], attempts: int = 100) -> tuple[int, memoryview]:
+def map_version(path: str | os.PathLike[str], attempts: int = 100, transport: str = "auto") -> tuple[int, memoryview]:
     """(version, a read-only zero-copy view) of one published file of a model, e.g.
     `map_version(".../weights/policy/model.safetensors")`.
 
-    It maps `NAME@V`, the file as of the current version V (retried if a publish lands
-    in between): a read-only name with one inode per version's bytes, so every reader of
-    a version shares the kernel's page cache of it (the first reads it from the daemon,
-    the others at memory speed), and no writer can cut it. The view stays valid and
-    unchanged while it is held, whatever is published meanwhile (the mapping keeps the
-    version open; it is freed when the view and the arrays made from it are gone).
+    It opens `NAME@V`, the file as of the current version V (retried if a publish lands
+    in between), and maps that version's bytes. With `transport="auto"` (the default)
+    or `"shm"`, it maps the version's shared copy: a sealed memfd the daemon fills once
+    per version and hands over on its Unix socket, read at memory speed with no read
+    through FUSE (docs/formats.md, "Weights through shared memory, version 1"). Where
+    the daemon has no shared memory (no /dev/shm, another node's mount, its budget used
+    up), `"auto"` maps `NAME@V` through the mount instead, and `"shm"` raises the error;
+    `"mount"` always maps through the mount: one inode per version, so every reader of
+    a version shares the kernel's page cache of it (the first reads it from the daemon).
+
+    The view stays valid and unchanged while it is held, whatever is published
+    meanwhile; it is freed when the view and the arrays made from it are gone.
     `np.frombuffer(view, ...)` and `torch.frombuffer(view, ...)` do not copy;
     `safetensors.torch.load(bytes(view))` copies once. An empty file maps to an empty
     view.
     """
+    if transport not in ("auto", "shm", "mount"):
+        raise ValueError(f"transport is 'auto', 'shm' or 'mount', not {transport!r}")
     path = os.fspath(path)
+    if transport != "mount":
+        for _ in range(attempts):
+            try:
+                return _map_shared_copy(path)
+            except _Republished:
+                continue  # a publish came in between: the new version
+            except OSError:
+                if transport == "shm":
+                    raise
+                break
+        else:
+            raise TimeoutError(f"{path}: versions changed during each of {attempts} attempts to map one")
     model_dir = os.path.dirname(path)
     for _ in range(attempts):
         version = model_version(model_dir)
         try:
-            fd = os.open(f"{path}@{version}", os.O_RDONLY)
+            fd = os.open(f"{path}@{version}", os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             if model_version(model_dir) == version:
                 raise FileNotFoundError(errno.ENOENT, f"{path}: no such file in version {version}") from None
@@ -489,6 +509,58 @@ def map_version(path: str | os.PathLike[str], attempts: int = 100) -> tuple[int,
         finally:
             os.close(fd)
     raise TimeoutError(f"{path}: versions changed during each of {attempts} attempts to map one")
+
+
+class _Republished(OSError):
+    """The version asked for was replaced before its copy was handed over."""
+
+
+SHM_XATTR = "user.distore.shm"
+COPY_REPLY = struct.Struct("<iQ")
+COPY_TIMEOUT_S = 60.0  # the daemon copies the version into shared memory first (once per version)
+SHARED_MAP_FLAGS = mmap.MAP_SHARED | mmap.MAP_POPULATE  # one call maps every page: no fault per 16 pages
+
+
+def _map_shared_copy(path: str) -> tuple[int, memoryview]:
+    """(version, view) of the current version's shared copy of the weights file `path`:
+    a getxattr gets the version and a ticket, the daemon's socket the sealed memfd for
+    it, which is mapped (two requests through the mount, none of the bytes)."""
+    try:
+        words = os.getxattr(path, SHM_XATTR).split()
+    except OSError as exc:
+        if exc.errno == errno.ESTALE:
+            raise _Republished(exc.errno, exc.strerror) from None
+        raise
+    if len(words) != 4 or words[0] != b"DSSHMW1" or not words[3].isdigit():
+        raise OSError(errno.EPROTO, f"{SHM_XATTR}: not a version 1 ticket: {b' '.join(words)[:40]!r}")
+    version = int(words[3])
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as sock:
+        sock.settimeout(COPY_TIMEOUT_S)
+        sock.connect(os.fsdecode(words[1]))
+        sock.send(words[2])
+        reply, ancdata, _flags, _addr = sock.recvmsg(4096, socket.CMSG_SPACE(4))
+    fds = [
+        int.from_bytes(data[:4], "little", signed=True)
+        for level, kind, data in ancdata
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+    ]
+    try:
+        if len(reply) < 4:
+            raise OSError(errno.ECONNRESET, "the daemon closed the hand-over")
+        status = int.from_bytes(reply[:4], "little", signed=True)
+        if status == errno.ENOENT:
+            raise _Republished(status, "the version was replaced before its hand-over")
+        if status:
+            raise OSError(status, f"no shared copy: {reply[SESSION_REPLY.size :].decode(errors='replace')}")
+        if len(reply) != COPY_REPLY.size or len(fds) != 1:
+            raise OSError(errno.EPROTO, "a hand-over reply is its size and one descriptor")
+        _status, size = COPY_REPLY.unpack(reply)
+        if size == 0:
+            return version, memoryview(b"")
+        return version, memoryview(mmap.mmap(fds[0], size, flags=SHARED_MAP_FLAGS, prot=mmap.PROT_READ))
+    finally:
+        for received in fds:
+            os.close(received)
 
 
 ADOPT_XATTR = "user.distore.adopt"

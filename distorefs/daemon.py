@@ -233,6 +233,7 @@ class Daemon:
         nursery.start_soon(self.datasets.run_streams, name="dataset streams")
         if self.shared.sessions is not None:
             nursery.start_soon(self.shared.sessions.serve, name="shm sampling sessions")
+            nursery.start_soon(self.weights.run_sharing, name="weights' shared copies")
         nursery.start_soon(run_memory_trim, self._accounted_bytes, name="memory trim")
 
     def _accounted_bytes(self) -> int:
@@ -337,8 +338,9 @@ async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb) -> Dae
     if shared.available:  # buffers' arenas for version 2 sessions: at most half the DRAM budget
         arenas = ArenaBudget(blocks.reserve, blocks.unreserve, config.dram_budget_bytes // 2)
         shared.sessions = SampleSessions(config.shm_dir, arenas)
+        weights.shared_budget = arenas  # weights' shared copies share the arenas' half
     virtual.install(BuffersDir(virtual, buffers, shared))
-    virtual.install(WeightsDir(virtual, weights, config.wait_timeout_s))
+    virtual.install(WeightsDir(virtual, weights, config.wait_timeout_s, shared.sessions))
     virtual.install(DatasetsDir(virtual, datasets))
     virtual.add_status(weights.statistics)
     virtual.add_status(checkpoints.statistics)

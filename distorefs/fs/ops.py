@@ -682,7 +682,7 @@ class FsOperations(pyfuse3.Operations):
     @_translate(mutates=False)
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         if inode in self.virtual:
-            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+            return await self.virtual.get(inode).getxattr(name, ctx.uid)
         return self.tree.getxattr(inode, name)
 
     @_translate(mutates=False)

@@ -1,4 +1,5 @@
-"""Sampling sessions over a Unix socket: batches as places in a shared-memory arena.
+"""Sampling sessions over a Unix socket: batches as places in a shared-memory arena;
+and the hand-over of weights' shared copies on the same socket.
 
 Owns the socket the daemon listens on beside its shared-memory regions, the tickets
 that let a connection in, and each session's held batches. A client that opened a
@@ -13,6 +14,11 @@ Who may use a ticket is checked twice: the connecting process's uid (SO_PEERCRED
 from the kernel, not from anything the client says) must be the uid that opened the
 control file. A session ends when its socket closes (the client exited or was killed)
 or when that open is released, and the batches it held go back to the arena then.
+
+A weights reader (`client.map_version`) asks for a ticket with a getxattr of
+`user.distore.shm` on the `NAME@V` file it opened; its connection gets one reply, the
+version's sealed memfd (stores/weights.py, `shared_copy`), and ends. Such a ticket is
+good for COPY_TICKET_S; docs/formats.md, "Weights through shared memory, version 1".
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import os
 import secrets
 import socket
 import struct
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +53,8 @@ MAX_HELD = 16  # batches one session may hold at once
 MAX_TICKETS = 4096
 TICKET_BYTES = 32
 HELLO_TIMEOUT_S = 5.0
+COPY_RESPONSE = struct.Struct("<iQ")  # 0 and the memfd's size, the memfd with it (a refusal: RESPONSE)
+COPY_TICKET_S = 30.0  # a weights reader's ticket is good this long
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 
 
@@ -54,6 +64,16 @@ class Ticket:
     count: int | None
     uid: int
     cancel: trio.CancelScope = field(default_factory=trio.CancelScope)
+    used: bool = False
+
+
+@dataclass
+class CopyTicket:
+    """A weights reader's ticket: one connection gets `open_copy()`'s descriptor."""
+
+    open_copy: Callable[[], Awaitable[tuple[int, int]]]
+    uid: int
+    expires: float
     used: bool = False
 
 
@@ -77,6 +97,8 @@ class SampleSessions:
         self.path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}.sock")
         self.budget = budget
         self._tickets: dict[bytes, Ticket] = {}
+        self._copy_tickets: dict[bytes, CopyTicket] = {}  # in the order given out
+        self.copies_sent = 0
         self._listening = False
         self._nursery: trio.Nursery | None = None
         self.sessions = 0
@@ -93,6 +115,20 @@ class SampleSessions:
             raise TryAgain(f"{MAX_TICKETS} shared-memory sampling sessions are open; close some first")
         token = secrets.token_hex(TICKET_BYTES // 2).encode()
         self._tickets[token] = Ticket(buffer, count, uid)
+        return token
+
+    def issue_copy(self, open_copy: Callable[[], Awaitable[tuple[int, int]]], uid: int, label: str) -> bytes:
+        """A ticket for one hand-over of `open_copy()`'s descriptor to a process of `uid`,
+        good for COPY_TICKET_S. EAGAIN when too many are out."""
+        if not self._listening:
+            raise NotSupported(f"{label}: this daemon has no shared-memory socket")
+        now = time.monotonic()
+        for token in [t for t, c in self._copy_tickets.items() if c.expires <= now]:
+            del self._copy_tickets[token]
+        if len(self._copy_tickets) >= MAX_TICKETS:
+            raise TryAgain(f"{MAX_TICKETS} shared-memory hand-overs are waiting; try again in {COPY_TICKET_S:.0f} s")
+        token = secrets.token_hex(TICKET_BYTES // 2).encode()
+        self._copy_tickets[token] = CopyTicket(open_copy, uid, now + COPY_TICKET_S)
         return token
 
     def revoke(self, token: bytes) -> None:
@@ -134,7 +170,11 @@ class SampleSessions:
         conn = _Channel(accepted)
         try:
             with conn:
-                ticket = await self._hello(conn)
+                found = await self._hello(conn)
+                if isinstance(found, CopyTicket):
+                    await self._hand_over(conn, found)
+                    return
+                ticket = found
                 if ticket is None:
                     return
                 self.sessions += 1
@@ -152,12 +192,16 @@ class SampleSessions:
             if ticket is not None and ticket.used:
                 self.sessions -= 1
 
-    async def _hello(self, conn: _Channel) -> Ticket | None:
+    async def _hello(self, conn: _Channel) -> Ticket | CopyTicket | None:
         """The first datagram is the ticket; its owner's uid must be the peer's."""
         with trio.move_on_after(HELLO_TIMEOUT_S):
             token = await conn.recv(TICKET_BYTES + 1)
             uid = conn.peer_uid()
-            ticket = self._tickets.get(token)
+            ticket: Ticket | CopyTicket | None = self._tickets.get(token)
+            if ticket is None:
+                ticket = self._copy_tickets.pop(token, None)
+                if ticket is not None and ticket.expires <= time.monotonic():
+                    ticket = None
             if ticket is None or ticket.used:
                 await _send_error(conn, errno.EACCES, "not a ticket this daemon gave out (or one already used)")
                 return None
@@ -168,6 +212,19 @@ class SampleSessions:
             ticket.used = True
             return ticket
         return None
+
+    async def _hand_over(self, conn: _Channel, ticket: CopyTicket) -> None:
+        """One reply: the shared copy's descriptor and size, or why there is none."""
+        try:
+            fd, size = await ticket.open_copy()
+        except DistorefsError as exc:  # every refusal has the sessions' error layout
+            await _send_error(conn, exc.errno, str(exc))
+            return
+        try:
+            await conn.send([COPY_RESPONSE.pack(0, size)], [fd])
+            self.copies_sent += 1
+        finally:
+            os.close(fd)
 
 
 async def _fill(buffer: ReplayBuffer, mirror: Mirror) -> None:

@@ -29,6 +29,7 @@ from distorefs.errors import (
     FileTooLarge,
     InvalidArgument,
     IsADirectory,
+    NoSuchAttribute,
     NotFound,
     NotPermitted,
     ReadOnly,
@@ -117,6 +118,12 @@ class VirtualNode:
     def effective_mode(self) -> int:
         found = self.permissions()
         return self.mode if found is None else stat.S_IFMT(self.mode) | found[0]
+
+    async def getxattr(self, name: bytes, uid: int) -> bytes:
+        """An extended attribute (the kernel checked that `uid` may read the node);
+        virtual nodes have none unless a kind says otherwise."""
+        await trio.lowlevel.checkpoint()
+        raise NoSuchAttribute(f"{self.name.decode(errors='replace')} has no attribute {name.decode(errors='replace')}")
 
     def child_bits(self, access: Access, default: int) -> int:
         """The permission bits a child with `access` shows inside this node (`default` when

@@ -37,9 +37,10 @@ import time
 
 import trio
 
-from distorefs.errors import CrossDevice, Exists, NotFound, NotPermitted, ReadOnly, Stale
+from distorefs.errors import CrossDevice, Exists, NotFound, NotPermitted, NotSupported, ReadOnly, Stale
 from distorefs.fs.buffers import run_waiting
 from distorefs.fs.procs import process_exiting, thread_group
+from distorefs.fs.shm_sessions import SampleSessions
 from distorefs.fs.virtual import (
     Access,
     ControlFile,
@@ -53,6 +54,8 @@ from distorefs.fs.virtual import (
 from distorefs.stores.files import RENAME_NOREPLACE
 from distorefs.stores.weights import RESERVED_NAMES, Model, WeightFile, WeightStore, check_file_name
 
+SHM_XATTR = b"user.distore.shm"
+SHM_COPY_MAGIC = b"DSSHMW1"
 FILE_ATTR_CACHE_S = 3600.0  # a version's inode never changes
 WRITER_RETRY_S = 2.0  # a writer sent back from a shared inode looks up again within this
 MAX_WRITER_RETRIES = 1024
@@ -304,6 +307,27 @@ class FileNode(VirtualFile):
                 store.release(base)
         return WriterHandle(store, model_dir, self.name, pending, pid)
 
+    async def getxattr(self, name: bytes, uid: int) -> bytes:
+        """`user.distore.shm`: the current version's number and a ticket for this file's
+        bytes in that version as a sealed memfd, handed over on the daemon's socket
+        (`client.map_version`; docs/formats.md, "Weights through shared memory, version
+        1"). The kernel has checked that `uid` may read this file; the socket checks that
+        the process connecting is `uid`'s. ESTALE when the version the lookup found is
+        no longer current (look the name up again)."""
+        if name != SHM_XATTR:
+            return await super().getxattr(name, uid)
+        await trio.lowlevel.checkpoint()
+        sessions = self.kind.sessions
+        label = f"weights/{self.name.decode(errors='replace')}"
+        if sessions is None or not sessions.available:
+            raise NotSupported(f"{label}: this daemon has no shared-memory socket (--shm-dir)")
+        store, wf = self.kind.store, self.wf
+        versions = [m.version for m in store.models.values() if any(f is wf for f in m.files.values())]
+        if not versions or wf.freed:
+            raise Stale(f"{label}: republished since the lookup; look it up again")
+        ticket = sessions.issue_copy(lambda: store.shared_copy(wf), uid, label)
+        return b"%s %s %s %d" % (SHM_COPY_MAGIC, sessions.path.encode(), ticket, versions[0])
+
     def _current_node(self) -> FileNode:
         governor = self.governor
         if isinstance(governor, ModelDir):
@@ -524,10 +548,13 @@ class WeightsDir(KindDirectory):
 
     child_cache_s = 0.0
 
-    def __init__(self, tree: VirtualTree, store: WeightStore, wait_timeout_s: float) -> None:
+    def __init__(
+        self, tree: VirtualTree, store: WeightStore, wait_timeout_s: float, sessions: SampleSessions | None = None
+    ) -> None:
         super().__init__(tree.new_ino(), b"weights", self.KIND_MODE)
         self.tree = tree
         self.store = store
+        self.sessions = sessions  # the daemon's shared-memory socket (hands over shared copies)
         self.wait_timeout_s = wait_timeout_s
         self._dirs: dict[int, ModelDir] = {}  # id(model) -> its directory node
         self._files: dict[int, FileNode] = {}  # owner -> node

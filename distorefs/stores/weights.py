@@ -7,6 +7,15 @@ new version. A version's files never change, so a reader holds the `WeightFile` 
 opened and reads it complete however many versions follow. A file that is no longer
 current and that no handle holds is freed with its blocks.
 
+Shared copies: for readers in other processes (`client.map_version`), a version's file
+can also be copied once into a sealed memfd (`shared_copy`), which the fs layer hands
+over through the daemon's socket; readers map it at memory speed with no read through
+FUSE. Where the daemon has shared memory, a published file is copied in the background
+right after the publish (`run_sharing`) while such copies take at most EAGER_SHARE of
+the budget for them; past that, a copy is made when a reader first asks. The copy is
+reserved against the DRAM budget and closed when the file is freed; mappings readers
+still hold keep their pages until they unmap (as a deleted file's open descriptors do).
+
 Persistence: a model is one row of MetaDb's `weights` table (version, time, files), so a
 publish of one file or of a group commits in one transaction, after the new files' blocks
 are in the log: a killed daemon comes back with the last version whose publish returned.
@@ -16,8 +25,10 @@ Plain Python with no FUSE: the fs layer (fs/weights.py) maps files and handles h
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -30,18 +41,24 @@ from distorefs.errors import (
     InvalidArgument,
     NotEmpty,
     NotFound,
+    NotSupported,
+    OutOfMemory,
     TimedOut,
     TryAgain,
 )
 from distorefs.ids import WEIGHT_OWNER_BASE, is_weight_owner
 from distorefs.news import Outbox
 from distorefs.stores.files import check_name
+from distorefs.stores.replay.mirror import ArenaBudget
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.metadb import MetaDb
 
 log = logging.getLogger(__name__)
 
 MAX_WEIGHT_FILE_BYTES = 1 << 40
+COPY_CHUNK = 8 << 20  # a shared copy is filled this much per trip to a thread
+EAGER_SHARE = 0.5  # copies made at publish may take this fraction of the shared-memory budget
+SHARED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 RESERVED_NAMES = frozenset({b"version", b"wait"})
 
 
@@ -55,6 +72,17 @@ class WeightFile:
     handles: int = 0  # open handles reading or writing it
     current: bool = False  # named by a model's current version
     freed: bool = False
+    shared: SharedCopy | None = None  # its bytes in a sealed memfd, once a reader asked (shared_copy)
+    sharing: trio.Event | None = None  # set when a copy being made is done (or failed)
+
+
+@dataclass(eq=False)
+class SharedCopy:
+    """A sealed memfd holding one version's bytes: nothing can change them."""
+
+    fd: int
+    size: int
+    reserved: int
 
 
 @dataclass(eq=False)
@@ -95,6 +123,11 @@ class WeightStore:
         self.models: dict[bytes, Model] = {}
         self._next_owner = int(meta.get_kv("next_weight_owner", WEIGHT_OWNER_BASE))
         self.news = Outbox[tuple[str, bytes]]()  # ("created" | "published" | "deleted", model)
+        self.shared_budget: ArenaBudget | None = None  # for shared copies (None: there are none)
+        self.shared_copies = 0  # made since the start
+        self._shared: set[WeightFile] = set()  # the files with a shared copy now
+        self._to_share: list[WeightFile] = []  # published files whose copy run_sharing makes
+        self._share_wanted = trio.Event()
 
     @classmethod
     def load(cls, blocks: BlockStore, meta: MetaDb) -> WeightStore:
@@ -257,6 +290,9 @@ class WeightStore:
                     wf.current = False
                     self._free_if_unused(wf)
             self._wake(model)
+            if self.shared_budget is not None and added:
+                self._to_share.extend(added.values())
+                self._share_wanted.set()
             self.news.post(("published", model.name))
             return version
 
@@ -344,6 +380,100 @@ class WeightStore:
         if not wf.current and wf.handles <= 0 and not wf.freed:
             wf.freed = True
             self._blocks.delete_owner(wf.owner)
+            self._drop_shared(wf)
+
+    # --- shared copies ------------------------------------------------------------------
+
+    async def shared_copy(self, wf: WeightFile) -> tuple[int, int]:
+        """(a new read-only descriptor of a sealed memfd holding the file's bytes, its
+        size), for a reader in another process to map. Made once per file and version,
+        from a thread; later calls get the same memfd. NotSupported when this daemon has
+        no shared memory, OutOfMemory when the budget for it is used up, NotFound when
+        the version was freed meanwhile."""
+        await self._ensure_shared(wf)
+        assert wf.shared is not None
+        fd = os.open(f"/proc/self/fd/{wf.shared.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        return fd, wf.shared.size
+
+    async def _ensure_shared(self, wf: WeightFile, eager: bool = False) -> None:
+        if self.shared_budget is None:
+            raise NotSupported("this daemon has no shared memory for weights (see --shm-dir)")
+        while wf.shared is None:
+            if wf.freed:
+                raise NotFound("this version of the file was freed")
+            if wf.sharing is not None:
+                await wf.sharing.wait()  # another reader's copy; if it failed, this one tries
+                continue
+            wf.sharing = trio.Event()
+            try:
+                wf.shared = await self._make_copy(wf, self.shared_budget, eager)
+            finally:
+                wf.sharing.set()
+                wf.sharing = None
+            if wf.freed:  # freed while the copy was made
+                self._drop_shared(wf)
+                raise NotFound("this version of the file was freed")
+
+    async def run_sharing(self) -> None:
+        """Background task: copy each published file into shared memory soon after its
+        publish (the first reader of a version then waits for nothing), while eager
+        copies fit in EAGER_SHARE of the budget. A file already superseded is skipped;
+        a copy that fails is left to the first reader that asks."""
+        while True:
+            await self._share_wanted.wait()
+            self._share_wanted = trio.Event()
+            files, self._to_share = self._to_share, []
+            for wf in files:
+                if not wf.current or wf.freed:
+                    continue
+                try:
+                    await self._ensure_shared(wf, eager=True)
+                except (OutOfMemory, NotFound):
+                    pass
+                except OSError as exc:  # no memfd (a full /dev/shm's memory): readers go through the mount
+                    log.warning("weights: a shared copy of %d bytes failed: %s", wf.size, exc)
+
+    async def _make_copy(self, wf: WeightFile, budget: ArenaBudget, eager: bool = False) -> SharedCopy:
+        size = wf.size
+        reserved = -(-size // mmap_page()) * mmap_page()
+        if eager and budget.used_bytes + reserved > budget.limit_bytes * EAGER_SHARE:
+            raise OutOfMemory("eager shared copies are at their share of the budget")
+        if not budget.reserve(reserved):
+            raise OutOfMemory(
+                f"no room for a {size}-byte shared copy: shared memory may take {budget.limit_bytes} bytes"
+                f" of the DRAM budget and {budget.used_bytes} are in use"
+            )
+        fd = -1
+        try:
+            fd = os.memfd_create(f"distorefs-weights-{wf.owner}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            os.ftruncate(fd, size)
+            for offset in range(0, size, COPY_CHUNK):
+                data = await self._blocks.read_range(wf.owner, offset, min(COPY_CHUNK, size - offset), size)
+                if isinstance(data, memoryview) and not isinstance(data.obj, bytes):
+                    data = bytes(data)  # a cached block's own memory: the thread gets a copy
+                await trio.to_thread.run_sync(_pwrite_all, fd, data, offset)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SHARED_SEALS)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            budget.unreserve(reserved)
+            raise
+        self.shared_copies += 1
+        self._shared.add(wf)
+        return SharedCopy(fd, size, reserved)
+
+    def _drop_shared(self, wf: WeightFile) -> None:
+        copy, wf.shared = wf.shared, None
+        self._shared.discard(wf)
+        if copy is not None:
+            os.close(copy.fd)
+            assert self.shared_budget is not None
+            self.shared_budget.unreserve(copy.reserved)
+
+    def close_shared(self) -> None:
+        """Close every shared copy (the daemon is stopping)."""
+        for wf in list(self._shared):
+            self._drop_shared(wf)
 
     # --- waiting ------------------------------------------------------------------------
 
@@ -366,4 +496,17 @@ class WeightStore:
             "weight_models": len(self.models),
             "weight_files": len(files),
             "weight_bytes": sum(f.size for f in files),
+            "weight_shared_bytes": sum(f.shared.reserved for f in self._shared if f.shared is not None),
+            "weight_shared_copies_made": self.shared_copies,
         }
+
+
+def mmap_page() -> int:
+    return os.sysconf("SC_PAGE_SIZE")
+
+
+def _pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written

@@ -279,6 +279,58 @@ def test_a_sampling_session_is_only_for_the_user_who_opened_sample_shm(shared_mo
     assert state_of(mount)["samples"] == 2  # nobody's one batch of 2; the stolen ticket drew nothing
 
 
+WEIGHTS_READER = textwrap.dedent(
+    """
+    import errno, mmap, os, socket, struct, sys
+    def hand_over(path, ticket):
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        conn.settimeout(10)
+        conn.connect(path)
+        conn.send(ticket)
+        data, fds, _flags, _addr = socket.recv_fds(conn, 4096, 1)
+        got = None
+        for fd in fds:
+            got = os.pread(fd, 100, 0).decode()
+            try:  # sealed and read-only: it maps for reading, never for writing
+                mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                got += " writable"
+            except OSError:
+                pass
+            os.close(fd)
+        return struct.unpack_from("<i", data)[0], got
+    if sys.argv[1] == "stolen":  # root's ticket
+        print(*hand_over(sys.argv[2], sys.argv[3].encode()), sep="|")
+    else:  # a ticket of its own, asked for on the file
+        try:
+            _magic, path, ticket, version = os.getxattr(sys.argv[2], "user.distore.shm").split()
+        except OSError as exc:
+            print(exc.errno, None, sep="|")
+        else:
+            print(*hand_over(path.decode(), ticket), sep="|")
+    """
+)
+
+
+def test_a_weights_shared_copy_is_only_for_who_may_read_the_file(shared_mount: Mount) -> None:
+    """`map_version`'s shared copy: the ticket comes from a getxattr the kernel allows
+    only to who may read the file, the socket takes it only from the uid that asked, and
+    the memfd it hands over is sealed."""
+    mount = shared_mount
+    make_objects(mount)
+    m = mount.path / "weights" / "policy"
+    _magic, path, ticket, _version = os.getxattr(m / "w.bin", "user.distore.shm").split()
+    stolen = as_user(NOBODY, WEIGHTS_READER, "stolen", path.decode(), ticket.decode(), stdout=subprocess.PIPE)
+    assert stolen.communicate(timeout=60)[0].strip() == f"{errno.EACCES}|None"
+    own = as_user(NOBODY, WEIGHTS_READER, "own", str(m / "w.bin"), stdout=subprocess.PIPE)
+    assert own.communicate(timeout=60)[0].strip() == "0|weights v1"  # 0644: nobody reads it, read-only
+    os.chmod(m, 0o700)
+    try:
+        refused = as_user(NOBODY, WEIGHTS_READER, "own", str(m / "w.bin"), stdout=subprocess.PIPE)
+        assert refused.communicate(timeout=60)[0].strip() == f"{errno.EACCES}|None"
+    finally:
+        os.chmod(m, 0o755)
+
+
 STAGE_INTRUDER = textwrap.dedent(
     """
     import errno, fcntl, os, sys

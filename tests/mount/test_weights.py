@@ -94,28 +94,112 @@ def test_a_reader_keeps_the_version_it_opened(model: Path) -> None:
     assert (model / "w.bin").read_bytes() == bytes([2]) * (2 << 20)
 
 
-def test_map_version_is_a_zero_copy_view_that_outlives_newer_publishes(model: Path) -> None:
+@pytest.mark.parametrize("transport", ["shm", "mount"])
+def test_map_version_is_a_zero_copy_view_that_outlives_newer_publishes(model: Path, transport: str) -> None:
     first = np.arange(300_000, dtype=np.float32)  # 1.2 MB
     (model / "w.bin").write_bytes(first.tobytes())
-    version, view = client.map_version(model / "w.bin")
+    version, view = client.map_version(model / "w.bin", transport=transport)
     assert version == 1
     weights = np.frombuffer(view, dtype=np.float32)  # no copy of the caller's
     assert not weights.flags.writeable
     for k in range(3):  # newer versions meanwhile
         (model / "w.bin").write_bytes(np.full(300_000, k, dtype=np.float32).tobytes())
     assert np.array_equal(weights, first)  # the mapped version is unchanged
-    newest, again = client.map_version(model / "w.bin")
+    newest, again = client.map_version(model / "w.bin", transport=transport)
     assert newest == 4
     assert np.frombuffer(again, dtype=np.float32)[0] == 2
+    assert client.map_version(model / "w.bin", transport=transport)[0] == 4
+    with pytest.raises(FileNotFoundError):
+        client.map_version(model / "missing.bin", transport=transport)
     torch = pytest.importorskip("torch")
     from safetensors.torch import load, save
 
     (model / "model.safetensors").write_bytes(save({"w": torch.arange(6, dtype=torch.float32)}))
-    _version, st = client.map_version(model / "model.safetensors")
+    _version, st = client.map_version(model / "model.safetensors", transport=transport)
     assert load(bytes(st))["w"].tolist() == [0, 1, 2, 3, 4, 5]
     with warnings.catch_warnings():  # torch warns that the view is read-only: it is, on purpose
         warnings.simplefilter("ignore", UserWarning)
         assert torch.frombuffer(view, dtype=torch.float32)[299_999].item() == 299_999
+
+
+def shared_weights(mount: Mount) -> tuple[int, int]:
+    status = mount.status()
+    return int(status["weight_shared_bytes"]), int(status["weight_shared_copies_made"])  # type: ignore[call-overload]
+
+
+def test_map_version_maps_one_shared_copy_per_version_made_at_publish(mounted: Mount, model: Path) -> None:
+    """The daemon copies a published file into a sealed memfd once, in the background;
+    every map_version of that version maps it (no read through the mount); the copy goes
+    when the version is freed, while mappings still held keep their bytes."""
+    first, second = os.urandom(3 << 20), os.urandom(2 << 20)
+    _bytes, made = shared_weights(mounted)
+    (model / "w.bin").write_bytes(first)
+    assert wait_until(lambda: shared_weights(mounted)[1] == made + 1)  # made after the publish
+    read = weights_bytes_read(mounted)
+    views = [client.map_version(model / "w.bin", transport="shm") for _ in range(3)]
+    assert weights_bytes_read(mounted) == read  # not one byte through FUSE
+    assert all(v == 1 and bytes(view) == first for v, view in views)
+    assert bytes(views[0][1]) == (model / "w.bin").read_bytes()  # the same bytes as the mount's
+    assert shared_weights(mounted)[1] == made + 1  # one copy for the three readers
+    (model / "w.bin").write_bytes(second)
+    assert wait_until(lambda: shared_weights(mounted) == (len(second) // 4096 * 4096, made + 2))  # v1's copy gone
+    assert all(bytes(view) == first for _v, view in views)  # held mappings keep their version
+    assert bytes(client.map_version(model / "w.bin", transport="shm")[1]) == second
+
+
+def weights_bytes_read(mount: Mount) -> float:
+    """Bytes of weights files read through the mount (the daemon's metrics)."""
+    text = (mount.path / ".distore" / "metrics").read_text()
+    for line in text.splitlines():
+        if line.startswith("distorefs_bytes_total{") and 'kind="weights"' in line and 'direction="out"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no distorefs_bytes_total for weights reads")
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_map_version_falls_back_to_the_mount_without_shared_memory(mount_factory: MountFactory) -> None:
+    mount = mount_factory("--shm-dir", "/nonexistent/shm")
+    model = mount.path / "weights" / "m"
+    model.mkdir()
+    data = os.urandom(1 << 20)
+    (model / "w.bin").write_bytes(data)
+    version, view = client.map_version(model / "w.bin")  # auto: through the mount
+    assert (version, bytes(view)) == (1, data)
+    with pytest.raises(OSError) as excinfo:
+        client.map_version(model / "w.bin", transport="shm")
+    assert excinfo.value.errno == errno.ENOTSUP
+    del view
+    assert mount.unmount() == 0
+
+
+def test_a_version_past_the_shared_memory_budget_maps_through_the_mount(mount_factory: MountFactory) -> None:
+    """--dram-budget 64MiB: shared memory may take 32 MiB, copies at publish 16 MiB."""
+    mount = mount_factory("--dram-budget", "64MiB")
+    model = mount.path / "weights" / "m"
+    model.mkdir()
+    middle, big = os.urandom(20 << 20), os.urandom(40 << 20)
+    (model / "mid.bin").write_bytes(middle)
+    (model / "big.bin").write_bytes(big)
+    assert shared_weights(mount) == (0, 0)  # both past the share for copies at publish
+    _v, view = client.map_version(model / "mid.bin", transport="shm")  # made when asked
+    assert bytes(view) == middle
+    assert shared_weights(mount) == (20 << 20, 1)
+    with pytest.raises(OSError) as excinfo:
+        client.map_version(model / "big.bin", transport="shm")
+    assert excinfo.value.errno == errno.ENOMEM
+    _v, fallback = client.map_version(model / "big.bin")  # auto: through the mount
+    assert bytes(fallback) == big
+    assert shared_weights(mount) == (20 << 20, 1)
+    del view, fallback
+    assert mount.unmount() == 0
 
 
 def test_name_at_version_is_read_only_shared_and_only_the_current_version(model: Path) -> None:

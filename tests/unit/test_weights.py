@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import errno
+import fcntl
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -12,7 +14,8 @@ import trio.testing
 
 from distorefs.errors import DistorefsError
 from distorefs.ids import WEIGHT_OWNER_BASE
-from distorefs.stores.weights import WeightStore
+from distorefs.stores.replay.mirror import ArenaBudget
+from distorefs.stores.weights import SHARED_SEALS, WeightStore
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.metadb import MetaDb
 from tests.unit.tiers import open_tiers
@@ -152,3 +155,81 @@ async def test_wait_newer_wakes_on_publish_and_bounds_its_wait(store: WeightStor
         assert got == []
         await publish_bytes(store, b"m", b"w", b"v1")
     assert got == [1]
+
+
+# --- shared copies (client.map_version's memfd) ------------------------------------------
+
+
+def budget_of(store: WeightStore, limit: int) -> ArenaBudget:
+    budget = ArenaBudget(lambda n: True, lambda n: None, limit)
+    store.shared_budget = budget
+    return budget
+
+
+async def test_a_shared_copy_is_the_versions_bytes_sealed_made_once_and_freed_with_the_version(
+    store: WeightStore,
+) -> None:
+    budget = budget_of(store, 1 << 20)
+    store.create_model(b"m")
+    first = bytes(range(256)) * (3 * BLOCK // 256)
+    await publish_bytes(store, b"m", b"w", first)
+    wf = store.model(b"m").files[b"w"]
+    fd, size = await store.shared_copy(wf)
+    again, _ = await store.shared_copy(wf)
+    try:
+        assert size == len(first)
+        assert os.pread(fd, size + 1, 0) == first
+        assert store.shared_copies == 1  # the second reader got the same memfd
+        assert os.fstat(fd).st_ino == os.fstat(again).st_ino
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        assert seals & SHARED_SEALS == SHARED_SEALS  # nobody changes the bytes, nor the seals
+        with pytest.raises(OSError) as excinfo:
+            os.write(fd, b"x")
+        assert excinfo.value.errno == errno.EBADF  # and the descriptor is read-only
+        assert budget.used_bytes == 3 * BLOCK
+        await publish_bytes(store, b"m", b"w", b"next")  # the old version is freed ...
+        assert budget.used_bytes == 0  # ... and its copy with it
+        assert os.pread(fd, 16, 0) == first[:16]  # a descriptor held elsewhere keeps its pages
+        with pytest.raises(DistorefsError) as gone:
+            await store.shared_copy(wf)
+        assert gone.value.errno == errno.ENOENT
+    finally:
+        os.close(fd)
+        os.close(again)
+
+
+async def test_a_shared_copy_past_the_budget_is_refused_and_reserves_nothing(store: WeightStore) -> None:
+    budget = budget_of(store, 2 * BLOCK)
+    store.create_model(b"m")
+    await publish_bytes(store, b"m", b"w", b"x" * (3 * BLOCK))
+    with pytest.raises(DistorefsError) as excinfo:
+        await store.shared_copy(store.model(b"m").files[b"w"])
+    assert excinfo.value.errno == errno.ENOMEM
+    assert budget.used_bytes == 0
+    store.shared_budget = None
+    with pytest.raises(DistorefsError) as off:
+        await store.shared_copy(store.model(b"m").files[b"w"])
+    assert off.value.errno == errno.ENOTSUP
+
+
+async def test_published_files_are_copied_in_the_background_within_their_share(store: WeightStore) -> None:
+    budget = budget_of(store, 8 * BLOCK)  # eager copies: up to half of it
+    store.create_model(b"m")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(store.run_sharing)
+        await publish_bytes(store, b"m", b"small", b"s" * BLOCK)
+        small = store.model(b"m").files[b"small"]
+        with trio.fail_after(10):  # the copy is made from a thread
+            while small.shared is None:
+                await trio.sleep(0.01)
+        await publish_bytes(store, b"m", b"big", b"b" * (4 * BLOCK))  # past the eager share
+        await trio.testing.wait_all_tasks_blocked()
+        assert store.model(b"m").files[b"big"].shared is None
+        assert budget.used_bytes == BLOCK
+        fd, size = await store.shared_copy(store.model(b"m").files[b"big"])  # a reader asks: made then
+        os.close(fd)
+        assert size == 4 * BLOCK
+        assert budget.used_bytes == 5 * BLOCK
+        nursery.cancel_scope.cancel()
+    store.close_shared()
+    assert budget.used_bytes == 0
