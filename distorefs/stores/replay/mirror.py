@@ -2,7 +2,7 @@
 
 Owns the arena: a memfd cut into equal slots of `stride` bytes (one item each), which
 ring slot's item sits in which arena slot, and which arena slots samplers still hold.
-A sampler session (fs/shm_server.py) maps the memfd read-only and reads the items of a
+A sampler session (fs/shm_sessions.py) maps the memfd read-only and reads the items of a
 drawn batch where this says they are, so a batch moves no item bytes through the
 daemon at all (docs/formats.md, "Shared-memory sampling, version 2").
 
