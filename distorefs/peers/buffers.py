@@ -206,8 +206,7 @@ class BufferSync:
         return {"indices": indices}, ()
 
     async def _on_priority(self, meta: dict[str, Any], body: memoryview) -> Reply:
-        await trio.lowlevel.checkpoint()
         indices = np.frombuffer(meta["indices"], dtype=np.int64)
         priorities = np.frombuffer(meta["priorities"], dtype=np.float64)
-        self._shard(meta).set_priorities(indices, priorities)
+        await self._shard(meta).apply_priorities(indices, priorities)
         return {}, ()

@@ -20,6 +20,7 @@ docs/concurrency.md.
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from distorefs.tiers.byte_ranges import ByteRanges
 from distorefs.tiers.compaction import Compaction
 from distorefs.tiers.dram import Block, DramCache, capacity_for
 from distorefs.tiers.metadb import MetaDb
-from distorefs.tiers.nvme_log import NvmeLog
+from distorefs.tiers.nvme_log import LogPosition, NvmeLog
 from distorefs.tiers.remote_memory import RemoteMemory
 from distorefs.types import BlockKey, LogLocation
 
@@ -70,6 +71,8 @@ class BlockStatistics:
     gathered_log_spans: int
     remote_loaded_blocks: int
     inline_appends: int  # log-only persists written on the event loop (docs/design.md, "Log-only appends")
+    notes: int  # notes written since the start (priority updates of replay buffers)
+    inline_notes: int  # of them, written on the event loop (the rest went to a thread)
     flush_lag_s: float  # age bound of the oldest write still only in DRAM (0: none)
     durable_lag_s: float  # age bound of the oldest log record not yet fsync'ed (0: none)
 
@@ -117,7 +120,13 @@ class BlockStore(ByteRanges, Compaction):
         self._rows_unstaged = []
         self._inline_ok = False  # until the dirty watch has looked (run_dirty_watch)
         self.inline_appends = 0
+        self.inline_notes = 0
         self._tail = {}
+        self._notes_lock = trio.Lock()
+        self._note_count = 0
+        self._note_positions = collections.deque()
+        self._notes_marks = []
+        self._tail_notes = {}
         # compaction (tiers/compaction.py)
         self._compacted_segments = 0
         self._reclaimed_bytes = 0
@@ -179,6 +188,10 @@ class BlockStore(ByteRanges, Compaction):
     def owner_lengths(self, owner: int) -> dict[int, int]:
         """Block number -> stored length for `owner`'s blocks in the index (start-up)."""
         return self._index.lengths(owner)
+
+    def log_position(self) -> LogPosition:
+        """Where the log's next record goes (every record before it is complete)."""
+        return self._log.position()
 
     def has_block(self, key: BlockKey) -> bool:
         return key in self._index or self._dram.peek(key) is not None
@@ -569,5 +582,7 @@ class BlockStore(ByteRanges, Compaction):
             gathered_log_spans=self._gathered_spans,
             remote_loaded_blocks=self._remote_loads,
             inline_appends=self.inline_appends,
+            notes=self._note_count,
+            inline_notes=self.inline_notes,
             **self.lags(),
         )

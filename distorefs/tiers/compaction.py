@@ -47,11 +47,12 @@ class Compaction(WriteBack):
         live bytes stopped shrinking since the last pass. A segment still dying (a FIFO
         buffer evicting in log order) is left to die whole, so it is dropped, not copied."""
         active = self._log.active_segment
+        held = self.notes_hold()  # notes a start-up would replay lie from this segment on
         victims = []
         seen = self._seg_live_seen
         self._seg_live_seen = {}
         for segment, size in self._log.segment_sizes().items():
-            if segment == active:
+            if segment == active or (held is not None and segment >= held):
                 continue
             live = self._index.live_bytes(segment)
             self._seg_live_seen[segment] = live

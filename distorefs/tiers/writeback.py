@@ -14,6 +14,7 @@ thread: a writer that meets a frozen block copies it first (copy on write, in
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import time
@@ -35,6 +36,16 @@ INLINE_APPEND_BYTES = 256 * 1024  # log-only persists up to this size write on t
 DIRTY_WATCH_S = 0.1  # how often the kernel's dirty page count is read (inline appends)
 TAIL_ROWS_SOON = 50_000  # staged rows that wake the flusher before its interval
 LOG_MARK_KEY = "log_mark"  # kv: "segment offset", the log records after it are the tail
+NOTES_MARK_KEY = "notes_mark"  # kv: "segment offset", notes after it are replayed at start-up
+NOTE_BASE = 1 << 62  # record numbers from here on are notes, not blocks (never indexed)
+
+
+def _position(mark: object) -> LogPosition | None:
+    """A "segment offset" mark from the kv table (None when there is none)."""
+    if mark is None:
+        return None
+    segment, offset = (int(part) for part in str(mark).split())
+    return LogPosition(segment, offset)
 
 
 def below_dirty_background() -> bool:
@@ -73,7 +84,13 @@ class WriteBack(BlockTierBase):
     _rows_unstaged: list[LogPosition]  # where flushes in flight began appending
     _tail: dict[int, list[tuple[int, LogLocation]]]  # owner -> records after the mark (start-up)
     _inline_ok: bool  # the kernel has room for dirty pages: small log-only appends go inline
+    _notes_lock: trio.Lock  # notes reach the log in the order they were appended (FIFO)
+    _note_count: int  # notes appended since the start (their record numbers)
+    _note_positions: collections.deque[LogPosition]  # notes a start-up may replay, in log order
+    _notes_marks: list[tuple[LogPosition, int]]  # staged notes marks and their MetaDb marks
+    _tail_notes: dict[int, list[bytes]]  # owner -> its notes after the committed mark (start-up)
     inline_appends: int  # log-only persists written on the event loop (the rest went to a thread)
+    inline_notes: int  # notes written on the event loop (the rest went to a thread)
 
     def lags(self) -> dict[str, float]:
         """flush_lag_s and durable_lag_s: bounds of how long the oldest write has waited
@@ -304,26 +321,45 @@ class WriteBack(BlockTierBase):
         that `read_tail` reads back at start-up."""
         position = min([self._log.position(), *self._rows_unstaged])
         self._meta.put("kv", (LOG_MARK_KEY,), (f"{position.segment} {position.offset}",))
+        if self.notes_hold() is None and not self._notes_lock.locked() and not self._notes_marks:
+            # every note so far is in a committed snapshot: a start-up need not look back
+            # further than here (keeps its scan short when no priorities change)
+            self._meta.put("kv", (NOTES_MARK_KEY,), (f"{position.segment} {position.offset}",))
 
     async def read_tail(self) -> int:
         """At start-up, before the stores load: read the records written after the last
         committed log mark (their rows may be missing) and keep them by owner for
         `adopt_tail`. Returns how many there are. A data dir without a mark has none."""
-        mark = self._meta.get_kv(LOG_MARK_KEY)
-        if mark is None:
+        marks = [_position(self._meta.get_kv(key)) for key in (LOG_MARK_KEY, NOTES_MARK_KEY)]
+        if all(mark is None for mark in marks):
             return 0
-        segment, offset = (int(part) for part in str(mark).split())
+        tail_mark, notes_mark = marks
+        start = min(mark for mark in marks if mark is not None)
 
-        def scan() -> dict[int, list[tuple[int, LogLocation]]]:
+        def scan() -> tuple[dict[int, list[tuple[int, LogLocation]]], dict[int, list[bytes]], list[LogPosition]]:
             tail: dict[int, list[tuple[int, LogLocation]]] = {}
-            for record in self._log.scan(LogPosition(segment, offset)):
-                tail.setdefault(record.key.owner, []).append((record.key.number, record.location))
-            return tail
+            notes: dict[int, list[bytes]] = {}
+            positions: list[LogPosition] = []
+            for record in self._log.scan(start):
+                at = LogPosition(record.location.segment, record.location.offset)
+                if record.key.number >= NOTE_BASE:
+                    if notes_mark is not None and at >= notes_mark:
+                        notes.setdefault(record.key.owner, []).append(record.payload)
+                        positions.append(at)
+                elif tail_mark is not None and at >= tail_mark:
+                    tail.setdefault(record.key.owner, []).append((record.key.number, record.location))
+            return tail, notes, positions
 
-        self._tail = await trio.to_thread.run_sync(scan)
+        self._tail, self._tail_notes, positions = await trio.to_thread.run_sync(scan)
+        self._note_positions.extend(positions)  # held until a new notes mark commits
         count = sum(len(records) for records in self._tail.values())
-        if count:
-            log.info("log: %d records after the last commit, from segment %d offset %d", count, segment, offset)
+        if count and tail_mark is not None:
+            log.info(
+                "log: %d records after the last commit, from segment %d offset %d",
+                count, tail_mark.segment, tail_mark.offset,
+            )  # fmt: skip
+        if positions:
+            log.info("log: %d notes after the last notes mark", len(positions))
         return count
 
     def adopt_tail(self, owner: int, accept: Callable[[int], bool]) -> int:
@@ -338,8 +374,61 @@ class WriteBack(BlockTierBase):
         return adopted
 
     def forget_tail(self) -> None:
-        """The stores have loaded: tail records nobody adopted are dead."""
+        """The stores have loaded: tail records nobody adopted are dead (and notes of
+        owners that are gone)."""
         self._tail = {}
+        self._tail_notes = {}
+
+    # --- notes: small records a store replays at start-up ---------------------------------
+
+    async def append_note(self, owner: int, payload: bytes) -> None:
+        """Write a note of `owner` to the log: a small record that is never a block and
+        never indexed, which a start-up hands back (`take_notes`) if it lies after the
+        last committed notes mark. When this returns it survives a killed daemon. Notes
+        reach the log in the order of their calls (on the event loop when nothing else
+        appends, else from a worker thread). Raises only if the note was not written
+        (StoreFull on a full disk, Cancelled while waiting for an earlier note). Replay
+        buffers write their priority updates as notes (docs/design.md, "Priorities:
+        snapshots and notes")."""
+        self._note_count += 1
+        records = [(BlockKey(owner, NOTE_BASE + self._note_count), payload)]
+        if self._inline_ok and not self._notes_lock.locked():  # no earlier note in flight
+            locations = self._log.try_append_now(records)
+            if locations is not None:
+                self.inline_notes += 1
+                self._noted(locations[0])
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return
+        async with self._notes_lock:  # (a thread's append is not cancelled: it completes)
+            locations = await trio.to_thread.run_sync(self._log.append_many, records, limiter=self._io_limiter)
+            self._noted(locations[0])
+        await trio.lowlevel.cancel_shielded_checkpoint()  # written: the caller must not see a cancel
+
+    def _noted(self, location: LogLocation) -> None:
+        self._logged()
+        self._note_positions.append(LogPosition(location.segment, location.offset))
+
+    def stage_notes_mark(self, position: LogPosition) -> None:
+        """Stage `position` (the log's `position()` taken when the store's state was
+        copied for a snapshot staged with this) as the point a start-up replays notes
+        from. The notes before it stay held from compaction until a commit carries it."""
+        self._meta.put("kv", (NOTES_MARK_KEY,), (f"{position.segment} {position.offset}",))
+        self._notes_marks.append((position, self._meta.mark()))
+
+    def notes_hold(self) -> int | None:
+        """The first log segment compaction must keep for notes a start-up would replay
+        (None: no such note)."""
+        committed = None
+        while self._notes_marks and self._meta.carried(self._notes_marks[0][1]):
+            committed = self._notes_marks.pop(0)[0]
+        if committed is not None:
+            while self._note_positions and self._note_positions[0] < committed:
+                self._note_positions.popleft()
+        return self._note_positions[0].segment if self._note_positions else None
+
+    def take_notes(self, owner: int) -> list[bytes]:
+        """At start-up: `owner`'s notes after the committed notes mark, in log order."""
+        return self._tail_notes.pop(owner, [])
 
     def _wake_room_waiters(self) -> None:
         self._room_freed.set()

@@ -390,6 +390,32 @@ def test_items_survive_remount_and_kill_9_with_priorities(mount_factory: MountFa
     assert mount.unmount() == 0
 
 
+def test_priority_writes_come_back_exactly_after_kill_9_with_no_snapshot_since(mount_factory: MountFactory) -> None:
+    """A write to `priority` is acknowledged when it returns: each one is a note in the
+    log, which a start-up replays on top of the last snapshot (here none was taken)."""
+    mount = mount_factory("--snapshot-interval", "600")
+    path = mount.path / "buffers" / "per"
+    path.mkdir()
+    configure(path, schema=SCHEMA, sampler="prioritized", capacity=100, alpha=1.0, epsilon=0.0)
+    client.append(path, records(10))
+    (path / "priority").write_text("".join(f"{i} 0\n" for i in range(10)))
+    with open(path / "priority", "w") as f:  # one open, two updates: the second wins for 7
+        f.write("3 5.0\n7 1.0\n")
+        f.flush()
+        f.write("7 3.0\n")
+    assert stats(path)["total_priority"] == 8.0
+    mount.kill9()
+
+    mount = mount_factory()
+    path = mount.path / "buffers" / "per"
+    assert stats(path)["total_priority"] == 8.0  # not 10 items at the maximum priority
+    batch = client.sample(path, batch_size=400)
+    counts = np.bincount(batch["_index"], minlength=10)
+    assert set(np.flatnonzero(counts).tolist()) == {3, 7}
+    assert counts[3] > counts[7]  # 5 against 3
+    assert mount.unmount() == 0
+
+
 def test_appends_closed_before_any_commit_come_back_from_the_log_after_kill_9(mount_factory: MountFactory) -> None:
     # No flusher or syncer pass runs before the kill: each close wrote its record to the
     # log alone (log-only append), and the restart adopts them from the log's tail.

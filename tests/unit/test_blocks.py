@@ -263,3 +263,43 @@ async def test_a_whole_block_write_keeps_the_requests_bytes_and_a_later_change_c
     assert await read_all(store, BlockKey(4, 1)) == again
     assert await read_all(store, BlockKey(4, 0)) == data[:3] + b"xyz" + data[6:]
     await store.close()
+
+
+async def test_notes_after_the_committed_mark_come_back_in_order_and_are_kept_from_compaction(tmp_path: Path) -> None:
+    store = open_store(tmp_path, segment=4 * BLOCK)
+    await store.commit()  # the first commit sets the notes mark: nothing to replay before it
+    await store.append_note(7, b"before")
+    store.stage_notes_mark(store.log_position())  # a snapshot took "before" in
+    await store.commit()
+    await store.append_note(7, b"one")
+    await store.append_note(8, b"other owner")
+    for i in range(12):  # seal the notes' segment among dead blocks
+        await store.write(BlockKey(1, i), 0, bytes([i]) * BLOCK)
+    await store.flush()
+    for i in range(12):
+        store.delete(BlockKey(1, i))
+    await store.append_note(7, b"two")
+    await store.compact(min_dead_ratio=0.5)
+    held = store.notes_hold()
+    assert held == 1  # the notes' first segment and every later one stay ...
+    assert 1 in store._log.segment_sizes()
+    store._log.close()  # a kill -9: no close, no commit
+    store._meta._conn.close()
+
+    store = open_store(tmp_path, segment=4 * BLOCK)
+    await store.read_tail()
+    assert store.take_notes(7) == [b"one", b"two"]  # ... and a start-up replays them, in order
+    assert store.take_notes(8) == [b"other owner"]
+    assert store.take_notes(9) == []
+    store.forget_tail()
+    assert store.notes_hold() == 1  # held until a snapshot with them commits
+    store.stage_notes_mark(store.log_position())
+    await store.commit()
+    assert store.notes_hold() is None
+    await store.compact(min_dead_ratio=0.5)
+    assert 1 not in store._log.segment_sizes()  # then the dead segment goes
+    await store.close()
+    store = open_store(tmp_path, segment=4 * BLOCK)
+    await store.read_tail()
+    assert store.take_notes(7) == []
+    await store.close()

@@ -666,6 +666,58 @@ async def test_a_failed_commit_does_not_count_as_carrying_the_row(tmp_path: Path
     await blocks.close()
 
 
+async def test_priority_updates_since_the_last_snapshot_come_back_exactly_after_a_crash(tmp_path: Path) -> None:
+    tiers = open_tiers(tmp_path)
+    _log, blocks, meta = tiers
+    store = BufferStore.load(blocks, meta)
+    config = BufferConfig(capacity=10, sampler="prioritized", alpha=1.0, epsilon=0.0)
+    buf = store.create("per", config)
+    await buf.append([b"item-%d" % i for i in range(8)])
+    await buf.persist()
+    await buf.update_priorities(np.array([0, 1, 2]), np.array([5.0, 6.0, 7.0]))
+    assert await store.snapshot_in_thread() == 1  # a snapshot has 5, 6, 7 ...
+    await blocks.commit()
+    await buf.update_priorities(np.array([1, 3]), np.array([0.5, 2.0]))  # ... these come after it
+    await buf.update_priorities(np.array([3, 7]), np.array([4.0, 0.25]))  # the last word on 3
+    buf.delete_item(2)
+    await buf.persist()
+    expected = {0: 5.0, 1: 0.5, 3: 4.0, 4: 1.0, 5: 1.0, 6: 1.0, 7: 0.25}
+
+    blocks, store = await crash_and_reload(tmp_path, tiers)
+    buf = store.get("per")
+    assert buf.live_indices().tolist() == sorted(expected)
+    leaves = buf.priority_tree.leaves()
+    assert {i: float(leaves[i]) for i in buf.live_indices().tolist()} == expected
+    assert buf.priority_tree.total == pytest.approx(sum(expected.values()))
+    await blocks.close()
+
+
+async def test_a_priority_update_whose_note_is_not_written_is_not_applied(tmp_path: Path) -> None:
+    # Cancelled while an earlier note holds the log (as a full disk's StoreFull would
+    # fail it): the write reports the failure and the buffer keeps its priorities.
+    _log, blocks, meta = open_tiers(tmp_path)
+    store = BufferStore.load(blocks, meta)
+    buf = store.create("per", BufferConfig(capacity=10, sampler="prioritized", alpha=1.0, epsilon=0.0))
+    await buf.append([b"a", b"b", b"c"])
+    await buf.update_priorities(np.array([0, 1, 2]), np.array([1.0, 2.0, 3.0]))
+    held, done = trio.Event(), trio.Event()
+
+    async def earlier_note() -> None:
+        async with blocks._notes_lock:  # an earlier note still being written
+            held.set()
+            await done.wait()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(earlier_note)
+        await held.wait()
+        with trio.move_on_after(0.05) as scope:
+            await buf.update_priorities(np.array([1, 2]), np.array([9.0, 9.0]))
+        done.set()
+    assert scope.cancelled_caught
+    assert buf.priority_tree.leaves()[:3].tolist() == [1.0, 2.0, 3.0]
+    await blocks.close()
+
+
 async def test_a_tail_past_the_capacity_evicts_again_and_counts_it(tmp_path: Path) -> None:
     tiers = open_tiers(tmp_path)
     _log, blocks, meta = tiers

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -454,18 +455,44 @@ class ReplayBuffer:
         if self._spread is not None:
             await self._spread.update_priorities(indices, priorities)
             return
-        self.set_priorities(indices, priorities)
-        await trio.lowlevel.checkpoint()
+        await self.apply_priorities(indices, priorities)
 
-    def set_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> None:
+    async def apply_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> None:
+        """`set_priorities`, then the update as a note in the log before this returns, so
+        a start-up after kill -9 has it exactly (the snapshot, then the notes after it:
+        `replay_priorities`)."""
+        applied, before = self.set_priorities(indices, priorities)
+        if not len(indices):
+            await trio.lowlevel.checkpoint()
+            return
+        try:
+            await self._blocks.append_note(self.owner, encode_priority_note(indices, priorities))
+        except BaseException:  # not in the log (a full disk): not applied either
+            self.set_priorities(applied, before)
+            raise
+
+    def replay_priorities(self, note: bytes) -> int:
+        """Apply a priority note at start-up (after the snapshot restore); pairs of items
+        no longer here are skipped, as they were when the update came. Returns how many
+        pairs it held (0 for a note it cannot read, which is logged)."""
+        decoded = decode_priority_note(note)
+        if decoded is None:
+            log.warning("buffers/%s: an unreadable priority note of %d bytes skipped", self.name, len(note))
+            return 0
+        indices, priorities = decoded
+        known = (indices >= 0) & (indices < self.next_index)
+        self.set_priorities(indices[known], priorities[known])
+        return len(indices)
+
+    def set_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Set priorities of this shard's items; all are checked first, so a bad pair
         applies none of them. A pair of an item that was appended and has left since (FIFO
         past the capacity, max_times_sampled: the learner sampled it just before) is
         skipped and counted in `priority_updates_skipped`, as Reverb does; an index never
-        appended is a bad pair."""
+        appended is a bad pair. Returns the indices it set and their priorities before."""
         check_priorities(self.name, indices, priorities)
         if len(indices) == 0:
-            return
+            return indices, priorities
         slots = indices % self.config.capacity
         never = (indices < 0) | (indices >= self.next_index)
         if never.any():
@@ -476,10 +503,12 @@ class ReplayBuffer:
         if not live.all():
             self.priority_updates_skipped += int((~live).sum())
             indices, priorities, slots = indices[live], priorities[live], slots[live]
+        before = self._priority[slots]  # (a copy: fancy indexing)
         self._priority[slots] = priorities
         self._tree.update(slots, self._scaled(priorities))
         self._snapshot_dirty = True
         self._notify()
+        return indices, before
 
     # --- sampling ---------------------------------------------------------------------
 
@@ -827,3 +856,26 @@ class ReplayBuffer:
             **({"shared_memory": self.mirror.statistics()} if self.mirror is not None else {}),
             **({"cluster": self._spread.stats_now()} if self._spread is not None else {}),
         }
+
+
+PRIORITY_NOTE = struct.Struct("<4sI")  # magic, pairs; then int64 indices and float64 priorities
+PRIORITY_NOTE_MAGIC = b"DSP1"
+
+
+def encode_priority_note(indices: np.ndarray, priorities: np.ndarray) -> bytes:
+    return (
+        PRIORITY_NOTE.pack(PRIORITY_NOTE_MAGIC, len(indices))
+        + np.asarray(indices, dtype="<i8").tobytes()
+        + np.asarray(priorities, dtype="<f8").tobytes()
+    )
+
+
+def decode_priority_note(note: bytes) -> tuple[np.ndarray, np.ndarray] | None:
+    if len(note) < PRIORITY_NOTE.size:
+        return None
+    magic, count = PRIORITY_NOTE.unpack_from(note)
+    if magic != PRIORITY_NOTE_MAGIC or len(note) != PRIORITY_NOTE.size + 16 * count:
+        return None
+    indices = np.frombuffer(note, "<i8", count, PRIORITY_NOTE.size).astype(np.int64)
+    priorities = np.frombuffer(note, "<f8", count, PRIORITY_NOTE.size + 8 * count).astype(np.float64)
+    return indices, priorities

@@ -279,8 +279,7 @@ class ShardedBuffer:
             local, values = indices[positions] // self.layout.shards, priorities[positions]
             node = self.layout.nodes[shard]
             if node == self.me and self.local is not None:
-                self.local.set_priorities(local, values)
-                await trio.lowlevel.checkpoint()
+                await self.local.apply_priorities(local, values)
             else:
                 await self._peer.update_priorities(node, self.name, local, values)
 

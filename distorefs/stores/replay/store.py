@@ -71,6 +71,10 @@ class BufferStore:
             buf = ReplayBuffer.restore(
                 name, tuple(row), blocks, meta, blocks.owner_lengths(owner), self.news, self.shard_limit
             )
+            notes = blocks.take_notes(owner)  # priority updates after the snapshot, in order
+            if notes:
+                pairs = sum(buf.replay_priorities(note) for note in notes)
+                log.info("buffer %s: %d priority updates replayed (%d pairs)", name, len(notes), pairs)
             self._buffers[name] = self._by_owner[owner] = buf
             log.info("buffer %s: %d items restored (next index %d)", name, buf.size, buf.next_index)
         return self
@@ -129,8 +133,12 @@ class BufferStore:
         buffer.spread_over(ShardedBuffer(name, buffer.config, ShardLayout(list(nodes)), local, self._peer))
 
     def snapshot(self) -> int:
-        """Stage the priorities of every buffer that changed; returns how many."""
-        return sum(buf.stage_snapshot() for buf in self._buffers.values())
+        """Stage the priorities of every buffer that changed, and the notes mark with them
+        (the notes before it are in these snapshots); returns how many."""
+        position = self._blocks.log_position()
+        staged = sum(buf.stage_snapshot() for buf in self._buffers.values())
+        self._blocks.stage_notes_mark(position)
+        return staged
 
     async def warm_up(self, dram_budget_bytes: int) -> int:
         """Start-up task: read the restored buffers' items from the log into DRAM while
@@ -157,19 +165,27 @@ class BufferStore:
     async def snapshot_in_thread(self) -> int:
         """`snapshot`, with each buffer's sorting and encoding in a worker thread (0.2 s
         for a million items, which would stall every request on the event loop)."""
+        # Every buffer's arrays are copied at one instant, with the log's position then:
+        # each priority note before it is in these copies, each one after it is replayed
+        # at a start-up on top of them (an update is applied before its note is written).
+        position = self._blocks.log_position()
+        states = [(buf, buf.snapshot_state()) for buf in list(self._buffers.values())]
         staged = 0
-        for buf in list(self._buffers.values()):
-            state = buf.snapshot_state()
+        for number, (buf, state) in enumerate(states):
             if state is None:
                 continue
             try:
                 encoded = await trio.to_thread.run_sync(encode_state, *state)
             except BaseException:
-                buf.snapshot_failed()
+                for later, later_state in states[number:]:
+                    if later_state is not None:
+                        later.snapshot_failed()
                 raise
             if not buf.deleted:
                 buf.stage_encoded(encoded)
                 staged += 1
+        if staged:
+            self._blocks.stage_notes_mark(position)
         return staged
 
     async def run_snapshots(self, interval_s: float) -> None:
