@@ -338,7 +338,8 @@ async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb) -> Dae
     if shared.available:  # buffers' arenas for version 2 sessions: at most half the DRAM budget
         arenas = ArenaBudget(blocks.reserve, blocks.unreserve, config.dram_budget_bytes // 2)
         shared.sessions = SampleSessions(config.shm_dir, arenas)
-        weights.shared_budget = arenas  # weights' shared copies share the arenas' half
+        if shared.sessions.listen():
+            weights.shared_budget = arenas  # weights' shared copies share the arenas' half
     virtual.install(BuffersDir(virtual, buffers, shared))
     virtual.install(WeightsDir(virtual, weights, config.wait_timeout_s, shared.sessions))
     virtual.install(DatasetsDir(virtual, datasets))

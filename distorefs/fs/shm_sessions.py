@@ -88,6 +88,7 @@ class SampleSessions:
 
     Examples:
         >>> sessions = SampleSessions("/dev/shm", ArenaBudget(blocks.reserve, blocks.unreserve, limit))
+        >>> sessions.listen()                            # before the mount is ready
         >>> nursery.start_soon(sessions.serve)
         >>> ticket = sessions.issue(buffer, None, uid)   # from a sample.shm open, after `session 2`
         >>> sessions.revoke(ticket)                      # that open was released
@@ -100,6 +101,7 @@ class SampleSessions:
         self._copy_tickets: dict[bytes, CopyTicket] = {}  # in the order given out
         self.copies_sent = 0
         self._listening = False
+        self._listener: trio.socket.SocketType | None = None
         self._nursery: trio.Nursery | None = None
         self.sessions = 0
 
@@ -137,21 +139,29 @@ class SampleSessions:
         if ticket is not None:
             ticket.cancel.cancel()
 
-    async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Listen until cancelled; a session per connection. No socket (the directory is
-        not writable): sessions are off and clients stay on version 1."""
-        listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    def listen(self) -> bool:
+        """Bind and listen now, before the mount is announced ready, so that the first
+        `session 2` finds the socket; False (sessions off, clients stay on version 1)
+        when the directory takes no socket."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
-            await listener.bind(self.path)
+            sock.bind(self.path)
             os.chmod(self.path, 0o666)  # who may draw is the ticket's and SO_PEERCRED's business
-            listener.listen(128)
+            sock.listen(128)
         except OSError as exc:
             log.warning("shared-memory sampling sessions are off: cannot listen on %s: %s", self.path, exc)
-            listener.close()
-            task_status.started()
-            return
+            sock.close()
+            return False
+        self._listener = trio.socket.from_stdlib_socket(sock)
         self._listening = True
-        task_status.started()
+        return True
+
+    async def serve(self) -> None:
+        """Accept until cancelled (after `listen`); a session per connection."""
+        listener = self._listener
+        if listener is None:
+            await trio.lowlevel.checkpoint()
+            return
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
