@@ -5,8 +5,10 @@ with the number of items held.
 
 Mounts a daemon, fills one blob buffer (3 KB items, SAC-sized) to each size in turn,
 waits for a snapshot pass, then measures open-write-close appends of one item for
-`--seconds` (the plain-file recipe through distorefs.client.append). Prints appends/s per
-size as JSON; docs/benchmarks.md keeps the results.
+`--seconds` (the plain-file recipe through distorefs.client.append). With
+`--reverb-python PATH` (a Python with dm-reverb, see benchmarks/reverb_inserts.py) it
+then measures Reverb's single inserts of the same items in the same run. Prints
+appends/s per size as JSON; docs/benchmarks.md keeps the results.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import argparse
 import json
 import os
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +34,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1000,100000")
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--reverb-python", help="a Python with dm-reverb installed (optional)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     base = Path(tempfile.mkdtemp(prefix="distorefs-append-"))
@@ -50,7 +55,18 @@ def main() -> int:
                     client.append(buffer, [item])
                     count += 1
                 results[held] = round(count / (time.monotonic() - started))
-        print(json.dumps({"single_appends_per_s_by_items_held": results}, indent=2))
+        report: dict[str, object] = {"single_appends_per_s_by_items_held": results}
+        if args.reverb_python:
+            script = str(Path(__file__).with_name("reverb_inserts.py"))
+            done = subprocess.run(
+                [args.reverb_python, script, "--seconds", str(args.seconds)],
+                capture_output=True, text=True, timeout=600, check=True,
+            )  # fmt: skip
+            reverb = json.loads(done.stdout.strip().splitlines()[-1])
+            report["reverb"] = reverb
+            best = statistics.median(reverb["client_insert"])
+            report["vs_reverb_client_insert"] = {held: round(rate / best, 2) for held, rate in results.items()}
+        print(json.dumps(report, indent=2))
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return 0
