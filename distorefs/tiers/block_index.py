@@ -1,14 +1,17 @@
 """BlockIndex: where each block's newest record lives in the segment log.
 
 Owns the map BlockKey -> LogLocation and the two views derived from it that the block
-tier needs fast: the live bytes and keys of each segment (what compaction weighs and
-moves) and the block numbers of each owner (what a file or a buffer holds). It stages
-its rows in MetaDb's `blocks` table; committing them is the caller's job.
+tier needs fast: the live bytes of each segment (what compaction weighs) and the block
+numbers of each owner with their lengths (what a file or a buffer holds). Which keys live
+in a segment is not kept: compaction reads them from the segment itself
+(`NvmeLog.segment_records`), which spared a million-item start-up a set per segment
+(docs/benchmarks.md, "A million items"). It stages its rows in MetaDb's `blocks` table;
+committing them is the caller's job.
 
 Invariants, for every state reachable through the methods below:
     live_bytes(s) == sum(HEADER.size + loc.length for loc in locations in segment s)
-    segment_keys(s) == {key for key, loc in the map if loc.segment == s}
-    numbers(o) == {key.number for key in the map if key.owner == o}, and no owner maps to an empty set
+    lengths(o) == {key.number: loc.length for key, loc in the map if key.owner == o},
+        and no owner maps to an empty dict
 
 Plain, synchronous Python: nothing here awaits or does I/O.
 """
@@ -42,29 +45,23 @@ class BlockIndex:
         self._meta = meta
         self._locations: dict[BlockKey, LogLocation] = {}
         self._seg_live: dict[int, int] = {}
-        self._seg_keys: dict[int, set[BlockKey]] = {}
-        self._owned: dict[int, set[int]] = {}
+        self._owned: dict[int, dict[int, int]] = {}  # owner -> block number -> payload length
 
     @classmethod
     def load(cls, meta: MetaDb) -> BlockIndex:
         """The index as the committed `blocks` rows say (what `_add` does per row, inlined:
         a million rows at start-up)."""
         self = cls(meta)
-        locations, seg_live, seg_keys, owned = self._locations, self._seg_live, self._seg_keys, self._owned
+        locations, seg_live, owned = self._locations, self._seg_live, self._owned
         header = HEADER.size
         new_key, new_location = BlockKey._make, LogLocation._make
         for owner, number, segment, offset, length in meta.rows("blocks"):
-            key = new_key((owner, number))
-            locations[key] = new_location((segment, offset, length))
+            locations[new_key((owner, number))] = new_location((segment, offset, length))
             seg_live[segment] = seg_live.get(segment, 0) + header + length
-            keys = seg_keys.get(segment)
-            if keys is None:
-                keys = seg_keys[segment] = set()
-            keys.add(key)
             numbers = owned.get(owner)
             if numbers is None:
-                numbers = owned[owner] = set()
-            numbers.add(number)
+                numbers = owned[owner] = {}
+            numbers[number] = length
         return self
 
     # --- reading --------------------------------------------------------------------------
@@ -89,9 +86,8 @@ class BlockIndex:
         return set(self._owned.get(owner, ()))
 
     def lengths(self, owner: int) -> dict[int, int]:
-        """Block number -> record payload length of each of `owner`'s blocks."""
-        locations = self._locations
-        return {n: locations[BlockKey(owner, n)].length for n in self._owned.get(owner, ())}
+        """Block number -> record payload length of each of `owner`'s blocks (a copy)."""
+        return dict(self._owned.get(owner, {}))
 
     def count(self, owner: int) -> int:
         """How many blocks of `owner` have a record (no copy: for stat)."""
@@ -106,25 +102,19 @@ class BlockIndex:
     def live_total(self) -> int:
         return sum(self._seg_live.values())
 
-    def segment_keys(self, segment: int) -> list[BlockKey]:
-        """Keys whose record is in `segment` (a copy: the index may change while a caller walks it)."""
-        return list(self._seg_keys.get(segment, ()))
-
     # --- changing ---------------------------------------------------------------------------
 
     def _add(self, key: BlockKey, location: LogLocation) -> None:
         self._locations[key] = location
         self._seg_live[location.segment] = self._seg_live.get(location.segment, 0) + record_bytes(location)
-        self._seg_keys.setdefault(location.segment, set()).add(key)
-        self._owned.setdefault(key.owner, set()).add(key.number)
+        self._owned.setdefault(key.owner, {})[key.number] = location.length
 
     def _drop(self, key: BlockKey) -> LogLocation | None:
         old = self._locations.pop(key, None)
         if old is not None:
             self._seg_live[old.segment] -= record_bytes(old)
-            self._seg_keys[old.segment].discard(key)
             owned = self._owned[key.owner]
-            owned.discard(key.number)
+            del owned[key.number]
             if not owned:
                 del self._owned[key.owner]
         return old
@@ -147,6 +137,5 @@ class BlockIndex:
 
     def forget_segment(self, segment: int) -> None:
         """A segment with no live record was deleted from the log."""
-        assert not self._seg_keys.get(segment), f"segment {segment} still holds live records"
+        assert not self._seg_live.get(segment), f"segment {segment} still holds live records"
         self._seg_live.pop(segment, None)
-        self._seg_keys.pop(segment, None)

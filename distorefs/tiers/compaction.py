@@ -80,10 +80,13 @@ class Compaction(WriteBack):
         if copying and await trio.to_thread.run_sync(self._log.free_bytes) < copying + (1 << 20):
             await self._use_reserve(f"the disk has no room to copy {copying} live bytes")
         for segment in victims:
-            for key in self._index.segment_keys(segment):
+            if not self._index.live_bytes(segment):
+                continue  # nothing to move: the segment goes below
+            records = await trio.to_thread.run_sync(self._log.segment_records, segment, limiter=self._io_limiter)
+            for key, found in records:
                 location = self._index.get(key)
-                if location is None or location.segment != segment:
-                    continue
+                if location != found:
+                    continue  # dead: the block has a newer record, or none
                 cached = self._dram.peek(key)
                 if cached is not None and cached.dirty:
                     continue  # the flusher will write it elsewhere anyway

@@ -49,6 +49,7 @@ MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
 RESERVE_NAME = "reserve"  # ballast that keeps room for compaction on a full disk
 SCAN_CHUNK_BYTES = 8 * 1024 * 1024
+NOTE_NUMBERS = 1 << 62  # records with an index from here on are notes, not blocks (tiers/writeback.py)
 READ_AHEAD_PARTS = 128  # read_parts keeps this many small reads hinted ahead (measured: 64-512 alike)
 _SEGMENT_PREFIX = "seg-"
 _SEGMENT_SUFFIX = ".log"
@@ -176,9 +177,8 @@ class NvmeLog:
         """Cut the segment after its last valid record; return that record's seq (-1 if none)."""
         valid_end = 0
         last_seq = -1
-        for record in self._scan_segment(seg):
-            valid_end = record.location.offset + HEADER.size + record.location.length
-            last_seq = record.seq
+        for offset, length, _owner, _index, seq, _payload in self._walk_segment(seg):
+            valid_end, last_seq = offset + HEADER.size + length, seq
         if valid_end < seg.size_bytes:
             dropped = seg.size_bytes - valid_end
             log.warning("log %s: dropped a torn tail of %d bytes at offset %d", seg.path, dropped, valid_end)
@@ -531,36 +531,64 @@ class NvmeLog:
             if segment >= start.segment and seg is not None and not seg.deleted:
                 yield from self._scan_segment(seg, start.offset if segment == start.segment else 0)
 
+    def segment_records(self, segment: int) -> list[tuple[BlockKey, LogLocation]]:
+        """The key and location of each valid block record in `segment` (notes left out),
+        in order: what compaction checks against the index to find the live ones. A
+        worker thread's call (it reads the whole segment); [] for a deleted segment."""
+        seg = self._acquire(segment)
+        if seg is None:
+            return []
+        try:
+            return [
+                (BlockKey(owner, index), LogLocation(segment, offset, length))
+                for offset, length, owner, index, _seq, _payload in self._walk_segment(seg)
+                if index < NOTE_NUMBERS
+            ]
+        finally:
+            self._release(seg)
+
     def _scan_segment(self, seg: _Segment, offset: int = 0) -> Iterator[LogRecord]:
-        """Yield the segment's valid records in order, stopping at the first bad one.
+        """Yield the segment's valid records in order, stopping at the first bad one."""
+        number = seg.segment
+        for at, length, owner, index, seq, payload in self._walk_segment(seg, offset):
+            yield LogRecord(LogLocation(number, at, length), BlockKey(owner, index), seq, bytes(payload))
+
+    def _walk_segment(self, seg: _Segment, offset: int = 0) -> Iterator[tuple[int, int, int, int, int, memoryview]]:
+        """(offset, length, owner, index, seq, payload) of each valid record in order,
+        stopping at the first bad one; the payload is a view valid until the next step.
 
         Reads in large chunks and parses from memory: a segment of a million tiny records
-        costs a few large reads, not two syscalls per record.
+        costs a few large reads, not two syscalls per record, and nothing is copied.
         """
         size = os.fstat(seg.fd).st_size
         chunk = bytearray()
+        view = memoryview(chunk)
         chunk_start = 0  # file offset of chunk[0]
+        unpack, crc32 = HEADER.unpack_from, crc32c.crc32c
         while offset + HEADER.size <= size:
             if offset + HEADER.size > chunk_start + len(chunk):
+                view.release()
                 chunk, chunk_start = self._read_chunk(seg.fd, offset, max(SCAN_CHUNK_BYTES, HEADER.size)), offset
+                view = memoryview(chunk)
             at = offset - chunk_start
-            magic, length, owner, index, seq, crc = HEADER.unpack_from(chunk, at)
+            magic, length, owner, index, seq, crc = unpack(chunk, at)
             if magic != MAGIC or length > MAX_PAYLOAD_BYTES or offset + HEADER.size + length > size:
                 return
             end = at + HEADER.size + length
             if end > len(chunk):  # the record runs past this chunk: read from its start
+                view.release()
                 chunk, chunk_start = (
                     self._read_chunk(seg.fd, offset, max(SCAN_CHUNK_BYTES, HEADER.size + length)),
                     offset,
                 )
+                view = memoryview(chunk)
                 at, end = 0, HEADER.size + length
                 if end > len(chunk):
                     return
-            view = memoryview(chunk)
-            payload = bytes(view[at + HEADER.size : end])
-            if crc32c.crc32c(payload, crc32c.crc32c(view[at : at + HEADER_CRC_SPAN])) != crc:
+            payload = view[at + HEADER.size : end]
+            if crc32(payload, crc32(view[at : at + HEADER_CRC_SPAN])) != crc:
                 return
-            yield LogRecord(LogLocation(seg.segment, offset, length), BlockKey(owner, index), seq, payload)
+            yield offset, length, owner, index, seq, payload
             offset += HEADER.size + length
 
     @staticmethod

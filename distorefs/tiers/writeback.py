@@ -26,7 +26,7 @@ from distorefs.errors import DistorefsError, StoreFull
 from distorefs.tiers.block_base import BlockTierBase
 from distorefs.tiers.dram import Block
 from distorefs.tiers.metadb import Changes
-from distorefs.tiers.nvme_log import LogPosition
+from distorefs.tiers.nvme_log import NOTE_NUMBERS, LogPosition
 from distorefs.types import BlockKey, LogLocation
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ DIRTY_WATCH_S = 0.1  # how often the kernel's dirty page count is read (inline a
 TAIL_ROWS_SOON = 50_000  # staged rows that wake the flusher before its interval
 LOG_MARK_KEY = "log_mark"  # kv: "segment offset", the log records after it are the tail
 NOTES_MARK_KEY = "notes_mark"  # kv: "segment offset", notes after it are replayed at start-up
-NOTE_BASE = 1 << 62  # record numbers from here on are notes, not blocks (never indexed)
+NOTE_BASE = NOTE_NUMBERS  # record numbers from here on are notes, not blocks (never indexed)
 
 
 def _position(mark: object) -> LogPosition | None:

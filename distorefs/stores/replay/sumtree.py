@@ -7,6 +7,8 @@ are never found by `find`, and the min tree ignores them.
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 
 FEW_SLOTS = 5  # updates of up to this many slots walk the tree in Python (measured: faster up to 5)
@@ -89,9 +91,9 @@ class SegmentTree:
         Python floats. The same sums as the vectorised path, without a dozen numpy calls
         per level, which cost ~150 us a slot on a deep tree (docs/benchmarks.md)."""
         # memoryviews: an element is a Python float (a numpy scalar costs 3-4x more)
-        total = memoryview(self._sum)
-        low = memoryview(self._min) if self._min is not None else None
-        high = memoryview(self._max) if self._max is not None else None
+        total = cast("memoryview[float]", self._sum.data)
+        low = cast("memoryview[float]", self._min.data) if self._min is not None else None
+        high = cast("memoryview[float]", self._max.data) if self._max is not None else None
         inf = float("inf")
         for slot, value in zip(np.asarray(slots).tolist(), np.asarray(values, dtype=np.float64).tolist(), strict=True):
             node = int(slot) + self._size
