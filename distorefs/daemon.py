@@ -248,6 +248,9 @@ class Daemon:
         if self.node is not None:
             await self.node.stop()
         self.shared.close_all()  # regions of opens still held: their clients see the mount go
+        if self.shared.sessions is not None:
+            self.shared.sessions.close()
+        self.weights.close_shared()
         self.buffers.snapshot()
         self.checkpoints.persisted_all()
         error = ""

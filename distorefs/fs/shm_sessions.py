@@ -156,9 +156,19 @@ class SampleSessions:
         self._listening = True
         return True
 
+    def close(self) -> None:
+        """The daemon stops: a socket that `serve` never took is closed here (one that
+        it took closes when its task is cancelled)."""
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            self._listening = False
+            listener.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
     async def serve(self) -> None:
         """Accept until cancelled (after `listen`); a session per connection."""
-        listener = self._listener
+        listener, self._listener = self._listener, None  # serve's own from now on
         if listener is None:
             await trio.lowlevel.checkpoint()
             return

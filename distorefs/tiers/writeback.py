@@ -426,6 +426,15 @@ class WriteBack(BlockTierBase):
                 self._note_positions.popleft()
         return self._note_positions[0].segment if self._note_positions else None
 
+    def notes_waiting(self) -> bool:
+        """Whether notes were written that no committed notes mark covers yet."""
+        return self.notes_hold() is not None
+
+    def notes_mark_staged(self) -> bool:
+        """Whether a notes mark is staged and not yet committed."""
+        self.notes_hold()
+        return bool(self._notes_marks)
+
     def take_notes(self, owner: int) -> list[bytes]:
         """At start-up: `owner`'s notes after the committed notes mark, in log order."""
         return self._tail_notes.pop(owner, [])

@@ -718,6 +718,23 @@ async def test_a_priority_update_whose_note_is_not_written_is_not_applied(tmp_pa
     await blocks.close()
 
 
+async def test_notes_of_a_deleted_buffer_do_not_hold_the_log_past_the_next_snapshot_pass(tmp_path: Path) -> None:
+    _log, blocks, meta = open_tiers(tmp_path)
+    store = BufferStore.load(blocks, meta)
+    buf = store.create("gone", BufferConfig(capacity=10, sampler="prioritized"))
+    await buf.append([b"a", b"b"])
+    await buf.persist()
+    await buf.update_priorities(np.array([0]), np.array([3.0]))
+    assert blocks.notes_waiting()  # compaction keeps the note's segment ...
+    store.delete("gone")
+    assert await store.snapshot_in_thread() == 0  # no buffer to snapshot, but the mark moves
+    assert blocks.notes_mark_staged()
+    await blocks.commit()
+    assert not blocks.notes_waiting()  # ... until then
+    assert blocks.notes_hold() is None
+    await blocks.close()
+
+
 async def test_a_tail_past_the_capacity_evicts_again_and_counts_it(tmp_path: Path) -> None:
     tiers = open_tiers(tmp_path)
     _log, blocks, meta = tiers

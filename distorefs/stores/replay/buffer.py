@@ -36,7 +36,15 @@ import numpy as np
 import trio
 import zstandard
 
-from distorefs.errors import FileTooLarge, InvalidArgument, NotFound, NotSupported, OutOfMemory, TryAgain
+from distorefs.errors import (
+    DistorefsError,
+    FileTooLarge,
+    InvalidArgument,
+    NotFound,
+    NotSupported,
+    OutOfMemory,
+    TryAgain,
+)
 from distorefs.news import Outbox
 from distorefs.stores.replay.config import BufferConfig
 from distorefs.stores.replay.draws import (
@@ -481,7 +489,11 @@ class ReplayBuffer:
             return 0
         indices, priorities = decoded
         known = (indices >= 0) & (indices < self.next_index)
-        self.set_priorities(indices[known], priorities[known])
+        try:
+            self.set_priorities(indices[known], priorities[known])
+        except DistorefsError as exc:  # checked when written; a start-up never stops on one
+            log.warning("buffers/%s: a priority note not replayed: %s", self.name, exc)
+            return 0
         return len(indices)
 
     def set_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

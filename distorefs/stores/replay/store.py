@@ -184,7 +184,7 @@ class BufferStore:
             if not buf.deleted:
                 buf.stage_encoded(encoded)
                 staged += 1
-        if staged:
+        if staged or self._blocks.notes_waiting():  # (notes of a buffer deleted since, say)
             self._blocks.stage_notes_mark(position)
         return staged
 
@@ -192,5 +192,5 @@ class BufferStore:
         """Background task: priorities and sample counts persist every `interval_s`."""
         while True:
             await trio.sleep(interval_s)
-            if await self.snapshot_in_thread():
+            if await self.snapshot_in_thread() or self._blocks.notes_mark_staged():
                 await self._blocks.commit()
