@@ -55,6 +55,7 @@ TICKET_BYTES = 32
 HELLO_TIMEOUT_S = 5.0
 COPY_RESPONSE = struct.Struct("<iQ")  # 0 and the memfd's size, the memfd with it (a refusal: RESPONSE)
 COPY_TICKET_S = 30.0  # a weights reader's ticket is good this long
+MAX_COPY_TICKETS_PER_UID = 64  # unused ones a user may hold; past it their oldest is void
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 
 
@@ -127,6 +128,9 @@ class SampleSessions:
         now = time.monotonic()
         for token in [t for t, c in self._copy_tickets.items() if c.expires <= now]:
             del self._copy_tickets[token]
+        mine = [t for t, c in self._copy_tickets.items() if c.uid == uid]
+        if len(mine) >= MAX_COPY_TICKETS_PER_UID:  # a user who asks and never connects
+            del self._copy_tickets[mine[0]]  # loses their own oldest ticket, nobody else's
         if len(self._copy_tickets) >= MAX_TICKETS:
             raise TryAgain(f"{MAX_TICKETS} shared-memory hand-overs are waiting; try again in {COPY_TICKET_S:.0f} s")
         token = secrets.token_hex(TICKET_BYTES // 2).encode()

@@ -7,6 +7,8 @@ import errno
 import multiprocessing
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -163,6 +165,31 @@ def wait_until(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+def hand_over(socket_path: bytes, ticket: bytes) -> tuple[int, bytes | None]:
+    """Present a ticket on the daemon's socket: (errno, the first bytes of the memfd)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+        conn.settimeout(10)
+        conn.connect(socket_path.decode())
+        conn.send(ticket)
+        data, fds, _flags, _addr = socket.recv_fds(conn, 4096, 1)
+    head = None
+    for fd in fds:
+        head = os.pread(fd, 16, 0)
+        os.close(fd)
+    return struct.unpack_from("<i", data)[0], head
+
+
+def test_a_user_who_asks_for_copies_and_never_comes_voids_only_their_own_oldest_ticket(model: Path) -> None:
+    (model / "w.bin").write_bytes(b"sixteen bytes!!!" * 10)
+    tickets = [os.getxattr(model / "w.bin", "user.distore.shm").split() for _ in range(65)]
+    _magic, path, first, version = tickets[0]
+    assert version == b"1"
+    assert hand_over(path, first) == (errno.EACCES, None)  # the 65th voided the first
+    assert hand_over(path, tickets[1][2]) == (0, b"sixteen bytes!!!")
+    assert hand_over(path, tickets[1][2]) == (errno.EACCES, None)  # one use each
+    assert hand_over(path, b"0" * 32) == (errno.EACCES, None)
 
 
 def test_map_version_falls_back_to_the_mount_without_shared_memory(mount_factory: MountFactory) -> None:
