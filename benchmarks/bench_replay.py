@@ -7,8 +7,10 @@ For DQN (110 KB items, batch 32, prioritized), SAC (3 KB, batch 256, uniform) an
 (10 MB, batch 4, prioritized) it measures adds/s, samples/s (items and MB/s) and
 priority updates/s through the files (one process, as an actor or learner would), the
 same through the in-process buffer, the time of a 256-index priority update inside the
-store, and DQN sampling with the buffer 3x larger than the DRAM budget. Prints a
-Markdown table; docs/benchmarks.md keeps the results.
+store, and DQN sampling with the buffer 3x larger than the DRAM budget. With
+`--reverb-python PATH` (a Python with dm-reverb, see benchmarks/reverb_replay.py) it then
+runs Reverb on the same workloads in the same run and compares. Prints Markdown tables;
+docs/benchmarks.md keeps the results.
 """
 
 from __future__ import annotations
@@ -235,6 +237,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--reverb-python", help="a Python with dm-reverb installed (optional)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     base = Path(tempfile.mkdtemp(prefix="distorefs-bench-replay-", dir="/var/tmp"))
@@ -302,10 +305,35 @@ def main() -> int:
     hot, cold = results["DQN"]["mount"]["samples_per_s"], results["DQN-3x-DRAM"]["mount"]["samples_per_s"]
     print(f"\nDQN sampling with the buffer 3x the DRAM budget: {cold:,.0f}/s ({cold / hot:.2f}x of in-DRAM)")
     print(f"priority update of 256 indices inside the store: {update_ms:.3f} ms (median of 200)")
+    reverb = run_reverb(args.reverb_python, args.seconds) if args.reverb_python else {}
+    if reverb:
+        print("\n| workload | Reverb inserts/s | Reverb samples/s | mount samples/s vs Reverb |"
+              " client.Sampler vs Reverb | best plain recipe vs Reverb |")  # fmt: skip
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for w in WORKLOADS:
+            r, m, p = reverb[w.name], results[w.name]["mount"], plain[w.name]
+            best = max(p["np_load_file_per_s"], p["np_load_bytes_per_s"])
+            print(
+                f"| {w.name} | {r['inserts_per_s']:,} | {r['samples_per_s']:,} |"
+                f" {m['samples_per_s'] / r['samples_per_s']:.2f}x | {p['client_per_s'] / r['samples_per_s']:.2f}x |"
+                f" {best / r['samples_per_s']:.2f}x |"
+            )
     if args.json:
-        report = {"results": results, "plain": plain, "store_update_ms": update_ms}
+        report = {"results": results, "plain": plain, "store_update_ms": update_ms, "reverb": reverb}
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
+
+
+def run_reverb(python: str, seconds: float) -> dict[str, dict[str, int]]:
+    """Reverb on the same workloads (benchmarks/reverb_replay.py, in its own Python)."""
+    workloads = [[w.name, w.item_bytes, w.batch, w.sampler, w.capacity, w.fill] for w in WORKLOADS]
+    done = subprocess.run(
+        [python, str(Path(__file__).with_name("reverb_replay.py")), "--seconds", str(seconds),
+         "--workloads", json.dumps(workloads)],
+        capture_output=True, text=True, timeout=1800, check=True,
+    )  # fmt: skip
+    result: dict[str, dict[str, int]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
 
 
 if __name__ == "__main__":
