@@ -186,8 +186,45 @@ def bench_plain(mnt: Path, w: Workload, seconds: float, payloads: list[bytes]) -
     for name, step in (("np_load_file", from_file), ("np_load_bytes", from_bytes), ("client", sampler.sample)):
         items, elapsed = timed_loop(seconds, step if name != "client" else lambda: len(sampler.sample()))
         out[f"{name}_per_s"] = rate(items, elapsed)
+    # The same three in a process of their own, as a learner is: this one holds the
+    # benchmark's payloads (hundreds of MB), and its allocator's state changes what a
+    # fresh batch buffer costs (docs/benchmarks.md).
+    for prefix, extra in (("fresh", {}), ("kept", KEEP_FREED_MEMORY)):
+        fresh = subprocess.run(
+            [sys.executable, "-c", FRESH_LEARNER, sample_file, str(path), str(seconds)],
+            capture_output=True, text=True, timeout=600, check=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **extra},
+        )  # fmt: skip
+        for name, value in json.loads(fresh.stdout).items():
+            out[f"{prefix}_{name}_per_s"] = value
     shutil.rmtree(path, ignore_errors=True)
     return out
+
+
+# glibc gives freed memory back to the kernel past a dynamic threshold, so a learner that
+# frees each batch before it reads the next one faults in fresh pages for every batch
+# (docs/namespace.md, "The fastest plain-file recipes"): these keep it.
+KEEP_FREED_MEMORY = {"MALLOC_TRIM_THRESHOLD_": str(256 << 20), "MALLOC_MMAP_THRESHOLD_": str(256 << 20)}
+
+FRESH_LEARNER = """
+import io, json, sys, time
+import numpy as np
+from distorefs import client
+sample_file, path, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+sampler = client.Sampler(path)
+recipes = {
+    "np_load_file": lambda: len(np.load(open(sample_file, "rb"))),
+    "np_load_bytes": lambda: len(np.load(io.BytesIO(open(sample_file, "rb").read()))),
+    "client": lambda: len(sampler.sample()),
+}
+out = {}
+for name, step in recipes.items():
+    items, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        items += step()
+    out[name] = round(items / (time.perf_counter() - started))
+print(json.dumps(out))
+"""
 
 
 def bench_numpy(w: Workload, seconds: float, payloads: list[bytes]) -> dict[str, float]:
@@ -302,6 +339,13 @@ def main() -> int:
             f"| {name} | {r['adds_per_s']:,.0f} | {r['np_load_file_per_s']:,.0f} | {r['np_load_bytes_per_s']:,.0f} |"
             f" {r['client_per_s']:,.0f} | {worse / r['client_per_s']:.2f}x |"
         )
+    print("\n| workload (schema buffer), a learner process of its own | np.load(file) | np.load(BytesIO(read())) |"
+          " client.Sampler | plain vs client (worse recipe) |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for prefix, label in (("fresh", ""), ("kept", ", MALLOC_* keep freed memory")):
+        for name, r in plain.items():
+            f, b, c = (r[f"{prefix}_{k}_per_s"] for k in ("np_load_file", "np_load_bytes", "client"))
+            print(f"| {name}{label} | {f:,.0f} | {b:,.0f} | {c:,.0f} | {min(f, b) / c:.2f}x |")
     hot, cold = results["DQN"]["mount"]["samples_per_s"], results["DQN-3x-DRAM"]["mount"]["samples_per_s"]
     print(f"\nDQN sampling with the buffer 3x the DRAM budget: {cold:,.0f}/s ({cold / hot:.2f}x of in-DRAM)")
     print(f"priority update of 256 indices inside the store: {update_ms:.3f} ms (median of 200)")
