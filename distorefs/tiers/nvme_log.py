@@ -531,6 +531,16 @@ class NvmeLog:
             if segment >= start.segment and seg is not None and not seg.deleted:
                 yield from self._scan_segment(seg, start.offset if segment == start.segment else 0)
 
+    def walk(self, start: LogPosition = LOG_START) -> Iterator[tuple[LogLocation, BlockKey, memoryview]]:
+        """`scan` without copies: (location, key, payload view valid until the next
+        step) of every valid record from `start` on (a start-up's tail read)."""
+        for segment in sorted(self._segments):
+            seg = self._segments.get(segment)
+            if segment >= start.segment and seg is not None and not seg.deleted:
+                offset = start.offset if segment == start.segment else 0
+                for at, length, owner, index, _seq, payload in self._walk_segment(seg, offset):
+                    yield LogLocation(segment, at, length), BlockKey(owner, index), payload
+
     def segment_records(self, segment: int) -> list[tuple[BlockKey, LogLocation]]:
         """The key and location of each valid block record in `segment` (notes left out),
         in order: what compaction checks against the index to find the live ones. A

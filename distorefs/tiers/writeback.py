@@ -340,14 +340,14 @@ class WriteBack(BlockTierBase):
             tail: dict[int, list[tuple[int, LogLocation]]] = {}
             notes: dict[int, list[bytes]] = {}
             positions: list[LogPosition] = []
-            for record in self._log.scan(start):
-                at = LogPosition(record.location.segment, record.location.offset)
-                if record.key.number >= NOTE_BASE:
+            for location, key, payload in self._log.walk(start):  # no copy but of the notes
+                at = LogPosition(location.segment, location.offset)
+                if key.number >= NOTE_BASE:
                     if notes_mark is not None and at >= notes_mark:
-                        notes.setdefault(record.key.owner, []).append(record.payload)
+                        notes.setdefault(key.owner, []).append(bytes(payload))
                         positions.append(at)
                 elif tail_mark is not None and at >= tail_mark:
-                    tail.setdefault(record.key.owner, []).append((record.key.number, record.location))
+                    tail.setdefault(key.owner, []).append((key.number, location))
             return tail, notes, positions
 
         self._tail, self._tail_notes, positions = await trio.to_thread.run_sync(scan)
