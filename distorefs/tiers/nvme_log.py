@@ -525,21 +525,20 @@ class NvmeLog:
 
     def scan(self, start: LogPosition = LOG_START) -> Iterator[LogRecord]:
         """Yield every valid record from `start` on (default: of every segment) in log
-        order (recovery, tests). A segment deleted since `start` was taken is skipped."""
-        for segment in sorted(self._segments):
-            seg = self._segments.get(segment)
-            if segment >= start.segment and seg is not None and not seg.deleted:
-                yield from self._scan_segment(seg, start.offset if segment == start.segment else 0)
+        order, its payload copied (tests, tools; a start-up uses `walk`). A segment
+        deleted since `start` was taken is skipped."""
+        for location, key, seq, payload in self.walk(start):
+            yield LogRecord(location, key, seq, bytes(payload))
 
-    def walk(self, start: LogPosition = LOG_START) -> Iterator[tuple[LogLocation, BlockKey, memoryview]]:
-        """`scan` without copies: (location, key, payload view valid until the next
-        step) of every valid record from `start` on (a start-up's tail read)."""
+    def walk(self, start: LogPosition = LOG_START) -> Iterator[tuple[LogLocation, BlockKey, int, memoryview]]:
+        """`scan` without copies: (location, key, seq, payload view valid until the next
+        step) of every valid record from `start` on, in log order."""
         for segment in sorted(self._segments):
             seg = self._segments.get(segment)
             if segment >= start.segment and seg is not None and not seg.deleted:
                 offset = start.offset if segment == start.segment else 0
-                for at, length, owner, index, _seq, payload in self._walk_segment(seg, offset):
-                    yield LogLocation(segment, at, length), BlockKey(owner, index), payload
+                for at, length, owner, index, seq, payload in self._walk_segment(seg, offset):
+                    yield LogLocation(segment, at, length), BlockKey(owner, index), seq, payload
 
     def segment_records(self, segment: int) -> list[tuple[BlockKey, LogLocation]]:
         """The key and location of each valid block record in `segment` (notes left out),
@@ -556,12 +555,6 @@ class NvmeLog:
             ]
         finally:
             self._release(seg)
-
-    def _scan_segment(self, seg: _Segment, offset: int = 0) -> Iterator[LogRecord]:
-        """Yield the segment's valid records in order, stopping at the first bad one."""
-        number = seg.segment
-        for at, length, owner, index, seq, payload in self._walk_segment(seg, offset):
-            yield LogRecord(LogLocation(number, at, length), BlockKey(owner, index), seq, bytes(payload))
 
     def _walk_segment(self, seg: _Segment, offset: int = 0) -> Iterator[tuple[int, int, int, int, int, memoryview]]:
         """(offset, length, owner, index, seq, payload) of each valid record in order,

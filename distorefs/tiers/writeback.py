@@ -340,7 +340,7 @@ class WriteBack(BlockTierBase):
             tail: dict[int, list[tuple[int, LogLocation]]] = {}
             notes: dict[int, list[bytes]] = {}
             positions: list[LogPosition] = []
-            for location, key, payload in self._log.walk(start):  # no copy but of the notes
+            for location, key, _seq, payload in self._log.walk(start):  # no copy but of the notes
                 at = LogPosition(location.segment, location.offset)
                 if key.number >= NOTE_BASE:
                     if notes_mark is not None and at >= notes_mark:
