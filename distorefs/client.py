@@ -15,6 +15,7 @@ Examples:
 
 from __future__ import annotations
 
+import array
 import contextlib
 import errno
 import fcntl
@@ -296,9 +297,8 @@ class _ShmSession:
             self.close()  # a reply may still be on its way: this session is done
             raise
         self._in_flight -= 1
-        for level, kind, data in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                self._new_arena(int.from_bytes(data[:4], "little", signed=True))
+        for fd in _received_fds(ancdata):
+            self._new_arena(fd)
         if size < SESSION_REPLY.size:
             raise OSError(errno.ECONNRESET, "sample.shm: the daemon ended the session")
         status, count, batch_id, stride, slots, number = SESSION_REPLY.unpack_from(self._reply)
@@ -464,15 +464,16 @@ def map_version(path: str | os.PathLike[str], attempts: int = 100, transport: st
     """(version, a read-only zero-copy view) of one published file of a model, e.g.
     `map_version(".../weights/policy/model.safetensors")`.
 
-    It opens `NAME@V`, the file as of the current version V (retried if a publish lands
-    in between), and maps that version's bytes. With `transport="auto"` (the default)
-    or `"shm"`, it maps the version's shared copy: a sealed memfd the daemon fills once
-    per version and hands over on its Unix socket, read at memory speed with no read
-    through FUSE (docs/formats.md, "Weights through shared memory, version 1"). Where
-    the daemon has no shared memory (no /dev/shm, another node's mount, its budget used
-    up), `"auto"` maps `NAME@V` through the mount instead, and `"shm"` raises the error;
-    `"mount"` always maps through the mount: one inode per version, so every reader of
-    a version shares the kernel's page cache of it (the first reads it from the daemon).
+    With `transport="auto"` (the default) or `"shm"`, it maps the current version's
+    shared copy: a sealed memfd the daemon fills once per version and hands over on its
+    Unix socket after a getxattr of the path names the version, read at memory speed
+    with no read through FUSE (docs/formats.md, "Weights through shared memory, version
+    1"). Where the daemon has no shared memory (no /dev/shm, another node's mount, its
+    budget used up), `"auto"` maps through the mount instead and `"shm"` raises the
+    error. Through the mount (`"mount"`) it opens `NAME@V`, the file as of the current
+    version V, and maps it: one inode per version, so every reader of a version shares
+    the kernel's page cache of it (the first reads it from the daemon). Either way a
+    publish landing in between makes it try the new version.
 
     The view stays valid and unchanged while it is held, whatever is published
     meanwhile; it is freed when the view and the arrays made from it are gone.
@@ -514,6 +515,15 @@ def map_version(path: str | os.PathLike[str], attempts: int = 100, transport: st
     raise TimeoutError(f"{path}: versions changed during each of {attempts} attempts to map one")
 
 
+def _received_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors a datagram from the daemon carried (SCM_RIGHTS), now this process's."""
+    fds = array.array("i")
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return fds.tolist()
+
+
 class _Republished(OSError):
     """The version asked for was replaced before its copy was handed over."""
 
@@ -542,11 +552,7 @@ def _map_shared_copy(path: str) -> tuple[int, memoryview]:
         sock.connect(os.fsdecode(words[1]))
         sock.send(words[2])
         reply, ancdata, _flags, _addr = sock.recvmsg(4096, socket.CMSG_SPACE(4))
-    fds = [
-        int.from_bytes(data[:4], "little", signed=True)
-        for level, kind, data in ancdata
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
-    ]
+    fds = _received_fds(ancdata)
     try:
         if len(reply) < 4:
             raise OSError(errno.ECONNRESET, "the daemon closed the hand-over")

@@ -16,9 +16,10 @@ control file. A session ends when its socket closes (the client exited or was ki
 or when that open is released, and the batches it held go back to the arena then.
 
 A weights reader (`client.map_version`) asks for a ticket with a getxattr of
-`user.distore.shm` on the `NAME@V` file it opened; its connection gets one reply, the
-version's sealed memfd (stores/weights.py, `shared_copy`), and ends. Such a ticket is
-good for COPY_TICKET_S; docs/formats.md, "Weights through shared memory, version 1".
+`user.distore.shm` on the file's path (the kernel checks it may read it); its
+connection gets one reply, the version's sealed memfd (stores/weights.py,
+`shared_copy`), and ends. Such a ticket is good for COPY_TICKET_S; docs/formats.md,
+"Weights through shared memory, version 1".
 """
 
 from __future__ import annotations
@@ -100,7 +101,6 @@ class SampleSessions:
         self.budget = budget
         self._tickets: dict[bytes, Ticket] = {}
         self._copy_tickets: dict[bytes, CopyTicket] = {}  # in the order given out
-        self.copies_sent = 0
         self._listening = False
         self._listener: trio.socket.SocketType | None = None
         self._nursery: trio.Nursery | None = None
@@ -246,7 +246,6 @@ class SampleSessions:
             return
         try:
             await conn.send([COPY_RESPONSE.pack(0, size)], [fd])
-            self.copies_sent += 1
         finally:
             os.close(fd)
 

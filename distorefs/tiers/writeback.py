@@ -37,7 +37,11 @@ DIRTY_WATCH_S = 0.1  # how often the kernel's dirty page count is read (inline a
 TAIL_ROWS_SOON = 50_000  # staged rows that wake the flusher before its interval
 LOG_MARK_KEY = "log_mark"  # kv: "segment offset", the log records after it are the tail
 NOTES_MARK_KEY = "notes_mark"  # kv: "segment offset", notes after it are replayed at start-up
-NOTE_BASE = NOTE_NUMBERS  # record numbers from here on are notes, not blocks (never indexed)
+
+
+def _mark(position: LogPosition) -> str:
+    """A log position as the kv table keeps it (`_position` reads it back)."""
+    return f"{position.segment} {position.offset}"
 
 
 def _position(mark: object) -> LogPosition | None:
@@ -320,11 +324,11 @@ class WriteBack(BlockTierBase):
         row in that commit (or one before it), or is dead. Records after it are the tail
         that `read_tail` reads back at start-up."""
         position = min([self._log.position(), *self._rows_unstaged])
-        self._meta.put("kv", (LOG_MARK_KEY,), (f"{position.segment} {position.offset}",))
+        self._meta.put("kv", (LOG_MARK_KEY,), (_mark(position),))
         if self.notes_hold() is None and not self._notes_lock.locked() and not self._notes_marks:
             # every note so far is in a committed snapshot: a start-up need not look back
             # further than here (keeps its scan short when no priorities change)
-            self._meta.put("kv", (NOTES_MARK_KEY,), (f"{position.segment} {position.offset}",))
+            self._meta.put("kv", (NOTES_MARK_KEY,), (_mark(position),))
 
     async def read_tail(self) -> int:
         """At start-up, before the stores load: read the records written after the last
@@ -342,7 +346,7 @@ class WriteBack(BlockTierBase):
             positions: list[LogPosition] = []
             for location, key, _seq, payload in self._log.walk(start):  # no copy but of the notes
                 at = LogPosition(location.segment, location.offset)
-                if key.number >= NOTE_BASE:
+                if key.number >= NOTE_NUMBERS:
                     if notes_mark is not None and at >= notes_mark:
                         notes.setdefault(key.owner, []).append(bytes(payload))
                         positions.append(at)
@@ -391,7 +395,7 @@ class WriteBack(BlockTierBase):
         buffers write their priority updates as notes (docs/design.md, "Priorities:
         snapshots and notes")."""
         self._note_count += 1
-        records = [(BlockKey(owner, NOTE_BASE + self._note_count), payload)]
+        records = [(BlockKey(owner, NOTE_NUMBERS + self._note_count), payload)]
         if self._inline_ok and not self._notes_lock.locked():  # no earlier note in flight
             locations = self._log.try_append_now(records)
             if locations is not None:
@@ -412,7 +416,7 @@ class WriteBack(BlockTierBase):
         """Stage `position` (the log's `position()` taken when the store's state was
         copied for a snapshot staged with this) as the point a start-up replays notes
         from. The notes before it stay held from compaction until a commit carries it."""
-        self._meta.put("kv", (NOTES_MARK_KEY,), (f"{position.segment} {position.offset}",))
+        self._meta.put("kv", (NOTES_MARK_KEY,), (_mark(position),))
         self._notes_marks.append((position, self._meta.mark()))
 
     def notes_hold(self) -> int | None:
