@@ -4,6 +4,7 @@ Two number spaces meet in the daemon:
 
 Owner ids name whose blocks a block key holds in the tiers (`BlockKey.owner`):
 
+    0                             the block tier's row notes (tiers/writeback.py), never a block
     [1, 2**46)                    tree files: the owner is the file's inode number
     [DATASET_OWNER_BASE, +2**46)  datasets, OWNERS_PER_DATASET consecutive owners each
     [WEIGHT_OWNER_BASE, +2**47)   weight files: one owner per published (or pending) version
@@ -21,6 +22,7 @@ Computed inodes cost no memory, so a buffer of a million items lists without a n
 
 from __future__ import annotations
 
+ROW_NOTES_OWNER = 0
 DATASET_OWNER_BASE = 1 << 46
 OWNERS_PER_DATASET = 4
 WEIGHT_OWNER_BASE = 1 << 47

@@ -73,6 +73,7 @@ class BlockStatistics:
     inline_appends: int  # log-only persists written on the event loop (docs/design.md, "Log-only appends")
     notes: int  # notes written since the start (priority updates of replay buffers)
     inline_notes: int  # of them, written on the event loop (the rest went to a thread)
+    row_notes: int  # persists (closes) acknowledged by a row note in the log instead of a commit
     flush_lag_s: float  # age bound of the oldest write still only in DRAM (0: none)
     durable_lag_s: float  # age bound of the oldest log record not yet fsync'ed (0: none)
 
@@ -121,6 +122,7 @@ class BlockStore(ByteRanges, Compaction):
         self._inline_ok = False  # until the dirty watch has looked (run_dirty_watch)
         self.inline_appends = 0
         self.inline_notes = 0
+        self.row_notes = 0
         self._tail = {}
         self._notes_lock = trio.Lock()
         self._note_count = 0
@@ -584,5 +586,6 @@ class BlockStore(ByteRanges, Compaction):
             inline_appends=self.inline_appends,
             notes=self._note_count,
             inline_notes=self.inline_notes,
+            row_notes=self.row_notes,
             **self.lags(),
         )

@@ -9,6 +9,16 @@ Durability: a plain commit reaches the OS (survives a killed daemon); a durable 
 first runs the caller's `before_commit` (the log's fsync) and then commits with
 synchronous=FULL, so metadata never becomes durable ahead of the log records it names.
 Automatic WAL checkpoints are off; a durable commit can ask for one.
+
+Row notes: besides the staged changes, MetaDb keeps the *delta*, what was staged since
+the last commit took its changes or the last `take_delta`. The block tier writes a delta
+to its log as a row note, so that a close is acknowledged without a commit (tiers/
+writeback.py). Every commit takes a number (`take_seq`) and writes it into its own
+transaction (kv `commit_seq`); a delta is tagged with the number of the last take before
+it. A start-up replays, in log order, the row notes tagged at or after the committed
+number: their changes were not in any committed transaction, and applying them gives
+the state a commit at the last note would have written (docs/design.md, "Closes
+acknowledged by row notes").
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgpack
 import trio
 
 from distorefs.errors import Corrupted, StoreFull
@@ -52,6 +63,42 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 
 Row = tuple[Any, ...]
 Changes = dict[str, dict[tuple[Any, ...], Row | None]]
+COMMIT_SEQ_KEY = "commit_seq"  # kv: the number of the last take whose commit succeeded
+UNNOTED_TABLES = ("buffer_snapshots",)  # blobs of megabytes: a delta with them is committed, not noted
+
+
+ROW_NOTE_MAGIC = b"DSR1"
+
+
+def no_changes() -> Changes:
+    return {t: {} for t in TABLES}
+
+
+def encode_row_note(seq: int, delta: Changes) -> bytes:
+    """A row note's payload: "DSR1", then msgpack [seq, [[table, key, values or nil], ...]]
+    in staging order per table (docs/formats.md, "Row notes")."""
+    rows = [
+        [table, list(key), None if values is None else list(values)]
+        for table, changes in delta.items()
+        for key, values in changes.items()
+    ]
+    packed: bytes = msgpack.packb([seq, rows], use_bin_type=True)
+    return ROW_NOTE_MAGIC + packed
+
+
+def decode_row_note(payload: bytes | memoryview) -> tuple[int, Changes]:
+    """The tag and the changes of a row note; Corrupted when it is not one (the record's
+    crc32c held, so that is a bug or a foreign record, never a torn write)."""
+    if bytes(payload[:4]) != ROW_NOTE_MAGIC:
+        raise Corrupted("a row note without its magic")
+    try:
+        seq, rows = msgpack.unpackb(payload[4:], raw=False, use_list=True)
+        changes = no_changes()
+        for table, key, values in rows:
+            changes[table][tuple(key)] = None if values is None else tuple(values)
+        return int(seq), changes
+    except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
+        raise Corrupted(f"a row note that does not decode: {exc}") from None
 
 
 class MetaDb:
@@ -68,12 +115,16 @@ class MetaDb:
         self.path = path
         self._conn = conn
         self.progress: Callable[[int], None] | None = None  # told of rows read at start-up (rows())
-        self._pending: Changes = {t: {} for t in TABLES}
+        self._pending: Changes = no_changes()
+        self._delta: Changes = no_changes()  # staged since the last take (see the module's doc)
         self._lock = trio.Lock()
         self._thread_lock = threading.Lock()
         self.commits = 0
         self._staged = 0  # changes staged so far, counted (a mark: see `mark`)
         self._committed = 0  # the count a successful commit had taken when it began
+        row = conn.execute("SELECT value FROM kv WHERE key = ?", (COMMIT_SEQ_KEY,)).fetchone()
+        self.committed_seq: int = 0 if row is None else int(row[0])  # as committed when opened
+        self.take_seq = self.committed_seq  # the number of the last take
 
     @classmethod
     def open(cls, path: str) -> MetaDb:
@@ -116,11 +167,41 @@ class MetaDb:
 
     def put(self, table: str, key: tuple[Any, ...], values: Row) -> None:
         self._pending[table][key] = values
+        self._delta[table][key] = values
         self._staged += 1
 
     def delete(self, table: str, key: tuple[Any, ...]) -> None:
         self._pending[table][key] = None
+        self._delta[table][key] = None
         self._staged += 1
+
+    @property
+    def committing(self) -> bool:
+        """Whether a commit is in flight (or waiting for one)."""
+        return self._lock.locked()
+
+    def delta_fits(self, max_changes: int) -> bool:
+        """Whether the delta is small enough to note: at most `max_changes` changes and
+        none of UNNOTED_TABLES."""
+        delta = self._delta
+        return not any(delta[t] for t in UNNOTED_TABLES) and sum(len(c) for c in delta.values()) <= max_changes
+
+    def take_delta(self) -> tuple[int, Changes]:
+        """The delta, tagged with the number of the last take, and a fresh one begun.
+        The caller writes it as a row note at once, or gives it back (`restore_delta`)."""
+        delta, self._delta = self._delta, no_changes()
+        return self.take_seq, delta
+
+    def restore_delta(self, delta: Changes) -> None:
+        """`delta` was not written: merge it back under anything staged since."""
+        for table, changes in delta.items():
+            if changes:
+                self._delta[table] = {**changes, **self._delta[table]}
+
+    def seen_seq(self, seq: int) -> None:
+        """At start-up: a row note tagged `seq` is in the log, so the next take numbers
+        past it (a later start-up must not take notes older than that commit as newer)."""
+        self.take_seq = max(self.take_seq, seq)
 
     def mark(self) -> int:
         """A mark for every change staged so far: `carried(mark)` is True once a commit
@@ -153,16 +234,25 @@ class MetaDb:
             pending = self._pending
             if not any(pending.values()) and not durable and before_commit is None:
                 return
-            self._pending = {t: {} for t in TABLES}
+            self._pending = no_changes()
+            delta, self._delta = self._delta, no_changes()  # the take carries the delta's changes
             taken = self._staged
+            self.take_seq += 1
+            seq = self.take_seq
+            pending = {**pending, "kv": {**pending["kv"], (COMMIT_SEQ_KEY,): (seq,)}}
             try:
                 await trio.to_thread.run_sync(self._commit_sync, pending, durable, before_commit, checkpoint)
                 self._committed = taken
+                self.committed_seq = seq
             except BaseException:
-                # Put the changes back, newer staged values winning, so nothing is lost.
+                # Put the changes back, newer staged values winning, so nothing is lost;
+                # the next row note carries them again (what was noted before the take
+                # stays replayable: the committed number did not move).
+                del pending["kv"][(COMMIT_SEQ_KEY,)]
                 for table, changes in pending.items():
                     changes.update(self._pending[table])
                     self._pending[table] = changes
+                self.restore_delta(delta)
                 raise
 
     def _commit_sync(

@@ -22,11 +22,12 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 import trio
 
-from distorefs.errors import DistorefsError, StoreFull
+from distorefs.errors import Corrupted, DistorefsError, StoreFull
+from distorefs.ids import ROW_NOTES_OWNER
 from distorefs.tiers.block_base import BlockTierBase
 from distorefs.tiers.dram import Block
-from distorefs.tiers.metadb import Changes
-from distorefs.tiers.nvme_log import NOTE_NUMBERS, LogPosition
+from distorefs.tiers.metadb import Changes, decode_row_note, encode_row_note
+from distorefs.tiers.nvme_log import LOG_START, NOTE_NUMBERS, LogPosition
 from distorefs.types import BlockKey, LogLocation
 
 log = logging.getLogger(__name__)
@@ -35,8 +36,14 @@ FLUSH_BATCH_BYTES = 16 * 1024 * 1024
 INLINE_APPEND_BYTES = 256 * 1024  # log-only persists up to this size write on the event loop
 DIRTY_WATCH_S = 0.1  # how often the kernel's dirty page count is read (inline appends)
 TAIL_ROWS_SOON = 50_000  # staged rows that wake the flusher before its interval
+ROW_NOTE_CHANGES = 1024  # a persist notes at most this many staged changes; more are committed
+ROW_NOTE_BYTES = 256 * 1024  # and at most this many bytes of them
 LOG_MARK_KEY = "log_mark"  # kv: "segment offset", the log records after it are the tail
 NOTES_MARK_KEY = "notes_mark"  # kv: "segment offset", notes after it are replayed at start-up
+
+
+Tail = dict[int, list[tuple[int, LogLocation]]]  # owner -> (block number, location) after the log mark
+RowNotes = list[tuple[int, Changes]]  # (tag, changes) of each row note to replay, in log order
 
 
 def _mark(position: LogPosition) -> str:
@@ -86,7 +93,7 @@ class WriteBack(BlockTierBase):
     _undurable_since: float | None  # no log record written before this is waiting for fsync
     _last_logged: float  # when the log was last appended to
     _rows_unstaged: list[LogPosition]  # where flushes in flight began appending
-    _tail: dict[int, list[tuple[int, LogLocation]]]  # owner -> records after the mark (start-up)
+    _tail: Tail  # owner -> records after the mark (start-up)
     _inline_ok: bool  # the kernel has room for dirty pages: small log-only appends go inline
     _notes_lock: trio.Lock  # notes reach the log in the order they were appended (FIFO)
     _note_count: int  # notes appended since the start (their record numbers)
@@ -95,6 +102,7 @@ class WriteBack(BlockTierBase):
     _tail_notes: dict[int, list[bytes]]  # owner -> its notes after the committed mark (start-up)
     inline_appends: int  # log-only persists written on the event loop (the rest went to a thread)
     inline_notes: int  # notes written on the event loop (the rest went to a thread)
+    row_notes: int  # persists acknowledged by a row note instead of a commit
 
     def lags(self) -> dict[str, float]:
         """flush_lag_s and durable_lag_s: bounds of how long the oldest write has waited
@@ -266,6 +274,9 @@ class WriteBack(BlockTierBase):
         if not durable and owner not in self._dirty and not self._meta.pending_changes:
             await trio.lowlevel.checkpoint()
             return  # nothing to persist (a read-only close): no trip to a thread
+        if not durable and self._persist_noted(owner):
+            await trio.lowlevel.checkpoint()
+            return
         if len(self._dirty.get(owner, ())) * self.block_bytes > FLUSH_BATCH_BYTES:
             await self.flush(owner)  # big files go in batches first
         async with self._flush_lock:
@@ -291,6 +302,41 @@ class WriteBack(BlockTierBase):
             if locations:
                 self._apply_flushed(snapshots, locations, staged=False)
                 self._wake_room_waiters()
+
+    def _persist_noted(self, owner: int) -> bool:
+        """Persist `owner` without a commit, on the event loop, when it is small: its dirty
+        blocks and then a row note of every change staged since the last take go to the
+        log with one pwritev each. A start-up replays the notes after the last commit,
+        so the result survives a killed daemon as a commit's would (docs/design.md,
+        "Closes acknowledged by row notes"); the flusher commits the rows within its
+        interval. False when it cannot (a commit or another append in flight, too much
+        staged, the kernel's dirty pages high, a new segment due): then commit."""
+        meta = self._meta
+        if not self._inline_ok or self._flush_lock.locked() or meta.committing or not meta.delta_fits(ROW_NOTE_CHANGES):
+            return False
+        if self.owner_dirty_bytes(owner) > INLINE_APPEND_BYTES:
+            return False
+        keys = [BlockKey(owner, i) for i in sorted(self._dirty.get(owner, ()))]
+        if keys:
+            snapshots, records = self._freeze(keys)
+            try:
+                locations = self._log.try_append_now(records)
+            finally:
+                self._thaw(snapshots, records)
+            if locations is None:
+                return False
+            self._logged()
+            self._apply_flushed(snapshots, locations, staged=True)
+        seq, delta = meta.take_delta()
+        payload = encode_row_note(seq, delta)
+        note = (BlockKey(ROW_NOTES_OWNER, NOTE_NUMBERS + self.row_notes), payload)
+        if len(payload) > ROW_NOTE_BYTES or self._log.try_append_now([note]) is None:
+            meta.restore_delta(delta)  # the blocks are logged, their rows staged: a commit carries them
+            return False
+        self.row_notes += 1
+        self._logged()
+        self._flush_wanted_for_rows()
+        return True
 
     async def _log_only(self, owner: int) -> None:
         keys = [BlockKey(owner, i) for i in sorted(self._dirty.get(owner, ()))]
@@ -334,28 +380,35 @@ class WriteBack(BlockTierBase):
         """At start-up, before the stores load: read the records written after the last
         committed log mark (their rows may be missing) and keep them by owner for
         `adopt_tail`. Returns how many there are. A data dir without a mark has none."""
-        marks = [_position(self._meta.get_kv(key)) for key in (LOG_MARK_KEY, NOTES_MARK_KEY)]
-        if all(mark is None for mark in marks):
-            return 0
-        tail_mark, notes_mark = marks
-        start = min(mark for mark in marks if mark is not None)
+        tail_mark, notes_mark = (_position(self._meta.get_kv(key)) for key in (LOG_MARK_KEY, NOTES_MARK_KEY))
+        # Row notes lie after the log mark of the last commit (or anywhere, before the
+        # first): the walk starts there, or at the notes mark if that is earlier.
+        start = min(mark for mark in (tail_mark or LOG_START, notes_mark) if mark is not None)
+        committed_seq = self._meta.committed_seq
 
-        def scan() -> tuple[dict[int, list[tuple[int, LogLocation]]], dict[int, list[bytes]], list[LogPosition]]:
-            tail: dict[int, list[tuple[int, LogLocation]]] = {}
+        def scan() -> tuple[Tail, dict[int, list[bytes]], list[LogPosition], RowNotes]:
+            tail: Tail = {}
             notes: dict[int, list[bytes]] = {}
             positions: list[LogPosition] = []
+            row_notes: RowNotes = []
             for location, key, _seq, payload in self._log.walk(start):  # no copy but of the notes
                 at = LogPosition(location.segment, location.offset)
                 if key.number >= NOTE_NUMBERS:
-                    if notes_mark is not None and at >= notes_mark:
+                    if key.owner == ROW_NOTES_OWNER:
+                        seq, changes = decode_row_note(payload)
+                        if seq >= committed_seq:  # taken after the last commit that succeeded
+                            row_notes.append((seq, changes))
+                    elif notes_mark is not None and at >= notes_mark:
                         notes.setdefault(key.owner, []).append(bytes(payload))
                         positions.append(at)
                 elif tail_mark is not None and at >= tail_mark:
                     tail.setdefault(key.owner, []).append((key.number, location))
-            return tail, notes, positions
+            return tail, notes, positions, row_notes
 
-        self._tail, self._tail_notes, positions = await trio.to_thread.run_sync(scan)
+        self._tail, self._tail_notes, positions, row_notes = await trio.to_thread.run_sync(scan)
         self._note_positions.extend(positions)  # held until a new notes mark commits
+        if row_notes:
+            await self._replay_row_notes(row_notes)
         count = sum(len(records) for records in self._tail.values())
         if count and tail_mark is not None:
             log.info(
@@ -365,6 +418,31 @@ class WriteBack(BlockTierBase):
         if positions:
             log.info("log: %d notes after the last notes mark", len(positions))
         return count
+
+    async def _replay_row_notes(self, row_notes: RowNotes) -> None:
+        """Apply the row notes after the last commit, in log order, and commit them before
+        the stores load their rows (the log mark stays: the tail is still to adopt)."""
+        sizes = self._log.segment_sizes()
+        applied = 0
+        for seq, changes in row_notes:
+            self._meta.seen_seq(seq)
+            for table, rows in changes.items():
+                for key, values in rows.items():
+                    if table != "blocks":
+                        if values is None:
+                            self._meta.delete(table, key)
+                        else:
+                            self._meta.put(table, key, values)
+                    elif values is None:
+                        self._index.delete(BlockKey(*key))
+                    else:
+                        location = LogLocation(*values)
+                        if location.offset + location.length > sizes.get(location.segment, -1):
+                            raise Corrupted(f"a row note names block {key} at {location}, past the log's end")
+                        self._set_location(BlockKey(*key), location)
+                    applied += 1
+        await self._meta.commit()
+        log.info("log: %d row notes after the last commit replayed (%d changes)", len(row_notes), applied)
 
     def adopt_tail(self, owner: int, accept: Callable[[int], bool]) -> int:
         """Index `owner`'s tail records whose block number `accept` takes (the store that

@@ -101,6 +101,52 @@ def test_kill_9_keeps_every_fsynced_and_closed_file(mount_factory: MountFactory)
     assert mount.unmount() == 0
 
 
+def test_kill_9_after_closes_acknowledged_by_row_notes_brings_back_the_tree_as_the_last_close_left_it(
+    mount_factory: MountFactory,
+) -> None:
+    """Small closes write a row note to the log instead of committing (docs/design.md,
+    "Closes acknowledged by row notes"). With the background commits pushed out of the
+    test's way, a kill -9 after the last close must bring back everything staged before
+    it: files, overwrites, renames, removals, modes, attributes, links, directories."""
+    mount = mount_factory("--flush-interval", "600", "--sync-interval", "600", "--snapshot-interval", "600")
+    root = tree(mount)
+    write_tree(root)  # (its 3 MiB file is too big for a note: that close commits)
+    many = root / "many"
+    many.mkdir()
+    for i in range(300):
+        (many / f"f{i}").write_bytes(os.urandom(i * 13))
+    for i in range(0, 300, 7):
+        os.rename(many / f"f{i}", root / "a" / f"moved{i}")
+    for i in range(1, 300, 11):
+        if i % 7:  # (the others moved)
+            os.unlink(many / f"f{i}")
+    (many / "f2").write_bytes(b"shorter")
+    os.truncate(many / "f3", 1)
+    os.chmod(many / "f4", 0o600)
+    os.setxattr(many / "f5", "user.k", b"v")
+    (root / "deep" / "er").mkdir(parents=True)
+    os.symlink("../many/f2", root / "deep" / "link")
+    blocks = mount.status()["blocks"]
+    assert isinstance(blocks, dict)
+    notes_before = blocks["row_notes"]
+    (root / "deep" / "er" / "last").write_bytes(b"the last close")
+    blocks = mount.status()["blocks"]
+    assert isinstance(blocks, dict)
+    assert blocks["row_notes"] == notes_before + 1  # the last close wrote a note, no commit
+    before = digest_tree(root)
+    mount.kill9()
+
+    mount = mount_factory()
+    assert digest_tree(tree(mount)) == before
+    assert os.getxattr(tree(mount) / "many" / "f5", "user.k") == b"v"
+    (tree(mount) / "after").write_bytes(b"writes go on")
+    assert mount.unmount() == 0
+    mount = mount_factory()
+    assert digest_tree(tree(mount))["deep/er/last"] == before["deep/er/last"]
+    assert (tree(mount) / "after").read_bytes() == b"writes go on"
+    assert mount.unmount() == 0
+
+
 def test_torn_record_at_the_log_tail_is_dropped_and_the_mount_comes_up(mount_factory: MountFactory) -> None:
     mount = mount_factory()
     payload = os.urandom(1_500_000)

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from distorefs.errors import OutOfMemory
+from distorefs.errors import OutOfMemory, StoreFull
 from distorefs.tiers import blocks as blocks_module
+from distorefs.tiers import writeback
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.dram import DramCache
 from distorefs.tiers.metadb import MetaDb
@@ -302,4 +303,139 @@ async def test_notes_after_the_committed_mark_come_back_in_order_and_are_kept_fr
     store = open_store(tmp_path, segment=4 * BLOCK)
     await store.read_tail()
     assert store.take_notes(7) == []
+    await store.close()
+
+
+def killed(store: BlockStore) -> None:
+    """What a kill -9 leaves: no flush, no commit, no close of anything."""
+    store._log.close()
+    store._meta._conn.close()
+
+
+def inline(store: BlockStore) -> BlockStore:
+    """Small persists may write on the event loop (the kernel's dirty page count, which
+    decides this in the daemon, is not what these tests are about)."""
+    store._inline_ok = True
+    return store
+
+
+async def test_a_small_persist_is_acknowledged_by_a_row_note_and_comes_back_after_a_kill(tmp_path: Path) -> None:
+    store = inline(open_store(tmp_path))
+    await store.commit()
+    commits = store._meta.commits
+    store._meta.put("kv", ("name",), ("one",))  # a store's row staged before the persist
+    await store.write(BlockKey(5, 0), 0, b"closed data")
+    await store.persist(5)
+    assert store.row_notes == 1
+    assert store._meta.commits == commits
+    await store.write(BlockKey(6, 0), 0, b"never closed")  # dirty in DRAM only: lost below
+    killed(store)
+
+    store = open_store(tmp_path)
+    await store.read_tail()
+    assert await read_all(store, BlockKey(5, 0)) == b"closed data"
+    assert not store.has_block(BlockKey(6, 0))
+    assert store._meta.get_kv("name") == "one"
+    killed(store)
+    meta = MetaDb.open(str(tmp_path / "meta.sqlite"))  # the start-up committed what it replayed
+    assert ("name", "one") in list(meta.rows("kv"))
+    assert (5, 0) in [row[:2] for row in meta.rows("blocks")]
+
+
+async def held_notes_mark(store: BlockStore) -> None:
+    """A replay buffer's priority note that no snapshot covered keeps the notes mark, and
+    so the start of a start-up's walk, before everything below: the walk then meets row
+    notes older than the last commit, which their tags must tell apart."""
+    await store.commit()
+    await store.append_note(7, b"a priority update")
+
+
+async def test_row_notes_older_than_the_last_commit_are_not_replayed_over_it(tmp_path: Path) -> None:
+    store = inline(open_store(tmp_path))
+    await held_notes_mark(store)
+    store._meta.put("kv", ("size",), (10,))
+    await store.write(BlockKey(5, 0), 0, b"first")
+    await store.write(BlockKey(6, 0), 0, b"gone later")
+    await store.persist(5)
+    await store.persist(6)
+    assert store.row_notes == 2
+    store._meta.put("kv", ("size",), (20,))
+    store.delete(BlockKey(6, 0))
+    await store.commit()  # newer than both notes
+    killed(store)
+
+    store = open_store(tmp_path)
+    await store.read_tail()
+    assert store._meta.get_kv("size") == 20
+    assert not store.has_block(BlockKey(6, 0))
+    assert await read_all(store, BlockKey(5, 0)) == b"first"
+    await store.close()
+
+
+async def test_what_a_failed_commit_took_is_carried_by_the_next_row_note(tmp_path: Path) -> None:
+    store = inline(open_store(tmp_path))
+    await store.commit()
+    store._meta.put("kv", ("taken",), ("by the failed commit",))
+
+    def fail() -> None:
+        raise StoreFull("disk full")
+
+    with pytest.raises(StoreFull):
+        await store._meta.commit(before_commit=fail)
+    store._meta.put("kv", ("later",), ("staged after it",))
+    await store.write(BlockKey(5, 0), 0, b"closed")
+    await store.persist(5)
+    assert store.row_notes == 1
+    killed(store)
+
+    store = open_store(tmp_path)
+    await store.read_tail()
+    assert store._meta.get_kv("taken") == "by the failed commit"
+    assert store._meta.get_kv("later") == "staged after it"
+    assert await read_all(store, BlockKey(5, 0)) == b"closed"
+    await store.close()
+
+
+async def test_a_persist_with_too_much_staged_commits_instead_of_noting(tmp_path: Path) -> None:
+    store = inline(open_store(tmp_path))
+    for i in range(writeback.ROW_NOTE_CHANGES + 1):
+        store._meta.put("kv", (f"k{i}",), (i,))
+    await store.write(BlockKey(5, 0), 0, b"x")
+    commits = store._meta.commits
+    await store.persist(5)
+    assert store.row_notes == 0
+    assert store._meta.commits == commits + 1
+    await store.write(BlockKey(5, 0), 0, b"y")
+    await store.persist(5)  # the commit took everything: small again
+    assert store.row_notes == 1
+    assert store._meta.commits == commits + 1
+    await store.close()
+
+
+async def test_a_start_up_numbers_its_commits_past_the_notes_it_replayed(tmp_path: Path) -> None:
+    """Notes tagged after a failed commit are replayed once: the start-up's own commit
+    must count past them, or the next start-up would take them as newer than it."""
+    store = inline(open_store(tmp_path))
+    await held_notes_mark(store)
+
+    def fail() -> None:
+        raise StoreFull("disk full")
+
+    store._meta.put("kv", ("v",), (1,))
+    for _ in range(3):  # three failed takes: the notes below carry a tag past the committed one
+        with pytest.raises(StoreFull):
+            await store._meta.commit(before_commit=fail)
+    await store.write(BlockKey(5, 0), 0, b"a")
+    await store.persist(5)
+    killed(store)
+
+    store = inline(open_store(tmp_path))
+    await store.read_tail()
+    assert store._meta.get_kv("v") == 1
+    store._meta.put("kv", ("v",), (2,))
+    await store.commit()
+    killed(store)
+    store = open_store(tmp_path)
+    await store.read_tail()
+    assert store._meta.get_kv("v") == 2  # the old note did not come back over the commit
     await store.close()
