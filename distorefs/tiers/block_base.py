@@ -29,7 +29,7 @@ class BlockTierBase:
     _index: BlockIndex
     _io_limiter: trio.CapacityLimiter
 
-    async def get(self, key: BlockKey) -> Block | None:
+    async def get(self, key: BlockKey, transient: bool = False) -> Block | None:
         raise NotImplementedError
 
     async def put(self, key: BlockKey, data: bytes | bytearray | memoryview) -> None:

@@ -54,6 +54,8 @@ class BlockStatistics:
     dram_hits: int
     dram_misses: int
     dram_evictions: int
+    dram_transient_bytes: int  # blocks one-pass readers had loaded, kept briefly (tiers/dram.py)
+    dram_reused_buffers: int  # loads of theirs into a buffer reused instead of fresh memory
     log_bytes: int
     log_live_bytes: int
     log_segments: int
@@ -104,6 +106,7 @@ class BlockStore(ByteRanges, Compaction):
         self._meta = meta
         self.block_bytes = block_bytes
         self._io_limiter = trio.CapacityLimiter(io_threads)
+        dram.spare_size = block_bytes  # one-pass readers' loads reuse buffers of this size
         self._index = BlockIndex.load(meta)
         self._loading: dict[BlockKey, trio.Event] = {}
         self._prefetch_send, self._prefetch_recv = trio.open_memory_channel[BlockKey](PREFETCH_QUEUE)
@@ -217,8 +220,10 @@ class BlockStore(ByteRanges, Compaction):
     def unreserve(self, nbytes: int) -> None:
         self._dram.unreserve(nbytes)
 
-    async def get(self, key: BlockKey) -> Block | None:
+    async def get(self, key: BlockKey, transient: bool = False) -> Block | None:
         """Return the block (from DRAM, else loaded from the log), or None for a hole.
+        `transient`: a one-pass sequential reader asks, so a block loaded for it is kept
+        only briefly, in a reused buffer (tiers/dram.py).
 
         Raises Corrupted when the log record fails its checks.
         """
@@ -229,7 +234,7 @@ class BlockStore(ByteRanges, Compaction):
             location = self._index.get(key)
             if location is None:
                 return None
-            loaded = await self._load(key, location)
+            loaded = await self._load(key, location, transient)
             if loaded is not None:
                 return loaded
 
@@ -302,8 +307,11 @@ class BlockStore(ByteRanges, Compaction):
                 nursery.start_soon(read, piece)
         return out
 
-    async def _load(self, key: BlockKey, location: LogLocation) -> Block | None:
-        """Read a block from the log into DRAM; None when the caller must look again."""
+    async def _load(
+        self, key: BlockKey, location: LogLocation, transient: bool = False, prefetched: bool = False
+    ) -> Block | None:
+        """Read a block from the log into DRAM; None when the caller must look again.
+        `prefetched`: loaded ahead of its reader (a transient block's read is still to come)."""
         pending = self._loading.get(key)
         if pending is not None:
             await pending.wait()
@@ -312,11 +320,12 @@ class BlockStore(ByteRanges, Compaction):
         try:
             payload = (await self._read_remote({key: location})).get(key)
             if payload is None:
-                payload = await trio.to_thread.run_sync(self._log.read, location, key, limiter=self._io_limiter)
+                spare = self._dram.take_spare(location.length) if transient else None
+                payload = await trio.to_thread.run_sync(self._log.read, location, key, spare, limiter=self._io_limiter)
         finally:
             del self._loading[key]
             done.set()
-        return self._cache_loaded(key, location, payload)
+        return self._cache_loaded(key, location, payload, transient, reads=0 if prefetched else 1)
 
     async def _read_remote(self, cold: dict[BlockKey, LogLocation]) -> dict[BlockKey, bytearray]:
         """The blocks of `cold` that the remote memory tier has as those records."""
@@ -330,15 +339,17 @@ class BlockStore(ByteRanges, Compaction):
         self._remote_loads += len(got)
         return got
 
-    def _cache_loaded(self, key: BlockKey, location: LogLocation, payload: bytearray) -> Block | None:
-        """A payload read from `location` came back: the clean block for it (kept in DRAM
-        when there is room), or None when the key changed meanwhile and must be looked
-        up again (written, deleted, moved by compaction)."""
+    def _cache_loaded(
+        self, key: BlockKey, location: LogLocation, payload: bytearray, transient: bool = False, reads: int = 1
+    ) -> Block | None:
+        """A payload read from `location` came back (into a buffer of at least its length):
+        the clean block for it (kept in DRAM when there is room), or None when the key
+        changed meanwhile and must be looked up again (written, deleted, moved)."""
         if self._dram.peek(key) is not None or self._index.get(key) != location:
             return None
-        block = Block(payload, len(payload), dirty=False)
+        block = Block(payload, location.length, dirty=False)
         if self._dram.make_room(block.capacity_bytes):
-            self._dram.insert(key, block)
+            self._dram.insert(key, block, transient, reads)
         return block
 
     def prefetch(self, keys: Iterable[BlockKey]) -> None:
@@ -358,8 +369,10 @@ class BlockStore(ByteRanges, Compaction):
 
         async def load(key: BlockKey) -> None:
             try:
-                if self._dram.peek(key) is None and key not in self._loading:
-                    await self.get(key)
+                location = self._index.get(key)
+                if location is not None and self._dram.peek(key) is None and key not in self._loading:
+                    # (only sequential readers prefetch: the block is theirs, not read yet)
+                    await self._load(key, location, transient=True, prefetched=True)
                     self._prefetched += 1
             except Exception as exc:  # best effort: the reader gets the error when it gets there
                 log.warning("prefetch of %s failed: %s", key, exc)
@@ -567,6 +580,8 @@ class BlockStore(ByteRanges, Compaction):
             dram_hits=dram.hits,
             dram_misses=dram.misses,
             dram_evictions=dram.evictions,
+            dram_transient_bytes=dram.transient_bytes,
+            dram_reused_buffers=dram.reused_buffers,
             log_bytes=log_bytes,
             log_live_bytes=live,
             log_segments=len(self._log.segment_sizes()),

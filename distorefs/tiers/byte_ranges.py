@@ -46,18 +46,19 @@ class ByteRanges(BlockTierBase):
         size = min(size, length - offset)
         bb = self.block_bytes
         first, last = offset // bb, (offset + size - 1) // bb
-        if self._read_end.get(owner) == offset:
+        sequential = self._read_end.get(owner) == offset
+        if sequential:  # a one-pass reader: what it has loaded is kept only briefly (tiers/dram.py)
             ahead = min(last + 1 + PREFETCH_BLOCKS, -(-length // bb))
             self.prefetch(BlockKey(owner, i) for i in range(last + 1, ahead))
         self._read_end[owner] = offset + size
         if first == last:
-            block = await self.get(BlockKey(owner, first))
+            block = await self.get(BlockKey(owner, first), sequential)
             inner = offset - first * bb
             if block is not None and inner + size <= block.length:
                 return memoryview(block.buf)[inner : inner + size]
         out = bytearray(size)
         for index in range(first, last + 1):
-            block = await self.get(BlockKey(owner, index))
+            block = await self.get(BlockKey(owner, index), sequential)
             if block is None:
                 continue
             start = max(offset, index * bb)

@@ -11,10 +11,20 @@ block's buffer is a read-only memoryview of memory the daemon took over whole (a
 checkpoint's sealed memfd, see BlockStore.adopt): it is never written in place; the
 first change copies it into a bytearray of its own. So is a block whose buffer is the
 `bytes` of a write that covered it whole (BlockStore.write_whole).
+
+*Transient* blocks are those a one-pass sequential reader had loaded (BlockStore.get
+with `transient`): they stay in a FIFO of at most `transient_budget` bytes, and the
+oldest leaves the cache when the FIFO is full, unless it was read a second time (then
+it is an ordinary block). The kernel's page cache keeps what such a reader read, so a
+cold scan of a big file does not push the working set out of DRAM, and the buffer of
+a block that leaves is kept as a *spare* for the next load when nothing else holds it:
+a load into a reused buffer skips the page faults of fresh memory, which were a third
+of a cold read's time (docs/design.md, "Cold sequential reads reuse their buffers").
 """
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,19 +32,22 @@ from dataclasses import dataclass
 from distorefs.types import BlockKey
 
 MIN_CAPACITY_BYTES = 4096
+TRANSIENT_MAX_BYTES = 128 * 1024 * 1024  # four sequential readers' prefetch windows of 32 MiB
+MAX_SPARES = 16  # buffers kept for the next transient loads
 
 
 class Block:
     """One cached block. `version` increases on every change, so a flush can tell whether
     the block changed while its snapshot was being written."""
 
-    __slots__ = ("buf", "length", "dirty", "version")
+    __slots__ = ("buf", "length", "dirty", "version", "transient")
 
     def __init__(self, buf: bytearray | memoryview | bytes, length: int, dirty: bool) -> None:
         self.buf = buf
         self.length = length
         self.dirty = dirty
         self.version = 0
+        self.transient = False  # in DramCache's FIFO of a one-pass reader's blocks
 
     @property
     def capacity_bytes(self) -> int:
@@ -81,6 +94,16 @@ class DramStatistics:
     evictions: int
     reserved_bytes: int
     borrowed_bytes: int
+    transient_bytes: int
+    spare_bytes: int
+    reused_buffers: int
+
+
+def unshared(block: Block) -> bool:
+    """Whether nothing but the caller's one reference holds `block`, and nothing but
+    `block` its buffer (no memoryview of it handed out and still alive): CPython's
+    reference counts, each plus the one of getrefcount's own argument."""
+    return sys.getrefcount(block) <= 3 and sys.getrefcount(block.buf) <= 2
 
 
 class DramCache:
@@ -96,6 +119,12 @@ class DramCache:
         self._hits = 0
         self._misses = 0
         self._evictions = 0
+        self._transient: OrderedDict[BlockKey, int] = OrderedDict()  # key -> hits since its load
+        self.transient_bytes = 0
+        self.transient_budget = min(TRANSIENT_MAX_BYTES, budget_bytes // 2)
+        self.spare_size = 0  # the capacity of a reusable buffer (the block tier's block size)
+        self._spares: list[bytearray] = []  # counted in used_bytes
+        self._reused = 0
         # Told of each clean block that make_room evicts (the remote memory tier's chance
         # to keep a copy); it must not touch the cache.
         self.evicted: Callable[[BlockKey, Block], None] | None = None
@@ -111,7 +140,19 @@ class DramCache:
             return None
         self._hits += 1
         self._blocks.move_to_end(key)
+        if block.transient:
+            self._touch_transient(key, block)
         return block
+
+    def _touch_transient(self, key: BlockKey, block: Block) -> None:
+        """The reader that had it loaded reads it once; a second read makes it ordinary."""
+        hits = self._transient[key] + 1
+        if hits < 2:
+            self._transient[key] = hits
+        else:
+            del self._transient[key]
+            self.transient_bytes -= block.capacity_bytes
+            block.transient = False
 
     def get_many(self, keys: list[BlockKey]) -> list[Block | None]:
         """`get` for many keys in one call (a sampled batch: tens of keys)."""
@@ -132,8 +173,10 @@ class DramCache:
         """Return the block without touching LRU order or counters."""
         return self._blocks.get(key)
 
-    def insert(self, key: BlockKey, block: Block) -> None:
-        """Add a block that is not cached yet; the caller made room with `make_room`."""
+    def insert(self, key: BlockKey, block: Block, transient: bool = False, reads: int = 1) -> None:
+        """Add a block that is not cached yet; the caller made room with `make_room`.
+        `transient`: a one-pass reader's (see the module's doc), which has read it
+        `reads` times (0: loaded ahead of it; 1: loaded for the read that asked)."""
         assert key not in self._blocks
         self._blocks[key] = block
         self.used_bytes += block.capacity_bytes
@@ -141,10 +184,55 @@ class DramCache:
             self.borrowed_bytes += block.capacity_bytes
         if block.dirty:
             self.dirty_bytes += block.capacity_bytes
+        if transient and not block.dirty:
+            block.transient = True
+            self._transient[key] = reads
+            self.transient_bytes += block.capacity_bytes
+            self._trim_transient()
+
+    def _trim_transient(self) -> None:
+        """The oldest transient blocks leave while there are too many; their buffers are
+        kept as spares when nothing else holds them."""
+        while self.transient_bytes > self.transient_budget and self._transient:
+            key, _hits = self._transient.popitem(last=False)
+            block = self._blocks[key]
+            self.transient_bytes -= block.capacity_bytes
+            block.transient = False
+            if block.dirty:
+                continue  # written meanwhile: an ordinary block now
+            self.remove(key)
+            self._evictions += 1
+            if self.evicted is not None:
+                self.evicted(key, block)
+            if (
+                len(self._spares) < MAX_SPARES
+                and isinstance(block.buf, bytearray)
+                and len(block.buf) == self.spare_size
+                and unshared(block)
+            ):
+                self._spares.append(block.buf)
+                self.used_bytes += self.spare_size
+
+    def take_spare(self, length: int) -> bytearray | None:
+        """A reused buffer to load a transient block of `length` bytes into (its capacity
+        is the block size: only for blocks above SMALL_BLOCK_BYTES), or None."""
+        if not self._spares or capacity_for(length, self.spare_size) != self.spare_size:
+            return None
+        self.used_bytes -= self.spare_size
+        self._reused += 1
+        return self._spares.pop()
+
+    def _drop_spares(self) -> None:
+        self.used_bytes -= len(self._spares) * self.spare_size
+        self._spares.clear()
 
     def remove(self, key: BlockKey) -> Block | None:
         block = self._blocks.pop(key, None)
         if block is not None:
+            if block.transient:
+                del self._transient[key]
+                self.transient_bytes -= block.capacity_bytes
+                block.transient = False
             self.used_bytes -= block.capacity_bytes
             if block.borrowed:
                 self.borrowed_bytes -= block.capacity_bytes
@@ -155,6 +243,8 @@ class DramCache:
     def replace_buffer(self, block: Block, buf: bytearray) -> None:
         """Swap a block's buffer for a bigger (or smaller) one, keeping the accounting."""
         delta = len(buf) - block.capacity_bytes
+        if block.transient:
+            self.transient_bytes += delta
         if block.borrowed:
             self.borrowed_bytes -= block.capacity_bytes  # a copy of its own from now on
         block.buf = buf
@@ -178,6 +268,9 @@ class DramCache:
 
         Returns False when only dirty blocks are left and they do not fit.
         """
+        if self.used_bytes + need_bytes <= self.budget_bytes:
+            return True
+        self._drop_spares()
         if self.used_bytes + need_bytes <= self.budget_bytes:
             return True
         # Walk from the least recently used end and stop as soon as there is room: a
@@ -232,4 +325,7 @@ class DramCache:
             evictions=self._evictions,
             reserved_bytes=self.reserved_bytes,
             borrowed_bytes=self.borrowed_bytes,
+            transient_bytes=self.transient_bytes,
+            spare_bytes=len(self._spares) * self.spare_size,
+            reused_buffers=self._reused,
         )

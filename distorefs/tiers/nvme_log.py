@@ -71,7 +71,9 @@ SPAN_BYTES = 8 * 1024 * 1024  # read_many reads neighbouring records with one pr
 SPAN_GAP_BYTES = 64 * 1024  # ... when the bytes between them are no more than this
 
 
-def _check(header: bytes | bytearray | memoryview, payload: bytearray, location: LogLocation, key: BlockKey) -> None:
+def _check(
+    header: bytes | bytearray | memoryview, payload: bytearray | memoryview, location: LogLocation, key: BlockKey
+) -> None:
     """Corrupted unless the record read at `location` is `key`'s, of its length and crc."""
     magic, length, owner, index, _seq, crc = HEADER.unpack(header)
     if magic != MAGIC or length != location.length or (owner, index) != key:
@@ -331,8 +333,10 @@ class NvmeLog:
 
     # --- reading --------------------------------------------------------------------
 
-    def read(self, location: LogLocation, key: BlockKey) -> bytearray:
-        """Return the payload at `location`, checked against `key`, its length and crc32c.
+    def read(self, location: LogLocation, key: BlockKey, into: bytearray | None = None) -> bytearray:
+        """Return the payload at `location`, checked against `key`, its length and crc32c:
+        a new bytearray, or `into` (at least the payload's length) with the payload at its
+        start.
 
         Raises Corrupted when anything does not match (a torn or overwritten record).
         """
@@ -341,14 +345,16 @@ class NvmeLog:
             raise Corrupted(f"log: segment {location.segment} of {key} is gone")
         try:
             header = bytearray(HEADER.size)
-            payload = bytearray(location.length)
+            out = bytearray(location.length) if into is None else into
+            payload = memoryview(out)[: location.length]
             got = os.preadv(seg.fd, [header, payload], location.offset)
         finally:
             self._release(seg)
-        if got != HEADER.size + location.length:
-            raise Corrupted(f"log: short record for {key} at {location}")
-        _check(header, payload, location, key)
-        return payload
+        with payload:
+            if got != HEADER.size + location.length:
+                raise Corrupted(f"log: short record for {key} at {location}")
+            _check(header, payload, location, key)
+        return out
 
     def read_many(self, records: Sequence[tuple[BlockKey, LogLocation]]) -> list[bytearray]:
         """`read` of many records. Records that lie close together in one segment (a

@@ -439,3 +439,53 @@ async def test_a_start_up_numbers_its_commits_past_the_notes_it_replayed(tmp_pat
     await store.read_tail()
     assert store._meta.get_kv("v") == 2  # the old note did not come back over the commit
     await store.close()
+
+
+async def cold_file(tmp_path: Path, blocks: int, budget: int) -> BlockStore:
+    """A store reopened over `blocks` full blocks of owner 3 (block i filled with byte i)."""
+    store = open_store(tmp_path, budget=budget, segment=64 * BLOCK)
+    for i in range(blocks):
+        await store.write(BlockKey(3, i), 0, bytes([i]) * BLOCK)
+    await store.close()
+    return open_store(tmp_path, budget=budget, segment=64 * BLOCK)
+
+
+async def test_a_one_pass_reader_keeps_a_window_in_dram_and_loads_into_reused_buffers(tmp_path: Path) -> None:
+    store = await cold_file(tmp_path, blocks=40, budget=16 * BLOCK)
+    length = 40 * BLOCK
+    for i in range(40):
+        data = await store.read_range(3, i * BLOCK, BLOCK, length)
+        assert bytes(data) == bytes([i]) * BLOCK
+        del data  # (as the kernel's reply does: nothing keeps it)
+        stats = store.statistics()
+        assert stats.dram_transient_bytes <= 8 * BLOCK  # half the budget at most
+        assert stats.dram_used_bytes <= 16 * BLOCK
+    assert store.statistics().dram_reused_buffers >= 40 - 8 - 2  # all but the first window's loads
+    assert store._dram.peek(BlockKey(3, 5)) is None  # read once, long ago: gone from DRAM
+    await store.close()
+
+
+async def test_a_block_read_a_second_time_stays_in_dram(tmp_path: Path) -> None:
+    store = await cold_file(tmp_path, blocks=30, budget=16 * BLOCK)
+    length = 30 * BLOCK
+    for i in range(30):
+        await store.read_range(3, i * BLOCK, BLOCK, length)
+        if i == 3:
+            assert await read_all(store, BlockKey(3, 2)) == bytes([2]) * BLOCK  # a second reader
+    assert store._dram.peek(BlockKey(3, 2)) is not None
+    assert store._dram.peek(BlockKey(3, 4)) is None
+    await store.close()
+
+
+async def test_a_buffer_still_viewed_is_never_reused(tmp_path: Path) -> None:
+    store = await cold_file(tmp_path, blocks=40, budget=16 * BLOCK)
+    length = 40 * BLOCK
+    held = []
+    for i in range(40):
+        data = await store.read_range(3, i * BLOCK, BLOCK, length)
+        if i % 5 == 1:
+            held.append((i, data))  # a caller that keeps its view across later reads
+    for i, data in held:
+        assert bytes(data) == bytes([i]) * BLOCK
+    assert store.statistics().dram_reused_buffers > 0
+    await store.close()
