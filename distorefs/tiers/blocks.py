@@ -372,6 +372,7 @@ class BlockStore(ByteRanges, Compaction):
                 location = self._index.get(key)
                 if location is not None and self._dram.peek(key) is None and key not in self._loading:
                     # (only sequential readers prefetch: the block is theirs, not read yet)
+                    self._dram.missed()
                     await self._load(key, location, transient=True, prefetched=True)
                     self._prefetched += 1
             except Exception as exc:  # best effort: the reader gets the error when it gets there

@@ -169,6 +169,11 @@ class DramCache:
         self._hits += len(keys) - misses
         return out
 
+    def missed(self) -> None:
+        """Count a miss of a lookup made without `get` (the prefetcher's, which must not
+        count as a read of a block it finds)."""
+        self._misses += 1
+
     def peek(self, key: BlockKey) -> Block | None:
         """Return the block without touching LRU order or counters."""
         return self._blocks.get(key)
