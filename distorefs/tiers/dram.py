@@ -219,9 +219,10 @@ class DramCache:
                 self.used_bytes += self.spare_size
 
     def take_spare(self, length: int) -> bytearray | None:
-        """A reused buffer to load a transient block of `length` bytes into (its capacity
-        is the block size: only for blocks above SMALL_BLOCK_BYTES), or None."""
-        if not self._spares or capacity_for(length, self.spare_size) != self.spare_size:
+        """A reused buffer to load a transient block of `length` bytes into, or None. Only
+        for full blocks: the spare's old bytes are all overwritten, none lies past the
+        new block's length."""
+        if not self._spares or length != self.spare_size:
             return None
         self.used_bytes -= self.spare_size
         self._reused += 1
