@@ -374,8 +374,10 @@ class ReplayBuffer:
         go to the log (small ones without leaving the event loop) and their rows commit
         with the flusher's next pass; a start-up adopts the records after the last commit
         (BufferStore.load, docs/design.md "Log-only appends"). A `sync` buffer commits
-        durably instead, and so does a buffer whose row no commit has carried yet (made
-        since the last one: a peer's shard, a store's caller that did not persist it)."""
+        durably instead; a buffer whose row no commit has carried yet (made since the
+        last one: a peer's shard, a store's caller that did not persist it) persists
+        with its row (a commit, or a row note that a start-up replays before it loads
+        the buffers)."""
         self.stage_row()
         if self.config.sync or not self.row_committed:
             await self._blocks.persist(self.owner, durable=self.config.sync)
