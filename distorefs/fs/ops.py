@@ -136,6 +136,16 @@ def _translate(mutates: bool) -> Callable[[Callable[P, Coroutine[Any, Any, R]]],
     return wrap
 
 
+def _write_only(flags: int) -> bool:
+    """A tree file opened write-only goes without the kernel's page cache (direct_io):
+    each write() reaches the daemon straight from the writer's memory, with no copy into
+    page cache pages and no GETXATTR of `security.capability` before it (the kernel asks
+    that before every buffered write). Such an open can be neither read nor mapped, and
+    the kernel drops the pages other opens cache for the range it writes (docs/design.md,
+    "Write-only opens skip the page cache")."""
+    return flags & os.O_ACCMODE == os.O_WRONLY
+
+
 class FsOperations(pyfuse3.Operations):
     """Routes kernel requests to the POSIX tree and the virtual nodes."""
 
@@ -502,7 +512,7 @@ class FsOperations(pyfuse3.Operations):
         fh = self._new_fh(Handle(inode, virtual=False, writable=writable, kind=self.tree.kind_of(inode)))
         # The kernel page cache stays valid across opens: every change to a tree file
         # passes through this kernel, which updates or drops its pages itself.
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=_write_only(flags))
 
     @_translate(mutates=True)
     async def create(
@@ -518,7 +528,7 @@ class FsOperations(pyfuse3.Operations):
         self._guard_reserved(parent_inode, name, "create it")
         inode = self.tree.create(parent_inode, name, mode, ctx.uid, ctx.gid)
         fh = self._new_fh(Handle(inode.ino, virtual=False, writable=True, kind=self.tree.kind_of(inode.ino)))
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._entry(inode)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=_write_only(flags)), self._entry(inode)
 
     @_translate(mutates=False)
     async def read(self, fh: int, off: int, size: int) -> bytes | bytearray | memoryview:  # type: ignore[override]

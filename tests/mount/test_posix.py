@@ -290,3 +290,55 @@ def test_create_list_remove_5000_entries(scratch: Path) -> None:
     for name in names:
         os.unlink(directory / name)
     assert os.listdir(directory) == []
+
+
+def getxattr_requests(mount: Mount) -> int:
+    """FUSE GETXATTR requests the daemon has answered so far, whatever their outcome."""
+    total = 0
+    for line in (mount.path / ".distore" / "metrics").read_text().splitlines():
+        if line.startswith("distorefs_requests_total{") and 'op="getxattr"' in line:
+            total += int(float(line.rsplit(" ", 1)[1]))
+    return total
+
+
+def test_a_write_only_open_writes_past_the_page_cache_and_every_reader_sees_it(mounted: Mount, scratch: Path) -> None:
+    """Write-only opens are direct_io (docs/design.md, "Write-only opens skip the page
+    cache"): no GETXATTR before each write, and the kernel drops what other opens cache
+    of the range written, so a reader's descriptor, a new open and a shared mapping all
+    see the new bytes."""
+    import mmap
+
+    path = scratch / "f"
+    path.write_bytes(b"A" * 8192)
+    reader = os.open(path, os.O_RDONLY)
+    both = os.open(path, os.O_RDWR)
+    mapped = mmap.mmap(both, 8192)
+    try:
+        assert os.pread(reader, 8192, 0) == b"A" * 8192  # cached by the kernel now
+        assert mapped[:8192] == b"A" * 8192
+
+        before = getxattr_requests(mounted)
+        writer = os.open(path, os.O_WRONLY)
+        for i in range(20):
+            os.pwrite(writer, b"B" * 100, i * 100)
+        os.close(writer)
+        assert getxattr_requests(mounted) == before  # none asked before the writes
+
+        expected = b"B" * 2000 + b"A" * 6192
+        assert os.pread(reader, 8192, 0) == expected
+        assert mapped[:8192] == expected
+        assert path.read_bytes() == expected
+
+        appender = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.write(appender, b"C" * 100)
+        os.close(appender)
+        assert os.stat(path).st_size == 8292
+        assert os.pread(reader, 200, 8192) == b"C" * 100
+
+        before = getxattr_requests(mounted)
+        os.pwrite(both, b"D", 0)  # a read-write open stays buffered: the kernel asks again
+        assert getxattr_requests(mounted) > before
+    finally:
+        mapped.close()
+        os.close(both)
+        os.close(reader)
