@@ -143,7 +143,7 @@ def _write_only(flags: int) -> bool:
     that before every buffered write). Such an open can be neither read nor mapped, and
     the kernel drops the pages other opens cache for the range it writes (docs/design.md,
     "Write-only opens skip the page cache")."""
-    return flags & os.O_ACCMODE == os.O_WRONLY
+    return (flags & os.O_ACCMODE) == os.O_WRONLY
 
 
 class FsOperations(pyfuse3.Operations):
