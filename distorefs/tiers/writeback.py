@@ -312,21 +312,8 @@ class WriteBack(BlockTierBase):
         interval. False when it cannot (a commit or another append in flight, too much
         staged, the kernel's dirty pages high, a new segment due): then commit."""
         meta = self._meta
-        if not self._inline_ok or self._flush_lock.locked() or meta.committing or not meta.delta_fits(ROW_NOTE_CHANGES):
+        if meta.committing or not meta.delta_fits(ROW_NOTE_CHANGES) or not self._append_inline(owner):
             return False
-        if self.owner_dirty_bytes(owner) > INLINE_APPEND_BYTES:
-            return False
-        keys = [BlockKey(owner, i) for i in sorted(self._dirty.get(owner, ()))]
-        if keys:
-            snapshots, records = self._freeze(keys)
-            try:
-                locations = self._log.try_append_now(records)
-            finally:
-                self._thaw(snapshots, records)
-            if locations is None:
-                return False
-            self._logged()
-            self._apply_flushed(snapshots, locations, staged=True)
         seq, delta = meta.take_delta()
         payload = encode_row_note(seq, delta)
         note = (BlockKey(ROW_NOTES_OWNER, NOTE_NUMBERS + self.row_notes), payload)
@@ -338,24 +325,36 @@ class WriteBack(BlockTierBase):
         self._flush_wanted_for_rows()
         return True
 
+    def _append_inline(self, owner: int) -> bool:
+        """Write `owner`'s dirty blocks to the log now, on the event loop, and stage their
+        rows: only while the kernel has room for dirty pages, no flush is in flight and
+        they are at most INLINE_APPEND_BYTES (docs/design.md, "Small appends are written
+        on the event loop"). False when it cannot (then nothing was written), or when the
+        records do not fit in the active segment."""
+        if not self._inline_ok or self._flush_lock.locked() or self.owner_dirty_bytes(owner) > INLINE_APPEND_BYTES:
+            return False
+        snapshots, records = self._freeze(BlockKey(owner, i) for i in sorted(self._dirty.get(owner, ())))
+        if not records:
+            return True
+        try:
+            locations = self._log.try_append_now(records)
+        finally:
+            self._thaw(snapshots, records)
+        if locations is None:
+            return False
+        self._logged()
+        self._apply_flushed(snapshots, locations, staged=True)
+        return True
+
     async def _log_only(self, owner: int) -> None:
-        keys = [BlockKey(owner, i) for i in sorted(self._dirty.get(owner, ()))]
-        if not keys:
+        if not self._dirty.get(owner):
             await trio.lowlevel.checkpoint()
             return
-        if self._inline_ok and not self._flush_lock.locked() and self.owner_dirty_bytes(owner) <= INLINE_APPEND_BYTES:
-            snapshots, records = self._freeze(keys)
-            try:
-                locations = self._log.try_append_now(records)
-            finally:
-                self._thaw(snapshots, records)
-            if locations is not None:
-                self.inline_appends += 1
-                self._logged()
-                self._apply_flushed(snapshots, locations, staged=True)
-                self._flush_wanted_for_rows()
-                await trio.lowlevel.checkpoint()
-                return
+        if self._append_inline(owner):
+            self.inline_appends += 1
+            self._flush_wanted_for_rows()
+            await trio.lowlevel.checkpoint()
+            return
         await self.flush(owner)  # another append is in flight, or a new segment is due
         self._flush_wanted_for_rows()
 

@@ -7,6 +7,7 @@ import hashlib
 import os
 import signal
 import stat
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -151,8 +152,6 @@ def test_kill_9_amid_concurrent_closes_keeps_every_acknowledged_file(mount_facto
     """Four writers make files of 0-300 KiB (small ones acknowledged by row notes, big
     ones by commits) while the flusher commits every 100 ms; the daemon is killed in the
     middle. Every file whose close returned comes back whole."""
-    import threading
-
     mount = mount_factory("--flush-interval", "0.1")
     root = tree(mount)
     acked: dict[str, str] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import stat
 import time
@@ -306,8 +307,6 @@ def test_a_write_only_open_writes_past_the_page_cache_and_every_reader_sees_it(m
     cache"): no GETXATTR before each write, and the kernel drops what other opens cache
     of the range written, so a reader's descriptor, a new open and a shared mapping all
     see the new bytes."""
-    import mmap
-
     path = scratch / "f"
     path.write_bytes(b"A" * 8192)
     reader = os.open(path, os.O_RDONLY)

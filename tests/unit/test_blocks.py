@@ -284,8 +284,7 @@ async def test_notes_after_the_committed_mark_come_back_in_order_and_are_kept_fr
     held = store.notes_hold()
     assert held == 1  # the notes' first segment and every later one stay ...
     assert 1 in store._log.segment_sizes()
-    store._log.close()  # a kill -9: no close, no commit
-    store._meta._conn.close()
+    killed(store)
 
     store = open_store(tmp_path, segment=4 * BLOCK)
     await store.read_tail()
