@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -44,6 +45,7 @@ from distorefs.stores.datasets.dataset import MIN_WINDOW_BYTES
 from distorefs.stores.datasets.store import DatasetStore
 from distorefs.stores.files import FileStore
 from distorefs.stores.owners import OwnerTable
+from distorefs.stores.replay import sumtree
 from distorefs.stores.replay.mirror import ArenaBudget
 from distorefs.stores.replay.store import BufferStore
 from distorefs.stores.tree import PosixTree
@@ -404,6 +406,9 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
                     if config.metrics_port is not None:
                         daemon.ops.metrics.serve(config.metrics_port)
                     ready(f"distorefs: mounted {config.mountpoint} (pid {os.getpid()}, data dir {data_dir})")
+                    # the compiled sum-tree walks load once the mount is up (0.3-1 s, most of it
+                    # holding the GIL, which slowed the mount as much); trees walk in numpy until then
+                    threading.Thread(target=sumtree.load_compiled, name="sum tree compile", daemon=True).start()
                     await pyfuse3.main()
                     service.notify("STOPPING=1\nSTATUS=unmounted; persisting")
                     nursery.cancel_scope.cancel()

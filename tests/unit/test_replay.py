@@ -76,7 +76,8 @@ def test_tree_sums_stay_exact_and_find_lands_in_the_right_leaf(
 
 def test_few_slot_updates_give_the_same_tree_as_the_vectorised_path(monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(3)
-    few, batched = SegmentTree(100_000, with_min_max=True), SegmentTree(100_000, with_min_max=True)
+    few = SegmentTree(100_000, with_min_max=True, compiled=False)
+    batched = SegmentTree(100_000, with_min_max=True, compiled=False)
     for _ in range(200):
         slots = rng.integers(0, 100_000, int(rng.integers(1, 9)))
         values = np.where(rng.random(len(slots)) < 0.2, 0.0, rng.random(len(slots)) * 10)
@@ -86,6 +87,52 @@ def test_few_slot_updates_give_the_same_tree_as_the_vectorised_path(monkeypatch:
             batched.update(slots, values)
     for mine, theirs in ((few._sum, batched._sum), (few._min, batched._min), (few._max, batched._max)):
         assert np.array_equal(mine, theirs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    capacity=st.integers(1, 3000),
+    seed=st.integers(0, 2**32 - 1),
+    batches=st.integers(1, 12),
+)
+def test_compiled_walks_give_the_numpy_walks_tree_and_draws(capacity: int, seed: int, batches: int) -> None:
+    assert sumtree.load_compiled(), "numba is a dependency: the compiled walks must load"
+    rng = np.random.default_rng(seed)
+    compiled, plain = SegmentTree(capacity, with_min_max=True), SegmentTree(capacity, with_min_max=True, compiled=False)
+    ones, plain_ones = SegmentTree(capacity), SegmentTree(capacity, compiled=False)
+    assert compiled.compiled
+    assert ones.compiled
+    assert not plain.compiled
+    for _ in range(batches):
+        count = int(rng.integers(1, min(capacity, 300) + 1))
+        slots = rng.integers(0, capacity, count)  # duplicates included: the later one wins
+        values = np.where(rng.random(count) < 0.3, 0.0, rng.random(count) * 10.0 ** rng.integers(-3, 4))
+        for tree in (compiled, plain):
+            tree.update(slots, values)
+        for tree in (ones, plain_ones):
+            tree.update(slots, (values > 0).astype(np.float64))
+        for mine, theirs in ((compiled._sum, plain._sum), (compiled._min, plain._min), (compiled._max, plain._max)):
+            assert np.array_equal(mine, theirs)
+        assert np.array_equal(ones._sum, plain_ones._sum)
+        if compiled.total > 0:  # edges too: 0, the total itself (rounds onto an empty leaf), just under it
+            edges = [0.0, compiled.total, np.nextafter(compiled.total, 0)]
+            prefixes = np.concatenate([rng.random(64) * compiled.total, edges])
+            found = compiled.find(prefixes)
+            assert np.array_equal(found, plain.find(prefixes))
+            assert (plain.leaves()[found] > 0).all()
+
+
+def test_compiled_update_refuses_a_slot_outside_the_tree() -> None:
+    assert sumtree.load_compiled()
+    tree = SegmentTree(100, with_min_max=True)
+    tree.update(np.arange(10), np.ones(10))
+    before = tree._sum.copy()
+    for bad in ([5, 100], [-1], [1 << 40]):
+        with pytest.raises(IndexError):
+            tree.update(np.array(bad), np.ones(len(bad)))
+    assert np.array_equal(tree._sum, before)
+    with pytest.raises(ValueError):
+        tree.update(np.arange(3), np.ones(2))
 
 
 # --- rate limiter ----------------------------------------------------------------------

@@ -1,17 +1,47 @@
 """SegmentTree: sums, minimums and maximums over slot priorities, in numpy.
 
-Owns the arrays. Updates and searches are vectorised over a whole batch: an update of k
-slots costs O(k log n) in numpy, not k Python loops. Leaves with value 0 are empty: they
-are never found by `find`, and the min tree ignores them.
+Owns the arrays. Where numba runs, the walks of `find` and `update` are compiled
+(sumtree_jit.py: a few µs for a batch of 64); elsewhere they are vectorised over a whole
+batch in numpy (an update of k slots costs O(k log n) in numpy calls, not k Python
+loops). Leaves with value 0 are empty: they are never found by `find`, and the min tree
+ignores them.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+from types import ModuleType
 from typing import cast
 
 import numpy as np
 
+log = logging.getLogger(__name__)
+
 FEW_SLOTS = 5  # updates of up to this many slots walk the tree in Python (measured: faster up to 5)
+
+
+_jit: ModuleType | None = None  # sumtree_jit once load_compiled() has loaded it
+
+
+def load_compiled() -> bool:
+    """Load the compiled walks (numba's import and its cache, or a compile: 0.3-1 s),
+    after which every tree uses them; until then trees walk in numpy, with the same
+    results. The daemon calls this in a thread of its own at start, so that neither the
+    mount nor the event loop waits for it. False (numpy walks stay) when numba is not
+    installed, cannot run with this numpy, or DISTOREFS_SUMTREE=numpy asks for numpy."""
+    global _jit
+    if _jit is not None:
+        return True
+    if os.environ.get("DISTOREFS_SUMTREE", "") == "numpy":
+        return False
+    try:
+        from distorefs.stores.replay import sumtree_jit
+    except Exception as exc:  # ImportError, or numba refusing this numpy at import
+        log.info("sum trees walk in numpy: numba is not usable here (%s)", exc)
+        return False
+    _jit = sumtree_jit
+    return True
 
 
 class SegmentTree:
@@ -26,7 +56,7 @@ class SegmentTree:
         array([0, 2])
     """
 
-    def __init__(self, capacity: int, with_min_max: bool = False) -> None:
+    def __init__(self, capacity: int, with_min_max: bool = False, compiled: bool = True) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be > 0, got {capacity}")
         self.capacity = capacity
@@ -38,6 +68,12 @@ class SegmentTree:
         self._sum = np.zeros(2 * size, dtype=np.float64)
         self._min = np.full(2 * size, np.inf) if with_min_max else None
         self._max = np.zeros(2 * size, dtype=np.float64) if with_min_max else None
+        self._may_compile = compiled
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the walks run compiled (numba) rather than in numpy."""
+        return self._may_compile and _jit is not None
 
     @property
     def total(self) -> float:
@@ -60,6 +96,19 @@ class SegmentTree:
     def update(self, slots: np.ndarray, values: np.ndarray) -> None:
         """Set leaf `slots[i]` to `values[i]` (later duplicates win) and fix the sums above."""
         if len(slots) == 0:
+            return
+        jit = _jit if self._may_compile else None
+        if jit is not None and len(slots) < self._size // 8:
+            slots = np.ascontiguousarray(slots, dtype=np.int64)
+            values = np.ascontiguousarray(values, dtype=np.float64)
+            if len(slots) != len(values):
+                raise ValueError(f"{len(slots)} slots and {len(values)} values")
+            if int(slots.min()) < 0 or int(slots.max()) >= self.capacity:  # compiled code checks no bounds
+                raise IndexError(f"a slot outside 0..{self.capacity - 1}")
+            if self._min is not None and self._max is not None:
+                jit.update_sums_min_max(self._sum, self._min, self._max, self._size, slots, values)
+            else:
+                jit.update_sums(self._sum, self._size, slots, values)
             return
         if len(slots) <= FEW_SLOTS:
             self._update_few(slots, values)
@@ -131,6 +180,11 @@ class SegmentTree:
         mass, which ends on an empty leaf: those few go again through the careful
         descent, which only goes right where the right subtree has mass.
         """
+        jit = _jit if self._may_compile else None
+        if jit is not None:
+            nodes = np.empty(len(prefixes), dtype=np.int64)
+            jit.find(self._sum, self._depth, np.ascontiguousarray(prefixes, dtype=np.float64), nodes)
+            return nodes - self._size
         total = self._sum
         nodes = np.ones(len(prefixes), dtype=np.int64)
         remaining = np.array(prefixes, dtype=np.float64)
