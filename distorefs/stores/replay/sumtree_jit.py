@@ -5,12 +5,13 @@ this module imports (numba installed and able to run with this numpy) and keeps 
 numpy walks otherwise. Each one does what the numpy code beside it in sumtree.py does,
 slot by slot and level by level, in a loop compiled to machine code: a batch of 64 costs
 a few µs where the numpy walks spend ~1 µs per call and five calls a level
-(docs/design.md, "A compiled sum tree"). tests/test_sumtree.py holds both to the same
-answers.
+(docs/design.md, "A compiled sum tree"). tests/unit/test_replay.py holds both to the
+same answers.
 
 The signatures are given, so the functions are compiled (or loaded from numba's cache,
 `cache=True`) when this module is imported, never on the event loop at a first draw.
-`nogil`: a walk lets other threads run.
+They keep the GIL: a walk is a few µs on the event loop, less than a hand-over of the
+GIL to another thread would cost.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import numba
 
 
-@numba.njit("void(float64[::1], int64, float64[::1], int64[::1])", cache=True, nogil=True)
+@numba.njit("void(float64[::1], int64, float64[::1], int64[::1])", cache=True)
 def find(total, depth, prefixes, out):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
     """out[i] = the leaf node whose cumulative interval holds prefixes[i]; a prefix that
     float rounding sends to an empty leaf goes again, never right into a subtree
@@ -45,7 +46,7 @@ def find(total, depth, prefixes, out):  # type: ignore[no-untyped-def]  # noqa: 
         out[i] = node
 
 
-@numba.njit("void(float64[::1], int64, int64[::1], float64[::1])", cache=True, nogil=True)
+@numba.njit("void(float64[::1], int64, int64[::1], float64[::1])", cache=True)
 def update_sums(total, size, slots, values):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
     """Set leaf slots[i] to values[i], in order (a later duplicate wins), and each sum above."""
     for i in range(slots.shape[0]):
@@ -57,7 +58,7 @@ def update_sums(total, size, slots, values):  # type: ignore[no-untyped-def]  # 
             node >>= 1
 
 
-@numba.njit("void(float64[::1], float64[::1], float64[::1], int64, int64[::1], float64[::1])", cache=True, nogil=True)
+@numba.njit("void(float64[::1], float64[::1], float64[::1], int64, int64[::1], float64[::1])", cache=True)
 def update_sums_min_max(total, low, high, size, slots, values):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
     """update_sums, and the min (of non-zero leaves) and max trees with it."""
     inf = float("inf")
