@@ -4,8 +4,9 @@ with the number of items held.
     .venv/bin/python benchmarks/bench_append_scaling.py [--sizes 1000,100000] [--seconds 3]
 
 Mounts a daemon, fills one blob buffer (3 KB items, SAC-sized) to each size in turn,
-waits for a snapshot pass, then measures open-write-close appends of one item for
-`--seconds` (the plain-file recipe through distorefs.client.append). With
+waits for a snapshot pass, then measures appends of one item for `--seconds` each way:
+open-write-close (`distorefs.client.append`), and one write each to a kept descriptor
+(`distorefs.client.Appender`, acknowledged at the write), in alternating rounds. With
 `--reverb-python PATH` (a Python with dm-reverb, see benchmarks/reverb_inserts.py) it
 then measures Reverb's single inserts of the same items in the same run. Prints
 appends/s per size as JSON; docs/benchmarks.md keeps the results.
@@ -34,11 +35,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1000,100000")
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of each way per size (medians)")
     parser.add_argument("--reverb-python", help="a Python with dm-reverb installed (optional)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     base = Path(tempfile.mkdtemp(prefix="distorefs-append-"))
-    results = {}
+    results: dict[int, int] = {}
+    kept: dict[int, int] = {}
+    rounds: dict[int, dict[str, list[float]]] = {}
     try:
         with mounted(base, "--dram-budget", "2GiB") as mnt:
             buffer = mnt / "buffers" / "scaling"
@@ -50,12 +54,23 @@ def main() -> int:
                 for start in range(0, need, 10_000):
                     client.append(buffer, [item] * min(10_000, need - start))
                 time.sleep(6)  # a snapshot pass (every 5 s) so the snapshot holds them all
-                started, count = time.monotonic(), 0
-                while time.monotonic() - started < args.seconds:
-                    client.append(buffer, [item])
-                    count += 1
-                results[held] = round(count / (time.monotonic() - started))
-        report: dict[str, object] = {"single_appends_per_s_by_items_held": results}
+                rates: dict[str, list[float]] = {"append": [], "appender": []}
+                with client.Appender(buffer) as appender:
+                    for _ in range(args.rounds):
+                        for way, call in (("append", client.append), ("appender", lambda b, i: appender.append(i))):
+                            started, count = time.monotonic(), 0
+                            while time.monotonic() - started < args.seconds:
+                                call(buffer, [item])
+                                count += 1
+                            rates[way].append(round(count / (time.monotonic() - started)))
+                results[held] = round(statistics.median(rates["append"]))
+                kept[held] = round(statistics.median(rates["appender"]))
+                rounds[held] = rates
+        report: dict[str, object] = {
+            "single_appends_per_s_by_items_held": results,
+            "appender_per_s_by_items_held": kept,
+            "rounds": rounds,
+        }
         if args.reverb_python:
             script = str(Path(__file__).with_name("reverb_inserts.py"))
             done = subprocess.run(
@@ -66,6 +81,7 @@ def main() -> int:
             report["reverb"] = reverb
             best = statistics.median(reverb["client_insert"])
             report["vs_reverb_client_insert"] = {held: round(rate / best, 2) for held, rate in results.items()}
+            report["appender_vs_reverb_client_insert"] = {held: round(rate / best, 2) for held, rate in kept.items()}
         print(json.dumps(report, indent=2))
     finally:
         shutil.rmtree(base, ignore_errors=True)

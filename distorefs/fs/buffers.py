@@ -170,7 +170,9 @@ class ConfigHandle(WholeInputHandle):
 
 
 class AppendHandle(VirtualHandle):
-    """Applies each complete record (or frame) as it arrives; close makes them logged."""
+    """Applies each complete record (or frame) as it arrives, and logs it before the
+    write that completed it returns: a write whose records are whole is acknowledged
+    when it returns, as a close is (docs/design.md, "Appends acknowledged at the write")."""
 
     kind = "buffers"
 
@@ -196,6 +198,7 @@ class AppendHandle(VirtualHandle):
             raise _recorded(self._buffer, exc) from None
         if items:
             await self._add(items)
+            await self._buffer.persist_appends()
         else:
             await trio.lowlevel.checkpoint()
         return len(data)

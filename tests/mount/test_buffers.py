@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import json
@@ -224,7 +225,7 @@ def test_a_learner_keeps_priority_open_and_each_npy_applies_as_it_arrives(buffer
         os.close(fd)
 
 
-def test_the_shell_recipes_of_the_namespace_reference_work(buffer: Path) -> None:
+def test_the_shell_recipes_of_the_namespace_reference_work(buffer: Path, tmp_path: Path) -> None:
     configure(buffer, schema=SCHEMA, sampler="prioritized", alpha=1.0, epsilon=0.0)
     client.append(buffer, records(8))
     subprocess.run(["sh", "-c", f"printf '3 0.5\\n7 2.0\\n' > {buffer}/priority"], check=True)
@@ -235,6 +236,11 @@ def test_the_shell_recipes_of_the_namespace_reference_work(buffer: Path) -> None
         ).stdout  # fmt: skip
     assert set(int(n) for n in shown.strip("[]\n").split()) <= set(range(8))
     assert stats(buffer)["total_priority"] == pytest.approx(0.5 + 2.0 + 6 * 1.0)
+    for k in (8, 9):
+        (tmp_path / f"rec{k}").write_bytes(records(1, start=k).tobytes())
+    recipe = f"exec 3>{buffer}/append; cat {tmp_path}/rec8 >&3; cat {tmp_path}/rec9 >&3; exec 3>&-"
+    subprocess.run(["sh", "-c", recipe], check=True)  # the kept descriptor: each write acknowledged
+    assert (buffer / "items" / "9").read_bytes() == records(1, start=9).tobytes()
 
 
 def test_a_priority_write_with_an_unknown_index_or_nan_applies_none(buffer: Path) -> None:
@@ -441,6 +447,74 @@ def test_appends_closed_before_any_commit_come_back_from_the_log_after_kill_9(mo
     client.append(path, records(1, start=300))
     assert "300" in os.listdir(path / "items")
     assert mount.unmount() == 0
+
+
+def test_writes_to_kept_append_descriptors_are_acknowledged_at_the_write_and_survive_kill_9(
+    mount_factory: MountFactory,
+) -> None:
+    # Nothing is closed before the kill, and no flusher or syncer pass runs: each write
+    # logged the records it completed before it returned.
+    mount = mount_factory("--flush-interval", "600", "--sync-interval", "600", "--snapshot-interval", "600")
+    schema_path, blob_path = mount.path / "buffers" / "kept", mount.path / "buffers" / "blobs"
+    schema_path.mkdir()
+    blob_path.mkdir()
+    configure(schema_path, schema=SCHEMA, capacity=1000)
+    configure(blob_path, capacity=1000)
+    raw_fd = os.open(schema_path / "append", os.O_WRONLY)
+    npy_fd = os.open(schema_path / "append", os.O_WRONLY)
+    appender = client.Appender(blob_path)
+    half = records(1, start=999).tobytes()
+    try:
+        for i in range(20):
+            os.write(raw_fd, records(1, start=i).tobytes())  # the plain recipe on one open
+        for j in range(3):  # .npy files one after another on one open (np.save per batch)
+            out = io.BytesIO()
+            np.save(out, records(5, start=100 + 5 * j))
+            os.write(npy_fd, out.getvalue())
+        for i in range(30):
+            appender.append([b"blob %d" % i, b"second %d" % i])
+        os.write(raw_fd, half[:7])  # a partial record is not acknowledged: it is not there
+        mount.kill9()
+    finally:
+        for fd in (raw_fd, npy_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            appender.close()
+
+    mount = mount_factory()
+    schema_path, blob_path = mount.path / "buffers" / "kept", mount.path / "buffers" / "blobs"
+    expected = list(range(20)) + list(range(100, 115))
+    assert len(os.listdir(schema_path / "items")) == len(expected)
+    for index, start in enumerate(expected):
+        assert (schema_path / "items" / str(index)).read_bytes() == records(1, start=start).tobytes()
+    assert sorted(int(n) for n in os.listdir(blob_path / "items")) == list(range(60))
+    assert (blob_path / "items" / "0").read_bytes() == b"blob 0"
+    assert (blob_path / "items" / "59").read_bytes() == b"second 29"
+    assert mount.unmount() == 0
+
+
+def test_an_appender_reopens_after_a_failed_append_and_after_a_fork(buffer: Path) -> None:
+    configure(buffer, schema=SCHEMA, capacity=100)
+    with client.Appender(buffer) as out:
+        out.append(records(2))
+        other = np.zeros(1, dtype=[("x", "<f8")])
+        assert errno_of(lambda: out.append(other)) == errno.EINVAL  # not the buffer's schema
+        out.append(records(1, start=2))  # a new descriptor: the stream starts clean
+        pid = os.fork()
+        if pid == 0:  # the child appends through a descriptor of its own
+            try:
+                out.append(records(1, start=3))
+                out.close()
+            finally:
+                os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        out.append(records(1, start=4))
+    with pytest.raises(ValueError, match="closed"):
+        out.append(records(1))
+    for index in range(5):
+        assert (buffer / "items" / str(index)).read_bytes() == records(1, start=index).tobytes()
+    assert len(os.listdir(buffer / "items")) == 5
 
 
 def test_a_buffer_made_and_appended_to_just_before_kill_9_comes_back_with_its_items(

@@ -211,6 +211,31 @@ def test_blob_stream_one_item_or_frames() -> None:
     assert framed.finish() == []
 
 
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(0, 400), max_size=12), sizes=st.lists(st.integers(0, 4), min_size=1, max_size=5))
+def test_streams_take_whole_npy_files_and_dsitems1_streams_one_after_another(cuts: list[int], sizes: list[int]) -> None:
+    # what np.save per batch, or an Appender's append per call, writes to one open
+    dtype = np.dtype([("a", "<i4"), ("b", "<f8")])
+    arrays = [np.array([(10 * k + i, i / 2) for i in range(n)], dtype=dtype) for k, n in enumerate(sizes)]
+    npy_files = []
+    for array in arrays:
+        out = io.BytesIO()
+        np.save(out, array)
+        npy_files.append(out.getvalue())
+    items = [[b"DSITEMS1" * i + bytes([k]) * i for i in range(n)] for k, n in enumerate(sizes)]  # the magic as data too
+    for stream, data, want in (
+        (RecordStream(dtype), b"".join(npy_files), [r.tobytes() for a in arrays for r in a]),
+        (BlobStream(), b"".join(frame_items(group) for group in items), [i for group in items for i in group]),
+    ):
+        got: list[bytes] = []
+        at = 0
+        for end in [*sorted(c for c in cuts if c < len(data)), len(data)]:  # any write boundaries
+            got += [bytes(r) for r in stream.feed(at, data[at:end])]
+            at = end
+        assert got == want
+        assert stream.finish() == []
+
+
 def test_priorities_parse_from_text_and_npy() -> None:
     assert parse_priorities(b"1 0.5\n2 3") is None  # no final newline yet
     indices, priorities = parse_priorities(b"1 0.5\n\n2 3\n")  # type: ignore[misc]

@@ -158,30 +158,38 @@ class RecordStream(_Stream):
         self._npy_left: int | None = None
 
     def feed(self, offset: int, data: bytes | memoryview) -> list[bytes]:
+        """The records completed by `data`. A stream is raw records, or .npy files one
+        after another (each `np.save` to the same open, or each `client.append` on its
+        kept descriptor, starts a new one where the last ended)."""
         self._accept(offset, data)
-        if self._mode is None:
-            is_npy = self._starts_with(NPY_MAGIC)
-            if is_npy is None:
-                return []
-            self._mode = "npy" if is_npy else "raw"
-        if self._mode == "npy" and self._npy_left is None:
-            parsed = npy_header(self._pending)
-            if parsed is None:
-                return []
-            if parsed.dtype != self.dtype:
-                raise InvalidArgument(f"append: .npy dtype {parsed.dtype} is not the buffer's schema {self.dtype}")
-            if parsed.fortran_order or len(parsed.shape) != 1:
-                raise InvalidArgument(f"append: .npy must be a 1-d array of records, got shape {parsed.shape}")
-            self._npy_left = parsed.shape[0]
-            del self._pending[: parsed.data_offset]
-        count = len(self._pending) // self.itemsize
-        if self._npy_left is not None:
-            if count > self._npy_left:
-                raise InvalidArgument(f"append: more bytes than the .npy header's {self._npy_left} records")
-            self._npy_left -= count
-        records = [bytes(self._pending[i * self.itemsize : (i + 1) * self.itemsize]) for i in range(count)]
-        del self._pending[: count * self.itemsize]
-        return records
+        records: list[bytes] = []
+        while True:
+            if self._mode is None:
+                is_npy = self._starts_with(NPY_MAGIC)
+                if is_npy is None:
+                    return records
+                self._mode = "npy" if is_npy else "raw"
+            if self._mode == "npy" and self._npy_left is None:
+                parsed = npy_header(self._pending)
+                if parsed is None:
+                    return records
+                if parsed.dtype != self.dtype:
+                    raise InvalidArgument(f"append: .npy dtype {parsed.dtype} is not the buffer's schema {self.dtype}")
+                if parsed.fortran_order or len(parsed.shape) != 1:
+                    raise InvalidArgument(f"append: .npy must be a 1-d array of records, got shape {parsed.shape}")
+                self._npy_left = parsed.shape[0]
+                del self._pending[: parsed.data_offset]
+            count = len(self._pending) // self.itemsize
+            if self._npy_left is not None:
+                count = min(count, self._npy_left)
+                self._npy_left -= count
+            records += [bytes(self._pending[i * self.itemsize : (i + 1) * self.itemsize]) for i in range(count)]
+            del self._pending[: count * self.itemsize]
+            if self._npy_left != 0:
+                return records
+            self._mode, self._npy_left = None, None  # this .npy is complete: another may follow
+            if not self._pending:
+                return records
 
     def reset(self) -> None:
         """Drop what is pending; the next write starts a new stream at the same offset."""
@@ -204,7 +212,9 @@ class RecordStream(_Stream):
 
 
 class BlobStream(_Stream):
-    """An `append` stream of a blob buffer: one item per open, or DSITEMS1 frames.
+    """An `append` stream of a blob buffer: one item per open, or DSITEMS1 frames. The
+    magic may come again between frames (a length prefix never equals it: it is past
+    MAX_ITEM_BYTES), so each write of a whole DSITEMS1 stream stands on its own.
 
     Frames are parsed as they stream in: each byte is copied once, straight into its
     item's own buffer (which the block tier then takes over), whatever the write sizes.
@@ -245,6 +255,9 @@ class BlobStream(_Stream):
                 view = view[need:]
                 if len(self._head) < FRAME.size:
                     break
+                if self._head == ITEMS_MAGIC:  # another stream's start (a kept descriptor's next append)
+                    self._head.clear()
+                    continue
                 (length,) = FRAME.unpack(self._head)
                 self._head.clear()
                 if length > MAX_ITEM_BYTES:
