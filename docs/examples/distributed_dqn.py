@@ -191,12 +191,16 @@ def sample(mount: Path, deadline: float) -> dict[str, np.ndarray] | None:
     limiter holds the learner back (EAGAIN), until `deadline`: None then."""
     while time.monotonic() < deadline:
         try:
-            with open(mount / BUFFER / "sample.npz", "rb") as f:
-                with np.load(io.BytesIO(f.read())) as batch:
-                    return {name: batch[name] for name in batch.files}
+            with open(mount / BUFFER / "sample.npz", "rb", buffering=0) as f:
+                data = f.read()
         except OSError as exc:
             if exc.errno != errno.EAGAIN:
                 raise
+            continue
+        if data is None:  # EAGAIN: Python's read() of a whole file returns None for it, not an error
+            continue
+        with np.load(io.BytesIO(data)) as batch:
+            return {name: batch[name] for name in batch.files}
     return None
 
 
