@@ -285,7 +285,9 @@ class CheckpointPolicy:
         parent = self._states[ino].parent if parent is None else parent
         child = ino
         while True:
-            name = next(n for n, c in self._files.entries(parent) if c == child)
+            name = next((n for n, c in self._files.entries(parent) if c == child), None)
+            if name is None:
+                raise NotFound(f"inode {child} is no longer in directory inode {parent}")
             parts.append(name)
             if parent == ROOT_INODE:
                 return b"/".join(reversed(parts))
@@ -377,8 +379,12 @@ class CheckpointPolicy:
         try:
             found: tuple[int, str] | None = directory, self._files.getxattr(directory, name).decode().strip()
         except DistorefsError:
-            top = directory in (self.root, ROOT_INODE)
-            found = None if top else self._setting(self._files.parent_of(directory), name)
+            found = None
+            if directory not in (self.root, ROOT_INODE):
+                try:
+                    found = self._setting(self._files.parent_of(directory), name)
+                except NotFound:  # removed from the tree, still referenced: no setting applies
+                    return None
         self._settings[key] = found
         return found
 
@@ -403,6 +409,11 @@ class CheckpointPolicy:
                 self.errors += 1
                 self.last_error = str(exc)
                 log.warning("checkpoints: persisting failed, will retry in %s s: %s", RETRY_S, exc)
+                await trio.sleep(RETRY_S)
+            except Exception as exc:  # a bug in a pass must not end the daemon: logged, retried
+                self.errors += 1
+                self.last_error = f"internal error: {exc!r}"
+                log.exception("checkpoints: a persist pass failed; will retry in %s s", RETRY_S)
                 await trio.sleep(RETRY_S)
 
     async def persist_pass(self) -> None:

@@ -372,8 +372,13 @@ class FileStore:
         return removed
 
     def parent_of(self, directory: int) -> int:
-        """The parent of directory `directory` (the root is its own parent)."""
-        return self._parent[directory]
+        """The parent of directory `directory` (the root is its own parent). ENOENT for a
+        directory removed from the tree that is still referenced (an open, a kernel
+        lookup): it has no parent any more."""
+        parent = self._parent.get(directory)
+        if parent is None:
+            raise NotFound(f"directory inode {directory} is no longer in the tree")
+        return parent
 
     def is_within(self, directory: int, ancestor: int) -> bool:
         """Whether directory `directory` is `ancestor` or below it."""
