@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -18,9 +19,9 @@ import signal
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import pyfuse3
 import trio
@@ -203,6 +204,38 @@ def raise_read_ahead(mountpoint: str) -> None:
         log.info("read-ahead stays at the kernel default (%s)", exc)
 
 
+SUPERVISOR_FIRST_PAUSE_S = 1.0
+SUPERVISOR_MAX_PAUSE_S = 60.0
+
+
+class Degradable(Protocol):
+    def degrade(self, reason: str) -> None: ...
+
+
+async def supervised(name: str, task: Callable[[], Awaitable[object]], ops: Degradable) -> None:
+    """Run background task `task` so that its failure never ends the daemon: an error is
+    logged and the task starts again after a pause (1 s, doubling up to 60 s while it
+    keeps failing); a broken invariant (AssertionError) makes the mount read-only
+    (degraded, as a request's does) and the task stays stopped. A task that returns is
+    done. Cancellation (the daemon stopping) goes through."""
+    pause = SUPERVISOR_FIRST_PAUSE_S
+    while True:
+        started = trio.current_time()
+        try:
+            await task()
+            return
+        except AssertionError as exc:
+            log.exception("background task %r broke an invariant; the mount is now degraded", name)
+            ops.degrade(f"{name}: broken invariant: {exc}")
+            return
+        except Exception:
+            log.exception("background task %r failed; it starts again in %.0f s", name, pause)
+        if trio.current_time() - started > 10 * SUPERVISOR_MAX_PAUSE_S:
+            pause = SUPERVISOR_FIRST_PAUSE_S  # it had run well for a long while
+        await trio.sleep(pause)
+        pause = min(2 * pause, SUPERVISOR_MAX_PAUSE_S)
+
+
 @dataclass
 class Daemon:
     """Everything one daemon is made of, built by `assemble` (no mount, no task started)."""
@@ -217,26 +250,29 @@ class Daemon:
     shared: SharedMemory
 
     def start_tasks(self, config: DaemonConfig, nursery: trio.Nursery) -> None:
-        """Start the background tasks, each named (the cluster node's start first)."""
+        """Start the background tasks, each named and supervised (the cluster node's start
+        first): a task that fails never ends the daemon (`supervised`)."""
         blocks = self.blocks
-        nursery.start_soon(blocks.run_flusher, config.flush_interval_s, name="flusher")
-        nursery.start_soon(blocks.run_syncer, config.sync_interval_s, name="syncer")
-        nursery.start_soon(blocks.run_dirty_watch, name="dirty page watch")
-        nursery.start_soon(
-            blocks.run_compactor, config.compact_interval_s, config.compact_min_dead_ratio, name="compactor"
-        )
-        nursery.start_soon(blocks.run_prefetcher, name="prefetcher")
-        nursery.start_soon(self.checkpoints.run_persister, name="checkpoint persister")
-        nursery.start_soon(self.ops.run_invalidations, name="kernel invalidations")
+
+        def start(name: str, fn: Callable[..., Awaitable[object]], *args: object) -> None:
+            nursery.start_soon(supervised, name, functools.partial(fn, *args), self.ops, name=name)
+
+        start("flusher", blocks.run_flusher, config.flush_interval_s)
+        start("syncer", blocks.run_syncer, config.sync_interval_s)
+        start("dirty page watch", blocks.run_dirty_watch)
+        start("compactor", blocks.run_compactor, config.compact_interval_s, config.compact_min_dead_ratio)
+        start("prefetcher", blocks.run_prefetcher)
+        start("checkpoint persister", self.checkpoints.run_persister)
+        start("kernel invalidations", self.ops.run_invalidations)
         if config.busy_poll_us:
-            nursery.start_soon(self.ops.run_busy_poll, config.busy_poll_us / 1e6, name="busy poll")
-        nursery.start_soon(self.buffers.run_snapshots, config.snapshot_interval_s, name="snapshots")
-        nursery.start_soon(self.buffers.warm_up, config.dram_budget_bytes, name="buffer warm-up")
-        nursery.start_soon(self.datasets.run_streams, name="dataset streams")
+            start("busy poll", self.ops.run_busy_poll, config.busy_poll_us / 1e6)
+        start("snapshots", self.buffers.run_snapshots, config.snapshot_interval_s)
+        start("buffer warm-up", self.buffers.warm_up, config.dram_budget_bytes)
+        start("dataset streams", self.datasets.run_streams)
         if self.shared.sessions is not None:
-            nursery.start_soon(self.shared.sessions.serve, name="shm sampling sessions")
-            nursery.start_soon(self.weights.run_sharing, name="weights' shared copies")
-        nursery.start_soon(run_memory_trim, self._accounted_bytes, name="memory trim")
+            start("shm sampling sessions", self.shared.sessions.serve)
+            start("weights' shared copies", self.weights.run_sharing)
+        start("memory trim", run_memory_trim, self._accounted_bytes)
 
     def _accounted_bytes(self) -> int:
         stats = self.blocks.statistics()
