@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 import os
 from types import ModuleType
-from typing import cast
 
 import numpy as np
+
+from distorefs.stores.replay import sumtree_walks
 
 log = logging.getLogger(__name__)
 
@@ -136,28 +137,19 @@ class SegmentTree:
             nodes >>= 1
 
     def _update_few(self, slots: np.ndarray, values: np.ndarray) -> None:
-        """A few slots (an append, one priority): walk each one's path to the root with
-        Python floats. The same sums as the vectorised path, without a dozen numpy calls
-        per level, which cost ~150 us a slot on a deep tree (docs/benchmarks.md)."""
-        # memoryviews: an element is a Python float (a numpy scalar costs 3-4x more)
-        total = cast("memoryview[float]", self._sum.data)
-        low = cast("memoryview[float]", self._min.data) if self._min is not None else None
-        high = cast("memoryview[float]", self._max.data) if self._max is not None else None
-        inf = float("inf")
-        for slot, value in zip(np.asarray(slots).tolist(), np.asarray(values, dtype=np.float64).tolist(), strict=True):
-            node = int(slot) + self._size
-            total[node] = value
-            if low is not None and high is not None:
-                low[node] = value if value > 0 else inf
-                high[node] = value
-            node >>= 1
-            while node:
-                left = 2 * node
-                total[node] = total[left] + total[left + 1]
-                if low is not None and high is not None:
-                    low[node] = min(low[left], low[left + 1])
-                    high[node] = max(high[left], high[left + 1])
-                node >>= 1
+        """A few slots (an append, one priority) without numba: the compiled walks'
+        code (sumtree_walks.py) run as Python on memoryviews, whose elements are Python
+        floats (a numpy scalar costs 3-4x more). The same sums as the vectorised path,
+        without a dozen numpy calls per level, which cost ~150 us a slot on a deep tree."""
+        slot_list = np.asarray(slots).tolist()
+        value_list = np.asarray(values, dtype=np.float64).tolist()
+        if len(slot_list) != len(value_list):
+            raise ValueError(f"{len(slot_list)} slots and {len(value_list)} values")
+        total = self._sum.data
+        if self._min is not None and self._max is not None:
+            sumtree_walks.update_sums_min_max(total, self._min.data, self._max.data, self._size, slot_list, value_list)
+        else:
+            sumtree_walks.update_sums(total, self._size, slot_list, value_list)
 
     def _rebuild(self) -> None:
         """Recompute every inner node from the leaves, a level at a time: O(n) with no
