@@ -405,15 +405,14 @@ class CheckpointPolicy:
             self._work = trio.Event()
             try:
                 await self.persist_pass()
-            except (DistorefsError, OSError) as exc:
+            except Exception as exc:  # a full disk, or a bug: counted, logged, retried; never the end
                 self.errors += 1
-                self.last_error = str(exc)
-                log.warning("checkpoints: persisting failed, will retry in %s s: %s", RETRY_S, exc)
-                await trio.sleep(RETRY_S)
-            except Exception as exc:  # a bug in a pass must not end the daemon: logged, retried
-                self.errors += 1
-                self.last_error = f"internal error: {exc!r}"
-                log.exception("checkpoints: a persist pass failed; will retry in %s s", RETRY_S)
+                if isinstance(exc, (DistorefsError, OSError)):
+                    self.last_error = str(exc)
+                    log.warning("checkpoints: persisting failed, will retry in %s s: %s", RETRY_S, exc)
+                else:
+                    self.last_error = f"internal error: {exc!r}"
+                    log.exception("checkpoints: a persist pass failed; will retry in %s s", RETRY_S)
                 await trio.sleep(RETRY_S)
 
     async def persist_pass(self) -> None:
