@@ -503,11 +503,13 @@ def test_an_appender_reopens_after_a_failed_append_and_after_a_fork(buffer: Path
         out.append(records(1, start=2))  # a new descriptor: the stream starts clean
         pid = os.fork()
         if pid == 0:  # the child appends through a descriptor of its own
+            code = 1
             try:
                 out.append(records(1, start=3))
                 out.close()
+                code = 0
             finally:
-                os._exit(0)
+                os._exit(code)
         assert os.waitpid(pid, 0)[1] == 0
         out.append(records(1, start=4))
     with pytest.raises(ValueError, match="closed"):
