@@ -15,6 +15,7 @@ has no FUSE_INTERRUPT hook, so this is how a signal interrupts them with EINTR.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -58,6 +59,7 @@ from distorefs.stores.replay.formats import (
     BlobStream,
     RecordStream,
     ScatteredBytes,
+    batch_dtype,
     npy_batch_bytes,
     parse_priorities,
 )
@@ -218,6 +220,22 @@ class AppendHandle(VirtualHandle):
     async def fsync(self) -> None:
         """fsync of `append`: the complete records so far survive a power loss."""
         await self._buffer.persist(durable=True)
+
+
+NPZ_SIZE_MAX_BYTES = 64 << 20  # sample.npz reports its length up to this (it is measured once by making one)
+
+
+@functools.lru_cache(maxsize=64)
+def npz_batch_bytes(schema: np.dtype[Any], count: int) -> int:
+    """How long `sample.npz` of `count` records is: an .npz of stored arrays has the same
+    length whatever the values, so one of zeros measures it (once per schema and count;
+    0, unknown, past NPZ_SIZE_MAX_BYTES). As its st_size, it lets Python's `read()` take
+    the file in one call instead of dozens of reads that grow by an eighth each."""
+    if count * (schema.itemsize + 12) > NPZ_SIZE_MAX_BYTES:
+        return 0
+    out = io.BytesIO()
+    np.save(out, np.zeros(count, batch_dtype(schema)))
+    return len(columnar_npz(out.getvalue()))
 
 
 def columnar_npz(batch: bytes) -> bytes:
@@ -555,6 +573,7 @@ class BufferFile(VirtualFile):
         self._make = make
         self.writable = writable
         self.batch_of: int | None = None  # a sample file: records per batch (0: batch_size)
+        self.columnar = False  # sample.npz: its batch is an .npz
 
     @property
     def size(self) -> int:
@@ -565,7 +584,8 @@ class BufferFile(VirtualFile):
         config = self.buffer.config
         if self.batch_of is None or config.dtype is None:
             return super().size
-        return npy_batch_bytes(config.dtype, self.batch_of or config.batch_size)
+        count = self.batch_of or config.batch_size
+        return npz_batch_bytes(config.dtype, count) if self.columnar else npy_batch_bytes(config.dtype, count)
 
     async def open(self, flags: int, pid: int) -> VirtualHandle:
         await trio.lowlevel.checkpoint()
@@ -724,9 +744,13 @@ class BufferDir(NamedDir):
         if self.buffer.config.dtype is None:
             raise NotFound(f"buffers/{self.buffer.name}/sample.npz: only a buffer with a schema has fields")
         b = self.buffer
-        return self._sample_node(
-            b"sample.npz", lambda flags, pid: SampleHandle(b, None, bool(flags & os.O_NONBLOCK), pid, columnar=True)
+        node = self._sample_node(
+            b"sample.npz",
+            lambda flags, pid: SampleHandle(b, None, bool(flags & os.O_NONBLOCK), pid, columnar=True),
+            batch_of=0,
         )
+        node.columnar = True
+        return node
 
     def _shm(self, count: int | None) -> BufferFile:
         """`sample.shm` and `sample.N.shm`: batches through shared memory (not listed);

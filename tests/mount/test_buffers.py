@@ -268,15 +268,15 @@ def test_each_open_of_sample_draws_a_fixed_batch(buffer: Path) -> None:
 def test_a_schema_buffers_sample_files_are_as_long_as_their_batch(buffer: Path) -> None:
     configure(buffer, schema=SCHEMA, batch_size=16)
     client.append(buffer, records(40))
-    for name, count in (("sample", 16), ("sample.5", 5), ("sample.64", 64)):
+    for name, count in (("sample", 16), ("sample.5", 5), ("sample.64", 64), ("sample.npz", 16)):
         size = (buffer / name).stat().st_size
         with open(buffer / name, "rb") as f:
             whole = f.read()  # Python sizes this read from st_size
         assert len(whole) == size
         batch = np.load(io.BytesIO(whole))
-        assert len(batch) == count
+        assert len(batch["_index"]) == count
         assert set(batch["_index"].tolist()) <= set(range(40))
-    assert stats(buffer)["samples"] == 16 + 5 + 64  # a stat draws nothing
+    assert stats(buffer)["samples"] == 16 + 5 + 64 + 16  # a stat draws nothing
 
 
 def test_sample_stream_draws_one_batch_per_read_through_one_open(buffer: Path) -> None:
