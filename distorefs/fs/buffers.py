@@ -222,7 +222,7 @@ class AppendHandle(VirtualHandle):
         await self._buffer.persist(durable=True)
 
 
-NPZ_SIZE_MAX_BYTES = 64 << 20  # sample.npz reports its length up to this (it is measured once by making one)
+NPZ_SIZE_MAX_BYTES = 4 << 20  # sample.npz reports its length up to this (measured once by making one: <= ~30 ms)
 
 
 @functools.lru_cache(maxsize=64)
