@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -74,7 +75,10 @@ class SegmentTree:
     @property
     def compiled(self) -> bool:
         """Whether the walks run compiled (numba) rather than in numpy."""
-        return self._may_compile and _jit is not None
+        return self._compiled_walks() is not None
+
+    def _compiled_walks(self) -> ModuleType | None:
+        return _jit if self._may_compile else None
 
     @property
     def total(self) -> float:
@@ -98,21 +102,27 @@ class SegmentTree:
         """Set leaf `slots[i]` to `values[i]` (later duplicates win) and fix the sums above."""
         if len(slots) == 0:
             return
-        jit = _jit if self._may_compile else None
+        jit = self._compiled_walks()
         if jit is not None and len(slots) < self._size // 8:
             slots = np.ascontiguousarray(slots, dtype=np.int64)
             values = np.ascontiguousarray(values, dtype=np.float64)
-            if len(slots) != len(values):
-                raise ValueError(f"{len(slots)} slots and {len(values)} values")
-            if int(slots.min()) < 0 or int(slots.max()) >= self.capacity:  # compiled code checks no bounds
-                raise IndexError(f"a slot outside 0..{self.capacity - 1}")
-            if self._min is not None and self._max is not None:
-                jit.update_sums_min_max(self._sum, self._min, self._max, self._size, slots, values)
-            else:
-                jit.update_sums(self._sum, self._size, slots, values)
+            if int(slots.min()) < 0 or int(slots.max()) >= self.capacity:
+                raise IndexError(f"a slot outside 0..{self.capacity - 1}")  # compiled code checks no bounds
+            self._climb(jit, self._sum, self._min, self._max, slots, values)
             return
         if len(slots) <= FEW_SLOTS:
-            self._update_few(slots, values)
+            # without numba: the same walks as Python on memoryviews, whose elements are
+            # Python floats (a numpy scalar costs 3-4x more); a dozen numpy calls per level
+            # cost ~150 us a slot on a deep tree
+            low, high = self._min, self._max
+            self._climb(
+                sumtree_walks,
+                self._sum.data,
+                None if low is None else low.data,
+                None if high is None else high.data,
+                np.asarray(slots).tolist(),
+                np.asarray(values, dtype=np.float64).tolist(),
+            )
             return
         nodes = np.asarray(slots, dtype=np.int64) + self._size
         values = np.asarray(values, dtype=np.float64)
@@ -136,20 +146,15 @@ class SegmentTree:
                 high[nodes] = np.maximum(high[left], high[right])
             nodes >>= 1
 
-    def _update_few(self, slots: np.ndarray, values: np.ndarray) -> None:
-        """A few slots (an append, one priority) without numba: the compiled walks'
-        code (sumtree_walks.py) run as Python on memoryviews, whose elements are Python
-        floats (a numpy scalar costs 3-4x more). The same sums as the vectorised path,
-        without a dozen numpy calls per level, which cost ~150 us a slot on a deep tree."""
-        slot_list = np.asarray(slots).tolist()
-        value_list = np.asarray(values, dtype=np.float64).tolist()
-        if len(slot_list) != len(value_list):
-            raise ValueError(f"{len(slot_list)} slots and {len(value_list)} values")
-        total = self._sum.data
-        if self._min is not None and self._max is not None:
-            sumtree_walks.update_sums_min_max(total, self._min.data, self._max.data, self._size, slot_list, value_list)
+    def _climb(self, walks: ModuleType, total: Any, low: Any, high: Any, slots: Any, values: Any) -> None:
+        """Set the leaves and walk each one's path to the root with `walks` (compiled, or
+        sumtree_walks as Python), the min and max trees too where there are."""
+        if len(slots) != len(values):
+            raise ValueError(f"{len(slots)} slots and {len(values)} values")
+        if low is not None and high is not None:
+            walks.update_sums_min_max(total, low, high, self._size, slots, values)
         else:
-            sumtree_walks.update_sums(total, self._size, slot_list, value_list)
+            walks.update_sums(total, self._size, slots, values)
 
     def _rebuild(self) -> None:
         """Recompute every inner node from the leaves, a level at a time: O(n) with no
@@ -172,7 +177,7 @@ class SegmentTree:
         mass, which ends on an empty leaf: those few go again through the careful
         descent, which only goes right where the right subtree has mass.
         """
-        jit = _jit if self._may_compile else None
+        jit = self._compiled_walks()
         if jit is not None:
             nodes = np.empty(len(prefixes), dtype=np.int64)
             jit.find(self._sum, self._depth, np.ascontiguousarray(prefixes, dtype=np.float64), nodes)
