@@ -51,6 +51,7 @@ from distorefs.stores.replay.mirror import ArenaBudget
 from distorefs.stores.replay.store import BufferStore
 from distorefs.stores.tree import PosixTree
 from distorefs.stores.weights import WeightStore
+from distorefs.tiers import copy_ranges
 from distorefs.tiers.blocks import DEFAULT_BLOCK_BYTES, BlockStore
 from distorefs.tiers.dram import DramCache
 from distorefs.tiers.metadb import MetaDb
@@ -210,6 +211,12 @@ SUPERVISOR_MAX_PAUSE_S = 60.0
 
 class Degradable(Protocol):
     def degrade(self, reason: str) -> None: ...
+
+
+def load_kernels() -> None:
+    """Load the compiled kernels (compiled.py): the sum tree's walks and the gather's copy."""
+    sumtree.load_compiled()
+    copy_ranges.load_compiled()
 
 
 async def supervised(name: str, task: Callable[[], Awaitable[object]], ops: Degradable) -> None:
@@ -442,9 +449,9 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
                     if config.metrics_port is not None:
                         daemon.ops.metrics.serve(config.metrics_port)
                     ready(f"distorefs: mounted {config.mountpoint} (pid {os.getpid()}, data dir {data_dir})")
-                    # the compiled sum-tree walks load once the mount is up (0.3-1 s, most of it
-                    # holding the GIL, which slowed the mount as much); trees walk in numpy until then
-                    threading.Thread(target=sumtree.load_compiled, name="sum tree compile", daemon=True).start()
+                    # the compiled kernels load once the mount is up (0.3-1 s, most of it holding
+                    # the GIL, which slowed the mount as much); their plain versions run until then
+                    threading.Thread(target=load_kernels, name="kernels compile", daemon=True).start()
                     await pyfuse3.main()
                     service.notify("STOPPING=1\nSTATUS=unmounted; persisting")
                     nursery.cancel_scope.cancel()

@@ -1,11 +1,14 @@
-"""Small shared types: typed ids and the key that names a block in the tiers."""
+"""Small shared types: typed ids, the key that names a block in the tiers, writable buffers."""
 
 from __future__ import annotations
 
-from typing import NamedTuple, NewType
+from typing import NamedTuple, NewType, TypeAlias
 
 InodeId = NewType("InodeId", int)
 FileHandle = NewType("FileHandle", int)
+
+# what a gather or a batch layout writes into (a stream's batch: a numpy array's memoryview)
+Writable: TypeAlias = bytearray | memoryview
 
 
 class BlockKey(NamedTuple):

@@ -15,7 +15,8 @@ import trio
 
 from distorefs.errors import InvalidArgument
 from distorefs.tiers.block_base import BlockTierBase
-from distorefs.types import BlockKey, LogLocation
+from distorefs.tiers.copy_ranges import copy_ranges
+from distorefs.types import BlockKey, LogLocation, Writable
 
 PREFETCH_BLOCKS = 32  # how far a sequential reader's next blocks are loaded ahead
 # gather reads a block whole when this many of its ranges are wanted (or half its bytes):
@@ -104,54 +105,52 @@ class ByteRanges(BlockTierBase):
                 await self.put(BlockKey(target, key.number), memoryview(block.buf)[: block.length])
 
     async def gather(
-        self, owner: int, starts: np.ndarray, lengths: np.ndarray, out: bytearray, out_starts: np.ndarray
-    ) -> None:
+        self, owner: int, starts: np.ndarray, lengths: np.ndarray, out: Writable, out_starts: np.ndarray
+    ) -> np.ndarray:
         """Copy the ranges `[starts[i], starts[i] + lengths[i])` of `owner`'s content into
         `out` at `out_starts[i]`, without caching what comes from the log (a stream's
-        prefetch reads a range once, then drops it).
+        prefetch reads a range once, then drops it). Returns a mask of the ranges not wholly
+        copied from cached blocks: those the caller must check.
 
-        Ranges in blocks cached in DRAM are copied from there. In a block that many ranges
-        touch, one span covering them is read; other ranges are read one by one, straight
-        into `out`, with many in flight. Log reads skip the record checks (parts of a record
-        are read): the caller checks its ranges. Holes stay as they are in `out` (zeros).
-        One worker-thread trip for the whole gather.
+        Ranges in blocks cached in DRAM are copied from there (checked when they were
+        loaded, or the bytes as written), in one compiled copy (copy_ranges.py). In a block
+        that many ranges touch, one span covering them is read; other ranges are read one
+        by one, straight into `out`, with many in flight. Log reads skip the record checks
+        (parts of a record are read): the caller checks those ranges. Holes stay as they
+        are in `out` (zeros), and count as unchecked. One worker-thread trip for the whole
+        gather.
         """
         bb = self.block_bytes
-        pieces: list[tuple[int, int, int, int]] = []  # block number, inner offset, length, out position
-        first = starts // bb
-        whole = (first == (starts + lengths - 1) // bb) | (lengths == 0)
-        for number, inner, length, at in zip(
-            first[whole].tolist(),
-            (starts[whole] - first[whole] * bb).tolist(),
-            lengths[whole].tolist(),
-            out_starts[whole].tolist(),
-            strict=True,
-        ):
-            if length:
-                pieces.append((number, inner, length, at))
-        for start, length, at in zip(
-            starts[~whole].tolist(), lengths[~whole].tolist(), out_starts[~whole].tolist(), strict=True
-        ):
-            while length:  # a range across block boundaries: one piece per block
-                take = min(length, bb - start % bb)
-                pieces.append((start // bb, start % bb, take, at))
-                start, length, at = start + take, length - take, at + take
+        starts = np.asarray(starts, dtype=np.int64)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        out_starts = np.asarray(out_starts, dtype=np.int64)
+        rng, number, inner, length, at = _pieces(starts, lengths, out_starts, bb)
+        numbers, which = np.unique(number, return_inverse=True)
+        sources: list[bytearray | memoryview | bytes] = []
+        source_of = np.full(len(numbers), -1, dtype=np.int64)
+        for j, n in enumerate(numbers.tolist()):
+            block = self._dram.peek(BlockKey(owner, n))
+            if block is not None:
+                source_of[j] = len(sources)
+                sources.append(block.buf)
+        source = source_of[which]
+        cached = source >= 0
+        missed = ~cached
+        unchecked = np.ones(len(starts), dtype=bool)  # empty ranges included: nothing vouches for them
+        unchecked[rng[cached]] = False
+        unchecked[rng[missed]] = True  # a range with any piece from the log
+        self._gathered_dram_bytes += int(length[cached].sum())
         by_block: dict[int, list[tuple[int, int, int, int]]] = {}
-        for piece in pieces:
+        for piece in zip(
+            number[missed].tolist(), inner[missed].tolist(), length[missed].tolist(), at[missed].tolist(), strict=True
+        ):
             by_block.setdefault(piece[0], []).append(piece)
         view = memoryview(out)
-        copies: list[tuple[bytearray | memoryview | bytes, int, int, int]] = []
         parts: list[tuple[LogLocation, int, memoryview]] = []
         spans: list[tuple[int, bytearray, list[tuple[int, int, int, int]]]] = []  # span start, buffer, pieces
         part_pieces: list[list[tuple[int, int, int, int]]] = []  # what each part serves, for retries
-        for number, wanted in by_block.items():
-            key = BlockKey(owner, number)
-            block = self._dram.peek(key)
-            if block is not None:
-                copies.extend((block.buf, inner, length, at) for _n, inner, length, at in wanted)
-                self._gathered_dram_bytes += sum(p[2] for p in wanted)
-                continue
-            location = self._index.get(key)
+        for n, wanted in by_block.items():
+            location = self._index.get(BlockKey(owner, n))
             if location is None:
                 continue  # a hole: zeros
             if len(wanted) >= DENSE_PARTS or sum(p[2] for p in wanted) * 2 >= bb:
@@ -164,24 +163,42 @@ class ByteRanges(BlockTierBase):
                 self._gathered_spans += 1
             else:
                 for piece in wanted:
-                    _n, inner, length, at = piece
-                    parts.append((location, inner, view[at : at + length]))
+                    _n, offset, size, to = piece
+                    parts.append((location, offset, view[to : to + size]))
                     part_pieces.append([piece])
                 self._gathered_parts += len(wanted)
         order = sorted(range(len(parts)), key=lambda i: (parts[i][0].segment, parts[i][0].offset + parts[i][1]))
+        copies = (source[cached], inner[cached], length[cached], at[cached])
 
         def work() -> list[int]:
-            for buf, inner, length, at in copies:
-                view[at : at + length] = memoryview(buf)[inner : inner + length]
+            copy_ranges(sources, *copies[:3], out, copies[3])
             gone = [order[i] for i in self._log.read_parts([parts[i] for i in order])]
             for low, buf, wanted in spans:
-                for _n, inner, length, at in wanted:
-                    view[at : at + length] = memoryview(buf)[inner - low : inner - low + length]
+                for _n, offset, size, to in wanted:
+                    view[to : to + size] = memoryview(buf)[offset - low : offset - low + size]
             return gone
 
         gone = await trio.to_thread.run_sync(work, limiter=self._io_limiter)
         for i in gone:  # moved by compaction meanwhile: through the index, as any read
-            for number, inner, length, at in part_pieces[i]:
-                block = await self.get(BlockKey(owner, number))
+            for n, offset, size, to in part_pieces[i]:
+                block = await self.get(BlockKey(owner, n))
                 if block is not None:
-                    view[at : at + length] = memoryview(block.buf)[inner : inner + length]
+                    view[to : to + size] = memoryview(block.buf)[offset : offset + size]
+        return unchecked
+
+
+def _pieces(
+    starts: np.ndarray, lengths: np.ndarray, out_starts: np.ndarray, bb: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The ranges cut at block boundaries, empty ones left out: (range, block number,
+    offset in the block, length, position in out) per piece, as arrays."""
+    keep = lengths > 0
+    first = starts // bb
+    last = (starts + lengths - 1) // bb
+    count = np.where(keep, last - first + 1, 0)
+    rng = np.repeat(np.arange(len(starts), dtype=np.int64), count)
+    k = np.arange(len(rng), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)  # piece k of its range
+    number = first[rng] + k
+    begin = np.maximum(starts[rng], number * bb)
+    end = np.minimum(starts[rng] + lengths[rng], (number + 1) * bb)
+    return rng, number, begin - number * bb, end - begin, out_starts[rng] + (begin - starts[rng])

@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import trio
 
 from distorefs.errors import OutOfMemory, StoreFull
 from distorefs.tiers import blocks as blocks_module
-from distorefs.tiers import writeback
+from distorefs.tiers import copy_ranges, writeback
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.dram import DramCache
 from distorefs.tiers.metadb import MetaDb
@@ -487,4 +488,39 @@ async def test_a_buffer_still_viewed_is_never_reused(tmp_path: Path) -> None:
     for i, data in held:
         assert bytes(data) == bytes([i]) * BLOCK
     assert store.statistics().dram_reused_buffers > 0
+    await store.close()
+
+
+async def random_file(tmp_path: Path, blocks: int) -> tuple[BlockStore, bytes]:
+    """A store reopened over `blocks` blocks of random bytes of owner 3, nothing in DRAM."""
+    content = np.random.default_rng(5).integers(0, 256, blocks * BLOCK, dtype=np.uint8).tobytes()
+    store = open_store(tmp_path, budget=4 * blocks * BLOCK, segment=64 * BLOCK)
+    await store.write_range(3, 0, content)
+    await store.close()
+    return open_store(tmp_path, budget=4 * blocks * BLOCK, segment=64 * BLOCK), content
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+async def test_gather_copies_every_range_and_says_which_were_not_all_from_cached_blocks(
+    tmp_path: Path, compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if compiled:
+        assert copy_ranges.load_compiled(), "numba is a dependency: the compiled copy must load"
+    else:
+        monkeypatch.setattr(copy_ranges, "_jit", None)
+    store, content = await random_file(tmp_path, blocks=12)
+    for number in (0, 1, 2, 5, 6, 7):  # the rest only in the log
+        await store.get(BlockKey(3, number))
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(0, 3 * BLOCK // 2, 400)  # some cross one or two block boundaries, some are empty
+    starts = rng.integers(0, len(content) - lengths)
+    out_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    out = bytearray(int(lengths.sum()))
+    unchecked = await store.gather(3, starts, lengths, out, out_starts)
+    expected = b"".join(content[s : s + n] for s, n in zip(starts.tolist(), lengths.tolist(), strict=True))
+    assert out == expected
+    cached = {0, 1, 2, 5, 6, 7}
+    for i, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
+        touched = set(range(s // BLOCK, (s + n - 1) // BLOCK + 1)) if n else set()
+        assert bool(unchecked[i]) == (not touched or not touched <= cached), (s, n)
     await store.close()

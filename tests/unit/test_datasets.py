@@ -240,3 +240,38 @@ async def test_read_run_returns_whole_records_back_to_back_within_a_byte_bound(s
     with pytest.raises(DistorefsError) as excinfo:
         await ds.read_run(300, 20_000)
     assert excinfo.value.errno == errno.ENOENT
+
+
+@pytest.mark.parametrize("window", [64 * 1024, 1 << 20], ids=["record-by-record", "whole-blocks"])
+async def test_a_record_changed_on_disk_fails_the_stream_instead_of_being_served(tmp_path: Path, window: int) -> None:
+    datasets, blocks, meta = open_store(tmp_path)
+    ds = datasets.create("d")
+    items = [bytes([i]) * 700 for i in range(200)]  # 140 KB: three blocks of 64 KiB
+    items[123] = b"NEEDLE" + bytes(694)
+    await ds.append(items)
+    await ds.seal()
+    await blocks.close()
+    meta.close()
+    blocks, meta = open_tiers(tmp_path, BLOCK, 64)
+    datasets = DatasetStore.load(blocks, meta, window)
+    hits = 0  # after the start-up's checks of the log's tail, as a disk going bad would
+    for segment in (tmp_path / "log").iterdir():
+        data = bytearray(segment.read_bytes())
+        at = data.find(b"NEEDLE")
+        if at >= 0:
+            data[at + 3] ^= 0xFF  # one bit flipped in a record
+            segment.write_bytes(data)
+            hits += 1
+    assert hits == 1
+    ds = datasets.get("d")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(datasets.run_streams)
+        stream = await datasets.open_stream(ds, 0, 1)
+        assert stream.whole_blocks == (window > ds.data_bytes)
+        with pytest.raises(DistorefsError) as err:
+            await read_all(stream, chunk=1 << 20)
+        assert err.value.errno == errno.EIO
+        datasets.close_stream(stream)
+        nursery.cancel_scope.cancel()
+    await blocks.close()
+    meta.close()

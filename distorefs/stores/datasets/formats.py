@@ -21,6 +21,7 @@ import numpy as np
 
 from distorefs.errors import InvalidArgument, describe
 from distorefs.stores.replay.formats import BATCH_HEAD, BATCH_ITEM, BATCH_MAGIC, NPY_MAGIC, batch_dtype, npy_header
+from distorefs.types import Writable
 
 INDEX_DTYPE = np.dtype([("offset", "<u8"), ("length", "<u4"), ("crc", "<u4")])
 MAX_RECORD_BYTES = 64 * 1024 * 1024
@@ -181,6 +182,10 @@ class OrderInput:
 # --- stream layout ------------------------------------------------------------------------
 
 
+_BATCH_ITEM_DTYPE = np.dtype([("index", "<i8"), ("weight", "<f4"), ("length", "<u8")])
+assert _BATCH_ITEM_DTYPE.itemsize == BATCH_ITEM.size
+
+
 def npy_header_bytes(dtype: np.dtype[Any], count: int) -> bytes:
     head = io.BytesIO()
     np.lib.format.write_array_header_1_0(
@@ -224,17 +229,21 @@ class StreamLayout:
         """The position whose bytes hold `offset` (len(self) past the end)."""
         return int(np.searchsorted(self.ends, offset, side="right"))
 
-    def frame(self, out: bytearray, first: int, last: int) -> np.ndarray:
+    def frame(self, out: Writable, first: int, last: int) -> np.ndarray:
         """Lay out positions [first, last) in `out` (sized for them) with their prefixes or
         suffixes written; returns where each record's own bytes go in `out`."""
         base = self.start(first)
         starts = self.ends[first:last] - base - self.lengths[first:last] - self.suffix
         indices = self.indices[first:last]
         if self.prefix:
-            for at, index, length in zip(
-                (starts - self.prefix).tolist(), indices.tolist(), self.lengths[first:last].tolist(), strict=True
-            ):
-                BATCH_ITEM.pack_into(out, at, index, 1.0, length)
+            # every item's `<q index><f 1.0><Q length>` at once: 3,000 pack_into calls a
+            # batch cost a few ms on the event loop
+            items = np.empty(last - first, dtype=_BATCH_ITEM_DTYPE)
+            items["index"] = indices
+            items["weight"] = 1.0
+            items["length"] = self.lengths[first:last]
+            where = (starts - self.prefix)[:, None] + np.arange(self.prefix)
+            np.frombuffer(out, dtype=np.uint8)[where] = items.view(np.uint8).reshape(-1, self.prefix)
         else:
             rows = np.frombuffer(out, dtype=np.uint8).reshape(last - first, -1)
             rows[:, -12:-4] = indices.astype("<i8").view(np.uint8).reshape(-1, 8)

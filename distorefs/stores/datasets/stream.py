@@ -46,7 +46,7 @@ class _Batch:
     def __init__(self, first: int, last: int) -> None:
         self.first = first
         self.last = last
-        self.data: bytearray | None = None
+        self.data: memoryview | None = None
         self.reserved = 0
         self.done = trio.Event()
         self.error: DistorefsError | None = None
@@ -78,6 +78,7 @@ class Stream:
         self._in_flight = 0
         self._held_bytes = 0  # bytes of batches fetched or on their way, not yet passed
         self._wake = trio.Event()
+        self._loaded: np.ndarray | None = None  # whole-block mode: blocks this stream has had loaded
         self.closed = False
         self.fetched_batches = 0
         self.reader_waits = 0  # reads that found their batch not fetched yet
@@ -144,9 +145,11 @@ class Stream:
         self._in_flight += 1
         try:
             layout = self.layout
-            # A batch is up to 32 MiB of fresh memory to zero: in a worker thread, not on
-            # the event loop (10-20 ms here, a stall for every other client).
-            out = await trio.to_thread.run_sync(bytearray, self._batch_size(batch))
+            # A batch is up to 32 MiB, left uninitialised: every byte of it is written below
+            # (the layout's prefixes or suffixes, then the records; a record the gather
+            # could not fill fails its crc check). A bytearray was zeroed by memset holding
+            # the GIL, 10-20 ms of the event loop's time a batch even from a worker thread.
+            out = np.empty(self._batch_size(batch), dtype=np.uint8).data
             at = layout.frame(out, batch.first, batch.last)
             records = layout.indices[batch.first : batch.last]
             entries = self._index[records]
@@ -154,8 +157,11 @@ class Stream:
             lengths = layout.lengths[batch.first : batch.last]
             if self.whole_blocks:
                 await self._load_blocks(starts, lengths)
-            await self._blocks.gather(self.dataset.data_owner, starts, lengths, out, at)
-            await trio.to_thread.run_sync(_check_crcs, out, at, entries, records, self.dataset.name)
+            unchecked = await self._blocks.gather(self.dataset.data_owner, starts, lengths, out, at)
+            if unchecked.any():
+                await trio.to_thread.run_sync(
+                    _check_crcs, out, at[unchecked], entries[unchecked], records[unchecked], self.dataset.name
+                )
             batch.data = out
             self.fetched_batches += 1
         except DistorefsError as exc:
@@ -176,8 +182,22 @@ class Stream:
         into reads of whole blocks."""
         bb = self._blocks.block_bytes
         numbers = np.unique(np.concatenate([starts // bb, (starts + np.maximum(lengths, 1) - 1) // bb]))
+        if not len(numbers):
+            return
+        if self._loaded is None or len(self._loaded) <= numbers[-1]:
+            loaded = np.zeros(max(-(-self.dataset.data_bytes // bb), int(numbers[-1]) + 1), dtype=bool)
+            if self._loaded is not None:
+                loaded[: len(self._loaded)] = self._loaded
+            self._loaded = loaded
+        # A block loaded for an earlier batch is not asked for again (1,000 lookups a batch
+        # on the event loop otherwise); should the cache have let it go since, gather reads
+        # its records straight from the log, and checks them.
+        numbers = numbers[~self._loaded[numbers]]
+        if not len(numbers):
+            return
         owner = self.dataset.data_owner
         await self._blocks.get_many([BlockKey(owner, n) for n in numbers.tolist()])
+        self._loaded[numbers] = True
 
     async def run_prefetch(self) -> None:
         """Fetch batches ahead of the reader while they fit in the window; ends at close."""
@@ -261,7 +281,7 @@ class Stream:
         }
 
 
-def _check_crcs(out: bytearray, at: np.ndarray, entries: np.ndarray, records: np.ndarray, name: str) -> None:
+def _check_crcs(out: memoryview, at: np.ndarray, entries: np.ndarray, records: np.ndarray, name: str) -> None:
     view = memoryview(out)
     for start, length, crc, record in _rows(at, entries, records):
         if crc32c.crc32c(view[start : start + length]) != crc:

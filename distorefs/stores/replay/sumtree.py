@@ -10,12 +10,12 @@ ignores them.
 from __future__ import annotations
 
 import logging
-import os
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from distorefs.compiled import import_kernels
 from distorefs.stores.replay import sumtree_walks
 
 log = logging.getLogger(__name__)
@@ -33,17 +33,9 @@ def load_compiled() -> bool:
     mount nor the event loop waits for it. False (numpy walks stay) when numba is not
     installed, cannot run with this numpy, or DISTOREFS_SUMTREE=numpy asks for numpy."""
     global _jit
-    if _jit is not None:
-        return True
-    if os.environ.get("DISTOREFS_SUMTREE", "") == "numpy":
-        return False
-    try:
-        from distorefs.stores.replay import sumtree_jit
-    except Exception as exc:  # ImportError, or numba refusing this numpy at import
-        log.info("sum trees walk in numpy: numba is not usable here (%s)", exc)
-        return False
-    _jit = sumtree_jit
-    return True
+    if _jit is None:
+        _jit = import_kernels("distorefs.stores.replay.sumtree_jit", "DISTOREFS_SUMTREE", "numpy")
+    return _jit is not None
 
 
 class SegmentTree:
