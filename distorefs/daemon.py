@@ -219,6 +219,12 @@ def load_kernels() -> None:
     copy_ranges.load_compiled()
 
 
+def kernels_status() -> dict[str, Any]:
+    """`kernels` in `.distore/status`: which compiled kernels run yet (false: their plain
+    versions, until the start-up's thread has loaded them, or for good without numba)."""
+    return {"kernels": {"sum_tree": sumtree.compiled_loaded(), "gather_copy": copy_ranges.compiled_loaded()}}
+
+
 async def supervised(name: str, task: Callable[[], Awaitable[object]], ops: Degradable) -> None:
     """Run background task `task` so that its failure never ends the daemon: an error is
     logged and the task starts again after a pause (1 s, doubling up to 60 s while it
@@ -392,6 +398,7 @@ async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb) -> Dae
     virtual.install(WeightsDir(virtual, weights, config.wait_timeout_s, shared.sessions))
     virtual.install(DatasetsDir(virtual, datasets))
     virtual.add_status(weights.statistics)
+    virtual.add_status(kernels_status)
     virtual.add_status(checkpoints.statistics)
     ops = FsOperations(PosixTree(files, checkpoints), virtual, config.data_dir, config.block_bytes)
     ops.metrics.watch(virtual.status, buffers, weights, node.peers_report if node is not None else None)

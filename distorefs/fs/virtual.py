@@ -495,7 +495,7 @@ class VirtualTree:
         self.nodes: dict[int, VirtualNode] = {}
         self.root_nodes: dict[bytes, VirtualNode] = {}
         self._info = info
-        self._status_parts: list[Callable[[], dict[str, int]]] = []
+        self._status_parts: list[Callable[[], dict[str, Any]]] = []
         self._files = files
         self._blocks = blocks
         control = self._add_root(VirtualDir(self.new_ino(), b".distore"))
@@ -530,7 +530,7 @@ class VirtualTree:
         assert isinstance(control, VirtualDir)
         self._add_child(control, ControlFile(self.new_ino(), name, render))
 
-    def add_status(self, part: Callable[[], dict[str, int]]) -> None:
+    def add_status(self, part: Callable[[], dict[str, Any]]) -> None:
         """Numbers a store adds to `.distore/status`."""
         self._status_parts.append(part)
 

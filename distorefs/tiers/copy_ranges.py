@@ -30,6 +30,11 @@ def load_compiled() -> bool:
     return _jit is not None
 
 
+def compiled_loaded() -> bool:
+    """Whether `load_compiled` has loaded the compiled copy (it never imports here)."""
+    return _jit is not None
+
+
 def copy_ranges(
     sources: Sequence[bytes | bytearray | memoryview],
     source: np.ndarray,

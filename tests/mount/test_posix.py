@@ -36,6 +36,11 @@ def test_status_is_json_with_the_daemon_facts(mounted: Mount) -> None:
         assert isinstance(status[key], int)
     assert status["dram_budget_bytes"] == 256 * 2**20
     assert (mounted.path / ".distore" / "version").read_text().startswith("distorefs ")
+    deadline = time.monotonic() + 60  # numba is a dependency: the start-up's thread loads both kernels
+    while not all(status["kernels"].values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        status = json.loads((mounted.path / ".distore" / "status").read_text())
+    assert status["kernels"] == {"sum_tree": True, "gather_copy": True}
 
 
 def test_distore_dir_is_read_only(mounted: Mount) -> None:

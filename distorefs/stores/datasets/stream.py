@@ -106,6 +106,10 @@ class Stream:
         self._batches[first] = batch
         self._cursor = last
         self._held_bytes += self._batch_size(batch)
+        # In flight from here: counted before the task that fetches it first runs, or
+        # the prefetch loop (which does not await between plans) planned the whole
+        # window at once, and the first batch's loads queued behind all of it.
+        self._in_flight += 1
         return batch
 
     def _batch_size(self, batch: _Batch) -> int:
@@ -142,15 +146,17 @@ class Stream:
     # --- fetching ---------------------------------------------------------------------------
 
     async def _fetch(self, batch: _Batch) -> None:
-        self._in_flight += 1
+        """Fill `batch` (planned by `_plan`, which counted it in flight)."""
         try:
             layout = self.layout
             # A batch is up to 32 MiB, left uninitialised: every byte of it is written below
             # (the layout's prefixes or suffixes, then the records; a record the gather
             # could not fill fails its crc check). A bytearray was zeroed by memset holding
             # the GIL, 10-20 ms of the event loop's time a batch even from a worker thread.
+            # The layout's writes are the first touch of most of its pages (page faults):
+            # in a worker thread too.
             out = np.empty(self._batch_size(batch), dtype=np.uint8).data
-            at = layout.frame(out, batch.first, batch.last)
+            at = await trio.to_thread.run_sync(layout.frame, out, batch.first, batch.last)
             records = layout.indices[batch.first : batch.last]
             entries = self._index[records]
             starts = entries["offset"].astype(np.int64)

@@ -38,6 +38,11 @@ def load_compiled() -> bool:
     return _jit is not None
 
 
+def compiled_loaded() -> bool:
+    """Whether `load_compiled` has loaded the compiled walks (it never imports here)."""
+    return _jit is not None
+
+
 class SegmentTree:
     """Sum (and optionally min and max) of `capacity` non-negative leaf values.
 
