@@ -6,6 +6,7 @@ import errno
 import io
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import trio
 from distorefs.errors import DistorefsError
 from distorefs.stores.datasets.formats import OrderInput, OrderSpec, shuffled
 from distorefs.stores.datasets.store import DatasetStore
-from distorefs.stores.datasets.stream import Stream
+from distorefs.stores.datasets.stream import BATCHES_IN_FLIGHT, Stream
 from distorefs.stores.replay.formats import decode_blob_batch
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.metadb import MetaDb
@@ -273,5 +274,41 @@ async def test_a_record_changed_on_disk_fails_the_stream_instead_of_being_served
         assert err.value.errno == errno.EIO
         datasets.close_stream(stream)
         nursery.cancel_scope.cancel()
+    await blocks.close()
+    meta.close()
+
+
+async def test_a_stream_fetches_at_most_its_in_flight_batches_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocks, meta = open_tiers(tmp_path, BLOCK, 512)
+    datasets = DatasetStore.load(blocks, meta, 64 << 20)  # fits: whole blocks, 64 MiB may be held ahead
+    ds = datasets.create("d")
+    items = [bytes([i % 251]) * 8000 for i in range(1500)]  # 12 MB: batches of 1, 2, 4 and 8 MiB
+    await ds.append(items)
+    await ds.seal()
+    real_gather = blocks.gather
+    active = peak = 0
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal active, peak
+        active += 1
+        peak = max(peak, active)
+        try:
+            await trio.sleep(0.02)  # long enough for every batch started meanwhile to get here
+            return await real_gather(*args, **kwargs)
+        finally:
+            active -= 1
+
+    monkeypatch.setattr(blocks, "gather", counted)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(datasets.run_streams)
+        stream = await datasets.open_stream(ds, 0, 1)
+        batch = decode_blob_batch(await read_all(stream, chunk=1 << 20))
+        datasets.close_stream(stream)
+        nursery.cancel_scope.cancel()
+    assert [item for _i, _w, item in batch] == items
+    # the prefetch's batches, and one the reader may fetch itself
+    assert peak <= BATCHES_IN_FLIGHT + 1, f"{peak} batches fetched at once"
     await blocks.close()
     meta.close()
