@@ -140,54 +140,63 @@ class ByteRanges(BlockTierBase):
         unchecked[rng[cached]] = False
         unchecked[rng[missed]] = True  # a range with any piece from the log
         self._gathered_dram_bytes += int(length[cached].sum())
-        by_block: dict[int, list[tuple[int, int, int, int]]] = {}
-        for piece in zip(
-            number[missed].tolist(), inner[missed].tolist(), length[missed].tolist(), at[missed].tolist(), strict=True
-        ):
-            by_block.setdefault(piece[0], []).append(piece)
+        # Pieces in blocks not cached, planned in numpy: a dense block (many pieces, or half
+        # its bytes) is read as one span; the others' pieces straight into `out`, sorted
+        # by where they lie in the log. Only blocks are looked up one by one.
         view = memoryview(out)
-        parts: list[tuple[LogLocation, int, memoryview]] = []
-        spans: list[tuple[int, bytearray, list[tuple[int, int, int, int]]]] = []  # span start, buffer, pieces
-        part_pieces: list[list[tuple[int, int, int, int]]] = []  # what each part serves, for retries
-        for n, wanted in by_block.items():
-            location = self._index.get(BlockKey(owner, n))
+        m_block = which[missed]
+        m_inner, m_length, m_at = inner[missed], length[missed], at[missed]
+        count = np.bincount(m_block, minlength=len(numbers))
+        size = np.bincount(m_block, weights=m_length, minlength=len(numbers))
+        segment = np.full(len(numbers), -1, dtype=np.int64)
+        record_at = np.zeros(len(numbers), dtype=np.int64)
+        spans: list[tuple[LogLocation, int, bytearray, np.ndarray]] = []  # location, span start, buffer, pieces
+        grouped = np.argsort(m_block, kind="stable")  # pieces by block: block j's are grouped[bounds[j]:bounds[j + 1]]
+        bounds = np.concatenate([[0], np.cumsum(count)])
+        for j in np.flatnonzero(count).tolist():
+            location = self._index.get(BlockKey(owner, int(numbers[j])))
             if location is None:
                 continue  # a hole: zeros
-            if len(wanted) >= DENSE_PARTS or sum(p[2] for p in wanted) * 2 >= bb:
-                low = min(p[1] for p in wanted)
-                high = max(p[1] + p[2] for p in wanted)
-                buf = bytearray(high - low)
-                spans.append((low, buf, wanted))
-                parts.append((location, low, memoryview(buf)))
-                part_pieces.append(wanted)
+            if count[j] >= DENSE_PARTS or size[j] * 2 >= bb:
+                mine = grouped[bounds[j] : bounds[j + 1]]
+                low = int(m_inner[mine].min())
+                spans.append((location, low, bytearray(int((m_inner[mine] + m_length[mine]).max()) - low), mine))
                 self._gathered_spans += 1
             else:
-                for piece in wanted:
-                    _n, offset, size, to = piece
-                    parts.append((location, offset, view[to : to + size]))
-                    part_pieces.append([piece])
-                self._gathered_parts += len(wanted)
-        order = sorted(range(len(parts)), key=lambda i: (parts[i][0].segment, parts[i][0].offset + parts[i][1]))
-        copies = (source[cached], inner[cached], length[cached], at[cached])
+                segment[j], record_at[j] = location.segment, location.offset
+        direct = np.flatnonzero(segment[m_block] >= 0)
+        p_segment = segment[m_block[direct]]
+        p_offset = record_at[m_block[direct]] + m_inner[direct]
+        order = np.lexsort((p_offset, p_segment))
+        direct, p_segment, p_offset = direct[order], p_segment[order], p_offset[order]
+        self._gathered_parts += len(direct)
+        span_parts = [(location, low, memoryview(buf)) for location, low, buf, _mine in spans]
+        c_source, c_inner, c_length, c_at = source[cached], inner[cached], length[cached], at[cached]
 
         def work() -> list[int]:
-            copy_ranges(sources, *copies[:3], out, copies[3])
-            gone = [order[i] for i in self._log.read_parts([parts[i] for i in order])]
-            for low, buf, wanted in spans:
-                for _n, offset, size, to in wanted:
-                    view[to : to + size] = memoryview(buf)[offset - low : offset - low + size]
+            copy_ranges(sources, c_source, c_inner, c_length, out, c_at)
+            gone = self._log.read_ranges(p_segment, p_offset, m_length[direct], out, m_at[direct])
+            gone = [int(direct[i]) for i in gone]
+            gone_spans = set(self._log.read_parts(span_parts))
+            for k, (_location, low, buf, mine) in enumerate(spans):
+                if k in gone_spans:
+                    gone += mine.tolist()
+                    continue
+                pieces = zip(m_inner[mine].tolist(), m_length[mine].tolist(), m_at[mine].tolist(), strict=True)
+                for offset, n, to in pieces:
+                    view[to : to + n] = memoryview(buf)[offset - low : offset - low + n]
             return gone
 
         # Only a gather that reads the log queues for an I/O thread: one that copies from
         # DRAM alone must not wait behind other streams' block loads (a first batch waited
         # 0.8 s there behind the loads of the batches after it).
-        limiter = self._io_limiter if parts else None
+        limiter = self._io_limiter if len(direct) or spans else None
         gone = await trio.to_thread.run_sync(work, limiter=limiter)
         for i in gone:  # moved by compaction meanwhile: through the index, as any read
-            for n, offset, size, to in part_pieces[i]:
-                block = await self.get(BlockKey(owner, n))
-                if block is not None:
-                    view[to : to + size] = memoryview(block.buf)[offset : offset + size]
+            block = await self.get(BlockKey(owner, int(numbers[m_block[i]])))
+            if block is not None:
+                offset, n, to = int(m_inner[i]), int(m_length[i]), int(m_at[i])
+                view[to : to + n] = memoryview(block.buf)[offset : offset + n]
         return unchecked
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import crc32c
+import numpy as np
 
 from distorefs.errors import Corrupted, StoreFull
 from distorefs.types import BlockKey, LogLocation
@@ -502,6 +503,49 @@ class NvmeLog:
                     continue
                 if os.preadv(seg.fd, [into], loc.offset + HEADER.size + start) != len(into):
                     raise Corrupted(f"log: short read of {len(into)} bytes at {start} of the record at {loc}")
+        finally:
+            for seg in held.values():
+                if seg is not None:
+                    self._release(seg)
+        return gone
+
+    def read_ranges(
+        self,
+        segments: np.ndarray,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+        out: bytearray | memoryview,
+        out_at: np.ndarray,
+    ) -> list[int]:
+        """`read_parts` for many ranges given as arrays, in the order given (sort them by
+        segment and offset): range i is `lengths[i]` bytes of segment `segments[i]` at
+        `offsets[i]` bytes into the payload of the record there (record offset + start in
+        its payload), read into `out` at `out_at[i]`. The same hints ahead, the same
+        skipped checks. Returns the positions of the ranges whose segment was gone."""
+        gone: list[int] = []
+        held = {segment: self._acquire(segment) for segment in np.unique(segments).tolist()}
+        try:
+            fds = {segment: seg.fd for segment, seg in held.items() if seg is not None}
+            rows = list(zip(segments.tolist(), (offsets + HEADER.size).tolist(), lengths.tolist(), strict=True))
+            view = memoryview(out)
+
+            def advise(k: int) -> None:
+                segment, at, n = rows[k]
+                fd = fds.get(segment)
+                if fd is not None:
+                    os.posix_fadvise(fd, at, n, os.POSIX_FADV_WILLNEED)
+
+            for k in range(min(READ_AHEAD_PARTS, len(rows))):
+                advise(k)
+            for i, ((segment, at, n), to) in enumerate(zip(rows, out_at.tolist(), strict=True)):
+                if i + READ_AHEAD_PARTS < len(rows):
+                    advise(i + READ_AHEAD_PARTS)
+                fd = fds.get(segment)
+                if fd is None:
+                    gone.append(i)
+                    continue
+                if os.preadv(fd, [view[to : to + n]], at) != n:
+                    raise Corrupted(f"log: short read of {n} bytes at {at} of segment {segment}")
         finally:
             for seg in held.values():
                 if seg is not None:

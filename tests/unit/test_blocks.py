@@ -512,15 +512,25 @@ async def test_gather_copies_every_range_and_says_which_were_not_all_from_cached
     for number in (0, 1, 2, 5, 6, 7):  # the rest only in the log
         await store.get(BlockKey(3, number))
     rng = np.random.default_rng(1)
-    lengths = rng.integers(0, 3 * BLOCK // 2, 400)  # some cross one or two block boundaries, some are empty
-    starts = rng.integers(0, len(content) - lengths)
-    out_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    out = bytearray(int(lengths.sum()))
-    unchecked = await store.gather(3, starts, lengths, out, out_starts)
-    expected = b"".join(content[s : s + n] for s, n in zip(starts.tolist(), lengths.tolist(), strict=True))
-    assert out == expected
     cached = {0, 1, 2, 5, 6, 7}
-    for i, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
-        touched = set(range(s // BLOCK, (s + n - 1) // BLOCK + 1)) if n else set()
-        assert bool(unchecked[i]) == (not touched or not touched <= cached), (s, n)
+    # many ranges (some across one or two block boundaries, some empty): dense blocks, read
+    # as spans; then few small ones: each read on its own
+    for count, longest in ((400, 3 * BLOCK // 2), (20, 2000)):
+        before = store.statistics()
+        lengths = rng.integers(0, longest, count)
+        starts = rng.integers(0, len(content) - lengths)
+        out_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        out = bytearray(int(lengths.sum()))
+        unchecked = await store.gather(3, starts, lengths, out, out_starts)
+        expected = b"".join(content[s : s + n] for s, n in zip(starts.tolist(), lengths.tolist(), strict=True))
+        assert out == expected
+        for i, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
+            touched = set(range(s // BLOCK, (s + n - 1) // BLOCK + 1)) if n else set()
+            assert bool(unchecked[i]) == (not touched or not touched <= cached), (s, n)
+        after = store.statistics()
+        if count == 400:
+            assert after.gathered_log_spans > before.gathered_log_spans
+        else:
+            assert after.gathered_log_parts > before.gathered_log_parts
+            assert after.gathered_log_spans == before.gathered_log_spans
     await store.close()
