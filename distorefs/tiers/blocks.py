@@ -110,6 +110,7 @@ class BlockStore(ByteRanges, Compaction):
         self._index = BlockIndex.load(meta)
         self._loading: dict[BlockKey, trio.Event] = {}
         self._prefetch_send, self._prefetch_recv = trio.open_memory_channel[BlockKey](PREFETCH_QUEUE)
+        self._prefetch_wanted: set[BlockKey] = set()  # queued for the prefetcher, or loading for it
         self._prefetched = 0
         # write-back (tiers/writeback.py)
         self._dirty = {}
@@ -356,11 +357,20 @@ class BlockStore(ByteRanges, Compaction):
         """Ask the prefetcher to load these blocks from the log; never waits. Keys that are
         cached, holes, already loading, or that do not fit in the queue are skipped."""
         for key in keys:
-            if key in self._index and key not in self._loading and self._dram.peek(key) is None:
+            if (
+                key not in self._prefetch_wanted
+                and key in self._index
+                and key not in self._loading
+                and self._dram.peek(key) is None
+            ):
                 try:
                     self._prefetch_send.send_nowait(key)
                 except trio.WouldBlock:
                     return
+                # Queued until its load is done: a sequential reader asks for its next 32
+                # blocks at every read, and each key asked for again was hinted and queued
+                # again (a tenth of both cores in WILLNEED calls over cached pages).
+                self._prefetch_wanted.add(key)
 
     async def run_prefetcher(self) -> None:
         """Background task: load queued blocks, a few at a time, so sequential readers of
@@ -378,6 +388,7 @@ class BlockStore(ByteRanges, Compaction):
             except Exception as exc:  # best effort: the reader gets the error when it gets there
                 log.warning("prefetch of %s failed: %s", key, exc)
             finally:
+                self._prefetch_wanted.discard(key)
                 slots.release()
 
         async with trio.open_nursery() as nursery:

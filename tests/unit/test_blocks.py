@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.dram import DramCache
 from distorefs.tiers.metadb import MetaDb
 from distorefs.tiers.nvme_log import NvmeLog
-from distorefs.types import BlockKey
+from distorefs.types import BlockKey, LogLocation
 
 BLOCK = 64 * 1024
 
@@ -533,4 +534,30 @@ async def test_gather_copies_every_range_and_says_which_were_not_all_from_cached
         else:
             assert after.gathered_log_parts > before.gathered_log_parts
             assert after.gathered_log_spans == before.gathered_log_spans
+    await store.close()
+
+
+async def test_a_sequential_reader_has_each_block_hinted_and_loaded_ahead_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = await cold_file(tmp_path, blocks=60, budget=256 * BLOCK)  # a FIFO of transient blocks beyond 32 ahead
+    hinted: list[int] = []
+    real_will_need = store._log.will_need
+
+    def counted(locations: Sequence[LogLocation]) -> int:
+        hinted.extend(loc.offset for loc in locations)
+        return real_will_need(locations)
+
+    monkeypatch.setattr(store._log, "will_need", counted)
+    length = 60 * BLOCK
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(store.run_prefetcher)
+        for i in range(60):
+            data = await store.read_range(3, i * BLOCK, BLOCK, length)
+            assert bytes(data) == bytes([i]) * BLOCK
+            del data
+            await trio.sleep(0.001)  # let the prefetcher run between reads, as a reader's wait would
+        nursery.cancel_scope.cancel()
+    assert hinted, "a sequential reader's next blocks are hinted"
+    assert len(hinted) == len(set(hinted)), "a block was hinted (and queued) again while still waiting"
     await store.close()
