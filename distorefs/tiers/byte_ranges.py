@@ -127,19 +127,28 @@ class ByteRanges(BlockTierBase):
         rng, number, inner, length, at = _pieces(starts, lengths, out_starts, bb)
         numbers, which = np.unique(number, return_inverse=True)
         sources: list[bytearray | memoryview | bytes] = []
+        valid: list[int] = []  # the valid bytes of each source
         source_of = np.full(len(numbers), -1, dtype=np.int64)
         for j, n in enumerate(numbers.tolist()):
             block = self._dram.peek(BlockKey(owner, n))
             if block is not None:
                 source_of[j] = len(sources)
                 sources.append(block.buf)
+                valid.append(min(block.length, len(block.buf)))
         source = source_of[which]
         cached = source >= 0
         missed = ~cached
+        # The compiled copy checks no bounds: a piece past its block's valid bytes (the
+        # block shorter than the index says) is not copied, and its range stays unchecked,
+        # so the caller's check fails it instead of serving what lies beyond.
+        copied = cached & (inner + length <= np.asarray(valid + [0], dtype=np.int64)[source])  # [-1]: not cached
+        out_bytes = memoryview(out).nbytes
+        if len(at) and (int(at.min()) < 0 or int((at + length).max()) > out_bytes):
+            raise AssertionError(f"gather: a range lies outside the output's {out_bytes} bytes")
         unchecked = np.ones(len(starts), dtype=bool)  # empty ranges included: nothing vouches for them
-        unchecked[rng[cached]] = False
-        unchecked[rng[missed]] = True  # a range with any piece from the log
-        self._gathered_dram_bytes += int(length[cached].sum())
+        unchecked[rng[copied]] = False
+        unchecked[rng[~copied]] = True  # a range with any piece from the log, or not copied
+        self._gathered_dram_bytes += int(length[copied].sum())
         # Pieces in blocks not cached, planned in numpy: a dense block (many pieces, or half
         # its bytes) is read as one span; the others' pieces straight into `out`, sorted
         # by where they lie in the log. Only blocks are looked up one by one.
@@ -171,7 +180,7 @@ class ByteRanges(BlockTierBase):
         direct, p_segment, p_offset = direct[order], p_segment[order], p_offset[order]
         self._gathered_parts += len(direct)
         span_parts = [(location, low, memoryview(buf)) for location, low, buf, _mine in spans]
-        c_source, c_inner, c_length, c_at = source[cached], inner[cached], length[cached], at[cached]
+        c_source, c_inner, c_length, c_at = source[copied], inner[copied], length[copied], at[copied]
 
         def work() -> list[int]:
             copy_ranges(sources, c_source, c_inner, c_length, out, c_at)

@@ -561,3 +561,21 @@ async def test_a_sequential_reader_has_each_block_hinted_and_loaded_ahead_once(
     assert hinted, "a sequential reader's next blocks are hinted"
     assert len(hinted) == len(set(hinted)), "a block was hinted (and queued) again while still waiting"
     await store.close()
+
+
+async def test_gather_never_copies_past_a_cached_blocks_valid_bytes(tmp_path: Path) -> None:
+    assert copy_ranges.load_compiled()
+    store = open_store(tmp_path)
+    await store.write(BlockKey(3, 0), 0, b"x" * 1000)  # a short block: 1,000 valid bytes in a 4 KiB buffer
+    await store.write(BlockKey(3, 1), 0, b"y" * BLOCK)
+    out = bytearray(b"?" * 3000)
+    # the second range claims bytes the block does not hold (as an index that disagrees
+    # with the block would): nothing of it is copied, and it is reported unchecked
+    unchecked = await store.gather(
+        3, np.array([0, 900, BLOCK]), np.array([1000, 1500, 500]), out, np.array([0, 1000, 2500])
+    )
+    assert unchecked.tolist() == [False, True, False]
+    assert out == b"x" * 1000 + b"?" * 1500 + b"y" * 500
+    with pytest.raises(AssertionError):  # a range outside the output is a bug, never a write there
+        await store.gather(3, np.array([0]), np.array([100]), bytearray(50), np.array([0]))
+    await store.close()
