@@ -579,3 +579,40 @@ async def test_gather_never_copies_past_a_cached_blocks_valid_bytes(tmp_path: Pa
     with pytest.raises(AssertionError):  # a range outside the output is a bug, never a write there
         await store.gather(3, np.array([0]), np.array([100]), bytearray(50), np.array([0]))
     await store.close()
+
+
+@pytest.mark.parametrize(("count", "longest"), [(20, 2000), (400, 3 * BLOCK // 2)], ids=["parts", "spans"])
+async def test_gather_reads_again_through_the_index_what_compaction_moved_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, count: int, longest: int
+) -> None:
+    store, content = await random_file(tmp_path, blocks=12)
+    # half the reads find their segment "gone" between the plan and the read, as when
+    # compaction deleted it: the gather must fetch those pieces (and only those) again
+    # through the index
+    real_ranges, real_parts = store._log.read_ranges, store._log.read_parts
+    gone = {"ranges": 0, "parts": 0}
+
+    def ranges_gone(
+        segments: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, out: bytearray, at: np.ndarray
+    ) -> list[int]:
+        real_ranges(segments[::2], offsets[::2], lengths[::2], out, at[::2])
+        gone["ranges"] += len(segments[1::2])
+        return list(range(1, len(segments), 2))
+
+    def parts_gone(parts: list[object]) -> list[int]:
+        real_parts(parts[::2])  # type: ignore[arg-type]
+        gone["parts"] += len(parts[1::2])
+        return list(range(1, len(parts), 2))
+
+    monkeypatch.setattr(store._log, "read_ranges", ranges_gone)
+    monkeypatch.setattr(store._log, "read_parts", parts_gone)
+    rng = np.random.default_rng(2)
+    lengths = rng.integers(1, longest, count)
+    starts = rng.integers(0, len(content) - lengths)
+    out_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    out = bytearray(int(lengths.sum()))
+    unchecked = await store.gather(3, starts, lengths, out, out_starts)
+    assert out == b"".join(content[s : s + n] for s, n in zip(starts.tolist(), lengths.tolist(), strict=True))
+    assert unchecked.all()  # nothing was cached: the caller checks every range
+    assert gone["parts" if count == 400 else "ranges"] > 0
+    await store.close()
