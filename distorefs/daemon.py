@@ -222,7 +222,7 @@ def load_kernels() -> None:
 def kernels_status() -> dict[str, Any]:
     """`kernels` in `.distore/status`: which compiled kernels run yet (false: their plain
     versions, until the start-up's thread has loaded them, or for good without numba)."""
-    return {"kernels": {"sum_tree": sumtree.compiled_loaded(), "gather_copy": copy_ranges.compiled_loaded()}}
+    return {"kernels": {"sum_tree": sumtree.KERNELS.loaded, "gather_copy": copy_ranges.KERNELS.loaded}}
 
 
 async def supervised(name: str, task: Callable[[], Awaitable[object]], ops: Degradable) -> None:

@@ -159,7 +159,7 @@ class ByteRanges(BlockTierBase):
         size = np.bincount(m_block, weights=m_length, minlength=len(numbers))
         segment = np.full(len(numbers), -1, dtype=np.int64)
         record_at = np.zeros(len(numbers), dtype=np.int64)
-        spans: list[tuple[LogLocation, int, bytearray, np.ndarray]] = []  # location, span start, buffer, pieces
+        spans: list[tuple[LogLocation, int, int, np.ndarray]] = []  # location, span start and length, pieces
         grouped = np.argsort(m_block, kind="stable")  # pieces by block: block j's are grouped[bounds[j]:bounds[j + 1]]
         bounds = np.concatenate([[0], np.cumsum(count)])
         for j in np.flatnonzero(count).tolist():
@@ -169,7 +169,7 @@ class ByteRanges(BlockTierBase):
             if count[j] >= DENSE_PARTS or size[j] * 2 >= bb:
                 mine = grouped[bounds[j] : bounds[j + 1]]
                 low = int(m_inner[mine].min())
-                spans.append((location, low, bytearray(int((m_inner[mine] + m_length[mine]).max()) - low), mine))
+                spans.append((location, low, int((m_inner[mine] + m_length[mine]).max()) - low, mine))
                 self._gathered_spans += 1
             else:
                 segment[j], record_at[j] = location.segment, location.offset
@@ -179,21 +179,28 @@ class ByteRanges(BlockTierBase):
         order = np.lexsort((p_offset, p_segment))
         direct, p_segment, p_offset = direct[order], p_segment[order], p_offset[order]
         self._gathered_parts += len(direct)
-        span_parts = [(location, low, memoryview(buf)) for location, low, buf, _mine in spans]
+        # spans, in log order, are read into one scratch buffer, then their pieces copied out
+        spans.sort(key=lambda span: (span[0].segment, span[0].offset))
+        s_segment = np.array([location.segment for location, *_ in spans], dtype=np.int64)
+        s_offset = np.array([location.offset + low for location, low, *_ in spans], dtype=np.int64)
+        s_length = np.array([size for _location, _low, size, _mine in spans], dtype=np.int64)
+        s_at = np.cumsum(s_length) - s_length
+        scratch = bytearray(int(s_length.sum()))
         c_source, c_inner, c_length, c_at = source[copied], inner[copied], length[copied], at[copied]
 
         def work() -> list[int]:
             copy_ranges(sources, c_source, c_inner, c_length, out, c_at)
             gone = self._log.read_ranges(p_segment, p_offset, m_length[direct], out, m_at[direct])
             gone = [int(direct[i]) for i in gone]
-            gone_spans = set(self._log.read_parts(span_parts))
-            for k, (_location, low, buf, mine) in enumerate(spans):
+            gone_spans = set(self._log.read_ranges(s_segment, s_offset, s_length, scratch, s_at))
+            for k, (_location, low, _size, mine) in enumerate(spans):
                 if k in gone_spans:
                     gone += mine.tolist()
                     continue
+                base = int(s_at[k]) - low
                 pieces = zip(m_inner[mine].tolist(), m_length[mine].tolist(), m_at[mine].tolist(), strict=True)
                 for offset, n, to in pieces:
-                    view[to : to + n] = memoryview(buf)[offset - low : offset - low + n]
+                    view[to : to + n] = scratch[base + offset : base + offset + n]
             return gone
 
         # Only a gather that reads the log queues for an I/O thread: one that copies from

@@ -11,28 +11,19 @@ run (or DISTOREFS_GATHER=python), the loop below runs as Python, with the same r
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import ModuleType
 
 import numpy as np
 
-from distorefs.compiled import import_kernels
+from distorefs.compiled import Kernels
 from distorefs.types import Writable
 
-_jit: ModuleType | None = None  # copy_ranges_jit once load_compiled() has loaded it
+KERNELS = Kernels("distorefs.tiers.copy_ranges_jit", "DISTOREFS_GATHER", "python")  # copy_ranges_jit's copy
 
 
 def load_compiled() -> bool:
     """Load the compiled copy (numba's import and its cache, or a compile); False when
     numba is not usable here or DISTOREFS_GATHER=python asks for the Python loop."""
-    global _jit
-    if _jit is None:
-        _jit = import_kernels("distorefs.tiers.copy_ranges_jit", "DISTOREFS_GATHER", "python")
-    return _jit is not None
-
-
-def compiled_loaded() -> bool:
-    """Whether `load_compiled` has loaded the compiled copy (it never imports here)."""
-    return _jit is not None
+    return KERNELS.load()
 
 
 def copy_ranges(
@@ -49,8 +40,19 @@ def copy_ranges(
     """
     if not len(source):
         return
-    if _jit is not None:
-        _jit.copy_ranges(sources, source, source_at, lengths, out, out_at)
+    jit = KERNELS.module
+    if jit is not None:
+        arrays = [np.frombuffer(s, dtype=np.uint8) for s in sources]  # held (buffers exported) until the end
+        addresses = np.fromiter((a.ctypes.data for a in arrays), dtype=np.uint64, count=len(arrays))
+        jit.copy(
+            addresses,
+            np.ascontiguousarray(source, dtype=np.int64),
+            np.ascontiguousarray(source_at, dtype=np.int64),
+            np.ascontiguousarray(lengths, dtype=np.int64),
+            np.frombuffer(out, dtype=np.uint8),
+            np.ascontiguousarray(out_at, dtype=np.int64),
+        )
+        del arrays
         return
     view = memoryview(out)
     for s, at, n, to in zip(source.tolist(), source_at.tolist(), lengths.tolist(), out_at.tolist(), strict=True):

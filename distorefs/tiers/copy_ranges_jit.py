@@ -1,6 +1,6 @@
 """copy_ranges.copy_ranges compiled with numba: one memcpy a range, without the GIL.
 
-Owns nothing: copy_ranges.copy_ranges calls `copy_ranges` here once `load_compiled` has
+Owns nothing: copy_ranges.copy_ranges calls `copy` here once `load_compiled` has
 imported this module. The signature is given, so the kernel compiles (or loads from
 numba's cache, `cache=True`) at import, never on the event loop. Sources go in as an
 array of the buffers' addresses (the caller's list keeps the buffers alive, and the
@@ -14,16 +14,12 @@ the GIL).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numba
-import numpy as np
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
-
-from distorefs.types import Writable
 
 _INDEX = types.int64[::1]
 
@@ -47,28 +43,6 @@ def _copy_loop(addresses: Any, source: Any, source_at: Any, lengths: Any, out: A
         _memcpy(base + out_at[i], addresses[source[i]] + source_at[i], lengths[i])  # type: ignore[call-arg]
 
 
-_copy = numba.njit(
+copy = numba.njit(
     types.void(types.uint64[::1], _INDEX, _INDEX, _INDEX, types.uint8[::1], _INDEX), cache=True, nogil=True
 )(_copy_loop)
-
-
-def copy_ranges(
-    sources: Sequence[bytes | bytearray | memoryview],
-    source: np.ndarray,
-    source_at: np.ndarray,
-    lengths: np.ndarray,
-    out: Writable,
-    out_at: np.ndarray,
-) -> None:
-    """copy_ranges.copy_ranges, compiled."""
-    arrays = [np.frombuffer(s, dtype=np.uint8) for s in sources]  # held (and the buffers exported) until the end
-    addresses = np.fromiter((a.ctypes.data for a in arrays), dtype=np.uint64, count=len(arrays))
-    _copy(
-        addresses,
-        np.ascontiguousarray(source, dtype=np.int64),
-        np.ascontiguousarray(source_at, dtype=np.int64),
-        np.ascontiguousarray(lengths, dtype=np.int64),
-        np.frombuffer(out, dtype=np.uint8),
-        np.ascontiguousarray(out_at, dtype=np.int64),
-    )
-    del arrays

@@ -51,7 +51,7 @@ DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
 RESERVE_NAME = "reserve"  # ballast that keeps room for compaction on a full disk
 SCAN_CHUNK_BYTES = 8 * 1024 * 1024
 NOTE_NUMBERS = 1 << 62  # records with an index from here on are notes, not blocks (tiers/writeback.py)
-READ_AHEAD_PARTS = 128  # read_parts keeps this many small reads hinted ahead (measured: 64-512 alike)
+READ_AHEAD_PARTS = 128  # read_ranges keeps this many small reads hinted ahead (measured: 64-512 alike)
 _SEGMENT_PREFIX = "seg-"
 _SEGMENT_SUFFIX = ".log"
 
@@ -475,40 +475,6 @@ class NvmeLog:
             _check(header, payload, loc, key)
             out[position] = payload
 
-    def read_parts(self, parts: Sequence[tuple[LogLocation, int, memoryview]]) -> list[int]:
-        """Read byte ranges of record payloads straight into the given buffers: for each
-        `(location, start, into)`, `len(into)` bytes from `start` of the payload.
-
-        The record's own checks are skipped (only part of it is read): the caller checks
-        what it reads (dataset records carry their own crc32c). The kernel gets a
-        WILLNEED hint a window ahead of each read, so many small random reads are in
-        flight on the device at once. Returns the positions of the parts whose segment
-        was gone (compacted meanwhile): the caller reads those another way.
-        """
-        gone: list[int] = []
-        held: dict[int, _Segment | None] = {}
-        try:
-            for loc, _start, _into in parts:
-                if loc.segment not in held:
-                    held[loc.segment] = self._acquire(loc.segment)
-            for ahead in range(min(READ_AHEAD_PARTS, len(parts))):
-                self._advise(held, parts[ahead])
-            for i, part in enumerate(parts):
-                if i + READ_AHEAD_PARTS < len(parts):
-                    self._advise(held, parts[i + READ_AHEAD_PARTS])
-                loc, start, into = part
-                seg = held[loc.segment]
-                if seg is None:
-                    gone.append(i)
-                    continue
-                if os.preadv(seg.fd, [into], loc.offset + HEADER.size + start) != len(into):
-                    raise Corrupted(f"log: short read of {len(into)} bytes at {start} of the record at {loc}")
-        finally:
-            for seg in held.values():
-                if seg is not None:
-                    self._release(seg)
-        return gone
-
     def read_ranges(
         self,
         segments: np.ndarray,
@@ -517,11 +483,17 @@ class NvmeLog:
         out: bytearray | memoryview,
         out_at: np.ndarray,
     ) -> list[int]:
-        """`read_parts` for many ranges given as arrays, in the order given (sort them by
-        segment and offset): range i is `lengths[i]` bytes of segment `segments[i]` at
-        `offsets[i]` bytes into the payload of the record there (record offset + start in
-        its payload), read into `out` at `out_at[i]`. The same hints ahead, the same
-        skipped checks. Returns the positions of the ranges whose segment was gone."""
+        """Read byte ranges of record payloads straight into `out`: range i is `lengths[i]`
+        bytes of segment `segments[i]` at `offsets[i]` bytes into the payload of the record
+        there (the record's offset + the start in its payload), read to `out_at[i]`. Give
+        them in log order (by segment, then offset).
+
+        The records' own checks are skipped (only parts of them are read): the caller
+        checks what it reads (dataset records carry their own crc32c). The kernel gets a
+        WILLNEED hint READ_AHEAD_PARTS ranges ahead of each read, so many small random
+        reads are in flight on the device at once. Returns the positions of the ranges
+        whose segment was gone (compacted meanwhile): the caller reads those another way.
+        """
         gone: list[int] = []
         held = {segment: self._acquire(segment) for segment in np.unique(segments).tolist()}
         try:
@@ -551,13 +523,6 @@ class NvmeLog:
                 if seg is not None:
                     self._release(seg)
         return gone
-
-    @staticmethod
-    def _advise(held: dict[int, _Segment | None], part: tuple[LogLocation, int, memoryview]) -> None:
-        loc, start, into = part
-        seg = held[loc.segment]
-        if seg is not None:
-            os.posix_fadvise(seg.fd, loc.offset + HEADER.size + start, len(into), os.POSIX_FADV_WILLNEED)
 
     def _acquire(self, segment: int) -> _Segment | None:
         with self._fd_lock:

@@ -13,6 +13,7 @@ import pytest
 import trio
 
 from distorefs.errors import DistorefsError
+from distorefs.stores.datasets.dataset import Dataset
 from distorefs.stores.datasets.formats import OrderInput, OrderSpec, shuffled
 from distorefs.stores.datasets.store import DatasetStore
 from distorefs.stores.datasets.stream import BATCHES_IN_FLIGHT, Stream
@@ -53,6 +54,17 @@ async def read_all(stream: Stream, chunk: int = 100_000) -> bytes:
         if not piece:
             return bytes(out)
         out += piece
+
+
+async def stream_once(datasets: DatasetStore, ds: Dataset) -> list[tuple[int, float, bytes | memoryview]]:
+    """One whole blob stream of `ds` (its prefetch running), decoded."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(datasets.run_streams)
+        stream = await datasets.open_stream(ds, 0, 1)
+        batch = decode_blob_batch(await read_all(stream, chunk=1 << 20))
+        datasets.close_stream(stream)
+        nursery.cancel_scope.cancel()
+    return batch
 
 
 def order_of(text: bytes, count: int) -> tuple[OrderSpec, np.ndarray | None]:
@@ -160,12 +172,7 @@ async def test_cold_stream_larger_than_dram_reads_the_right_records(tmp_path: Pa
     ds = datasets.get("big")
     assert ds.sealed
     assert ds.count == 2000
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(datasets.run_streams)
-        stream = await datasets.open_stream(ds, 0, 1)
-        batch = decode_blob_batch(await read_all(stream, chunk=1 << 20))
-        datasets.close_stream(stream)
-        nursery.cancel_scope.cancel()
+    batch = await stream_once(datasets, ds)
     assert [i for i, _w, _b in batch] == shuffled(11, 2000).tolist()
     assert all(item == items[i] for i, _w, item in batch)
     stats = blocks.statistics()
@@ -301,12 +308,7 @@ async def test_a_stream_fetches_at_most_its_in_flight_batches_at_once(
             active -= 1
 
     monkeypatch.setattr(blocks, "gather", counted)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(datasets.run_streams)
-        stream = await datasets.open_stream(ds, 0, 1)
-        batch = decode_blob_batch(await read_all(stream, chunk=1 << 20))
-        datasets.close_stream(stream)
-        nursery.cancel_scope.cancel()
+    batch = await stream_once(datasets, ds)
     assert [item for _i, _w, item in batch] == items
     # the prefetch's batches, and one the reader may fetch itself
     assert peak <= BATCHES_IN_FLIGHT + 1, f"{peak} batches fetched at once"

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from distorefs.compiled import import_kernels
+from distorefs.compiled import Kernels
 from distorefs.stores.replay import sumtree_walks
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 FEW_SLOTS = 5  # updates of up to this many slots walk the tree in Python (measured: faster up to 5)
 
 
-_jit: ModuleType | None = None  # sumtree_jit once load_compiled() has loaded it
+KERNELS = Kernels("distorefs.stores.replay.sumtree_jit", "DISTOREFS_SUMTREE", "numpy")  # sumtree_jit's walks
 
 
 def load_compiled() -> bool:
@@ -32,15 +32,7 @@ def load_compiled() -> bool:
     results. The daemon calls this in a thread of its own at start, so that neither the
     mount nor the event loop waits for it. False (numpy walks stay) when numba is not
     installed, cannot run with this numpy, or DISTOREFS_SUMTREE=numpy asks for numpy."""
-    global _jit
-    if _jit is None:
-        _jit = import_kernels("distorefs.stores.replay.sumtree_jit", "DISTOREFS_SUMTREE", "numpy")
-    return _jit is not None
-
-
-def compiled_loaded() -> bool:
-    """Whether `load_compiled` has loaded the compiled walks (it never imports here)."""
-    return _jit is not None
+    return KERNELS.load()
 
 
 class SegmentTree:
@@ -75,7 +67,7 @@ class SegmentTree:
         return self._compiled_walks() is not None
 
     def _compiled_walks(self) -> ModuleType | None:
-        return _jit if self._may_compile else None
+        return KERNELS.module if self._may_compile else None
 
     @property
     def total(self) -> float:
