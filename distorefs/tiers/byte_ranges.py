@@ -14,6 +14,7 @@ import numpy as np
 import trio
 
 from distorefs.errors import InvalidArgument
+from distorefs.memory import unzeroed
 from distorefs.tiers.block_base import BlockTierBase
 from distorefs.tiers.copy_ranges import copy_ranges
 from distorefs.types import BlockKey, LogLocation, Writable
@@ -185,7 +186,7 @@ class ByteRanges(BlockTierBase):
         s_offset = np.array([location.offset + low for location, low, *_ in spans], dtype=np.int64)
         s_length = np.array([size for _location, _low, size, _mine in spans], dtype=np.int64)
         s_at = np.cumsum(s_length) - s_length
-        scratch = bytearray(int(s_length.sum()))
+        scratch = unzeroed(int(s_length.sum()))  # only what the reads filled is copied out
         c_source, c_inner, c_length, c_at = source[copied], inner[copied], length[copied], at[copied]
 
         def work() -> list[int]:

@@ -39,6 +39,7 @@ import crc32c
 import numpy as np
 
 from distorefs.errors import Corrupted, StoreFull
+from distorefs.memory import unzeroed
 from distorefs.types import BlockKey, LogLocation
 
 log = logging.getLogger(__name__)
@@ -346,7 +347,7 @@ class NvmeLog:
             raise Corrupted(f"log: segment {location.segment} of {key} is gone")
         try:
             header = bytearray(HEADER.size)
-            out = bytearray(location.length) if into is None else into
+            out = unzeroed(location.length) if into is None else into  # filled whole, or Corrupted
             payload = memoryview(out)[: location.length]
             got = os.preadv(seg.fd, [header, payload], location.offset)
         finally:
@@ -412,7 +413,7 @@ class NvmeLog:
             if loc.offset > at:
                 iov.append(bytearray(loc.offset - at))  # a dead record between two live ones
             header = bytearray(HEADER.size)
-            payload = bytearray(loc.length)
+            payload = unzeroed(loc.length)  # filled whole by the preadv below, or Corrupted
             iov += (header, payload)
             headers.append(header)
             payloads.append(payload)
@@ -464,7 +465,7 @@ class NvmeLog:
         if 3 * len(span) <= IOV_MAX:
             self._read_span_direct(seg, span, positions, out)
             return
-        chunk = bytearray(size)
+        chunk = unzeroed(size)  # filled whole, or Corrupted
         if os.preadv(seg.fd, [chunk], start) != size:
             raise Corrupted(f"log: short read of {len(span)} records at {first}")
         view = memoryview(chunk)
