@@ -10,6 +10,7 @@ import stat
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.conftest import Mount
@@ -101,6 +102,48 @@ def test_truncate_shrinks_and_extends_with_zeros(scratch: Path) -> None:
     with open(path, "r+b") as f:
         f.truncate(0)
     assert path.read_bytes() == b""
+
+
+def test_random_writes_truncates_and_reads_match_a_model_of_the_file(mounted: Mount, scratch: Path) -> None:
+    """fsx in small: writes at random offsets and lengths (across blocks, leaving holes),
+    truncates down and up, reads checked against the same operations on a bytearray,
+    through a read-write descriptor (page cache) and a write-only one (direct): holes and
+    grown tails read as zeros, every byte as last written."""
+    rng = np.random.default_rng(17)
+    path = scratch / "fsx"
+    model = bytearray()
+    rw = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    wo = os.open(path, os.O_WRONLY)
+    try:
+        for step in range(400):
+            op = rng.integers(0, 10)
+            if op < 5:  # a write, sometimes far past the end (a hole before it)
+                at = int(rng.integers(0, len(model) + 3 * 1024 * 1024))
+                data = rng.integers(1, 256, int(rng.integers(1, 300_000)), dtype=np.uint8).tobytes()
+                os.pwrite(rw if op % 2 else wo, data, at)
+                if at > len(model):
+                    model.extend(bytes(at - len(model)))
+                model[at : at + len(data)] = data
+            elif op < 7:  # truncate down or up
+                size = int(rng.integers(0, len(model) + 2 * 1024 * 1024))
+                os.ftruncate(rw, size)
+                del model[size:]
+                model.extend(bytes(size - len(model)))
+            else:  # a read anywhere, past the end too
+                at = int(rng.integers(0, len(model) + 1024))
+                n = int(rng.integers(1, 2 * 1024 * 1024))
+                assert os.pread(rw, n, at) == bytes(model[at : at + n]), f"step {step}: read {n} at {at}"
+        assert os.fstat(rw).st_size == len(model)
+    finally:
+        os.close(wo)
+        os.close(rw)
+    assert path.read_bytes() == model
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:  # what the daemon holds, not the kernel's copy
+            f.write("1\n")
+    except PermissionError:
+        return  # (not root: the reads above went through the kernel's page cache and the daemon alike)
+    assert path.read_bytes() == model
 
 
 def test_open_with_o_trunc_empties_the_file(scratch: Path) -> None:
