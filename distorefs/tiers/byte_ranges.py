@@ -117,8 +117,8 @@ class ByteRanges(BlockTierBase):
         loaded, or the bytes as written), in one compiled copy (copy_ranges.py). In a block
         that many ranges touch, one span covering them is read; other ranges are read one
         by one, straight into `out`, with many in flight. Log reads skip the record checks
-        (parts of a record are read): the caller checks those ranges. Holes stay as they
-        are in `out` (zeros), and count as unchecked. One worker-thread trip for the whole
+        (parts of a record are read): the caller checks those ranges. Holes leave `out` as
+        it was there, and count as unchecked. One worker-thread trip for the whole
         gather.
         """
         bb = self.block_bytes
@@ -143,9 +143,9 @@ class ByteRanges(BlockTierBase):
         # block shorter than the index says) is not copied, and its range stays unchecked,
         # so the caller's check fails it instead of serving what lies beyond.
         copied = cached & (inner + length <= np.asarray(valid + [0], dtype=np.int64)[source])  # [-1]: not cached
-        out_bytes = memoryview(out).nbytes
-        if len(at) and (int(at.min()) < 0 or int((at + length).max()) > out_bytes):
-            raise AssertionError(f"gather: a range lies outside the output's {out_bytes} bytes")
+        view = memoryview(out)
+        if len(at) and (int(at.min()) < 0 or int((at + length).max()) > view.nbytes):
+            raise AssertionError(f"gather: a range lies outside the output's {view.nbytes} bytes")
         unchecked = np.ones(len(starts), dtype=bool)  # empty ranges included: nothing vouches for them
         unchecked[rng[copied]] = False
         unchecked[rng[~copied]] = True  # a range with any piece from the log, or not copied
@@ -153,7 +153,6 @@ class ByteRanges(BlockTierBase):
         # Pieces in blocks not cached, planned in numpy: a dense block (many pieces, or half
         # its bytes) is read as one span; the others' pieces straight into `out`, sorted
         # by where they lie in the log. Only blocks are looked up one by one.
-        view = memoryview(out)
         m_block = which[missed]
         m_inner, m_length, m_at = inner[missed], length[missed], at[missed]
         count = np.bincount(m_block, minlength=len(numbers))

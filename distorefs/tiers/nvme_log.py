@@ -40,7 +40,7 @@ import numpy as np
 
 from distorefs.errors import Corrupted, StoreFull
 from distorefs.memory import unzeroed
-from distorefs.types import BlockKey, LogLocation
+from distorefs.types import BlockKey, LogLocation, Writable
 
 log = logging.getLogger(__name__)
 
@@ -481,7 +481,7 @@ class NvmeLog:
         segments: np.ndarray,
         offsets: np.ndarray,
         lengths: np.ndarray,
-        out: bytearray | memoryview,
+        out: Writable,
         out_at: np.ndarray,
     ) -> list[int]:
         """Read byte ranges of record payloads straight into `out`: range i is `lengths[i]`
