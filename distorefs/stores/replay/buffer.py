@@ -60,6 +60,7 @@ from distorefs.stores.replay.formats import MAX_ITEM_BYTES
 from distorefs.stores.replay.mirror import INLINE_BYTES, Mirror, add_at, stride_for
 from distorefs.stores.replay.rate_limiter import RateLimiter
 from distorefs.stores.replay.removers import make_remover
+from distorefs.stores.replay.rows import RecordRows, rows_bytes_for
 from distorefs.stores.replay.samplers import make_sampler
 from distorefs.stores.replay.snapshot import encode_state, match_snapshot
 from distorefs.stores.replay.sumtree import SegmentTree
@@ -139,6 +140,7 @@ class ReplayBuffer:
         self._snapshot_dirty = False
         self._snapshot: bytes | None = None  # the last staged snapshot (its own row, see stage_snapshot)
         self.mirror: Mirror | None = None  # the items in shared memory, once a sampler asked (mirror.py)
+        self._rows: RecordRows | None = None  # small records by ring slot, for draws (rows.py)
         self._row_mark: int | None = None  # MetaDb mark of the row's first staging (0: read from it)
         self.config: BufferConfig = config  # (set again, with everything it implies, by _apply_config)
         self._apply_config(config, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64))
@@ -174,6 +176,19 @@ class ReplayBuffer:
         self._size[slots] = sizes
         self._tree.update(slots, self._scaled(priorities))
         self._live.update(slots, np.ones(len(slots)))
+        self._make_rows()
+
+    def _make_rows(self) -> None:
+        """Rows for this config's ring where its records are small and it fits their
+        share of the budget (rows.py); none otherwise. They fill as items come and go."""
+        if self._rows is not None:
+            self._rows.close()
+            self._rows = None
+        config = self.config
+        if config.itemsize is not None and rows_bytes_for(
+            config.capacity, config.itemsize, config.zstd_level is not None, self._blocks.dram_budget_bytes
+        ):
+            self._rows = RecordRows.make(config.capacity, config.itemsize, self._blocks.reserve, self._blocks.unreserve)
 
     def _scaled(self, priorities: np.ndarray) -> np.ndarray:
         cfg = self.config
@@ -323,6 +338,7 @@ class ReplayBuffer:
             sizes = [len(item) for item in items[at : at + count]]
             self._publish(first, sizes)  # ... then samplers may see the indices
             self._mirror_place(np.arange(first, first + count, dtype=np.int64), chunk)
+            self._rows_place(np.arange(first, first + count, dtype=np.int64), items[at : at + count])
             added.extend(range(first, first + count))
             at += count
         self._snapshot_dirty = True
@@ -422,6 +438,9 @@ class ReplayBuffer:
         self._drop_items(self.live_indices())
         self.stored_bytes = 0
         self._apply_config(self.config, *(np.zeros(0, dtype) for dtype in (np.int64, np.float64, np.int64, np.int64)))
+        if self._rows is not None:  # a deleted buffer holds no share of the budget
+            self._rows.close()
+            self._rows = None
         self._snapshot_dirty = True
         self._notify()
 
@@ -457,6 +476,7 @@ class ReplayBuffer:
         self._size[slot] = len(data)
         await self._blocks.put(self.key(index), stored)
         self._mirror_place(np.array([index], dtype=np.int64), [data])
+        self._rows_place(np.array([index], dtype=np.int64), [data])
 
     # --- priorities -------------------------------------------------------------------
 
@@ -542,12 +562,10 @@ class ReplayBuffer:
         count = count or self.config.batch_size
         if self._spread is not None:
             return await place(await self._spread.sample(count, nonblocking))
-        drawn = await self.pick(count, nonblocking)
-        weights = self._weights(drawn.probabilities, len(drawn.indices))
-        placed = await place(
-            Batch(encode_batch(self.config, drawn.payloads, drawn.indices, weights), drawn.indices, weights)
-        )
-        self.commit(drawn.indices)
+        indices, probabilities, items = await self._draw(count, nonblocking)
+        weights = self._weights(probabilities, len(indices))
+        placed = await place(Batch(encode_batch(self.config, items, indices, weights), indices, weights))
+        self.commit(indices)
         return placed
 
     def _weights(self, probabilities: np.ndarray | None, count: int) -> np.ndarray:
@@ -570,10 +588,31 @@ class ReplayBuffer:
         """Pick `count` items of this shard: their indices, their sampling probabilities
         within it (None where the sampler is not prioritized) and their bytes. Nothing is
         counted: `commit` does that once the batch is handed out."""
+        indices, probabilities, items = await self._draw(count, nonblocking)
+        if isinstance(items, np.ndarray):  # records from the rows: one view each, as items come
+            return Drawn(indices, probabilities, [memoryview(record) for record in items])
+        return Drawn(indices, probabilities, items)
+
+    async def _draw(
+        self, count: int, nonblocking: bool
+    ) -> tuple[np.ndarray, np.ndarray | None, list[bytes | memoryview] | np.ndarray]:
+        """`pick`'s indices and probabilities, and the items: their bytes (views), or for
+        a buffer with rows (rows.py) its records as one (count, itemsize) uint8 array."""
         slots, probabilities = await self._pick_slots(count, nonblocking)
         indices = self._slot_index[slots].copy()
-        payloads = await self._payloads(indices)
-        return Drawn(indices, probabilities, payloads)
+        rows = self._rows
+        if rows is None:
+            return indices, probabilities, await self._payloads(indices)
+        records, missing = rows.gather(slots, indices)
+        if missing.any():  # rows that do not hold their item yet: read those items, and keep them
+            wanted = indices[missing]
+            payloads = await self._payloads(wanted)
+            records[missing] = np.frombuffer(b"".join(payloads), dtype=np.uint8).reshape(len(wanted), rows.itemsize)
+            if rows is self._rows:  # (a row filled meanwhile, by a replacement through items/N, keeps it)
+                unfilled = rows.held[wanted % rows.capacity] != wanted
+                kept = [p for p, ok in zip(payloads, unfilled.tolist(), strict=True) if ok]
+                self._rows_place(wanted[unfilled], kept)
+        return indices, probabilities, records
 
     # --- the shared-memory mirror (mirror.py) -------------------------------------------
 
@@ -614,6 +653,15 @@ class ReplayBuffer:
         if not live.all():
             indices, items = indices[live], [item for item, ok in zip(items, live.tolist(), strict=True) if ok]
         self.mirror.place(indices, items)
+
+    def _rows_place(self, indices: np.ndarray, records: Sequence[bytes | bytearray | memoryview]) -> None:
+        """Copy records of items that are live now into the rows (as `_mirror_place`)."""
+        if self._rows is None:
+            return
+        live = self._slot_index[indices % self.config.capacity] == indices
+        if not live.all():
+            indices, records = indices[live], [r for r, ok in zip(records, live.tolist(), strict=True) if ok]
+        self._rows.put(indices, records)
 
     async def _fill_mirror(self, mirror: Mirror, indices: np.ndarray) -> None:
         """Bring drawn items that are not in the arena in (read from the block tier; big
@@ -868,6 +916,7 @@ class ReplayBuffer:
             "total_priority": self._tree.total,
             "errors": self.errors,
             **({"shared_memory": self.mirror.statistics()} if self.mirror is not None else {}),
+            **({"record_rows": self._rows.statistics()} if self._rows is not None else {}),
             **({"cluster": self._spread.stats_now()} if self._spread is not None else {}),
         }
 

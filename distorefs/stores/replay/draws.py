@@ -74,12 +74,14 @@ def check_priorities(name: str, indices: np.ndarray, priorities: np.ndarray) -> 
 
 
 def encode_batch(
-    config: BufferConfig, payloads: list[bytes | memoryview], indices: np.ndarray, weights: np.ndarray
+    config: BufferConfig, payloads: list[bytes | memoryview] | np.ndarray, indices: np.ndarray, weights: np.ndarray
 ) -> bytearray | ScatteredBytes:
     """A batch in the buffer's format: a .npy with `_index`/`_weight` under a schema,
-    the framed blob format without one."""
+    the framed blob format without one. `payloads` is the items' bytes, or a schema
+    buffer's records as one (count, itemsize) uint8 array."""
     if config.dtype is not None:
         return encode_npy_batch(config.dtype, payloads, indices, weights)
+    assert not isinstance(payloads, np.ndarray), "records in rows are a schema buffer's"
     return encode_blob_batch(payloads, indices, weights)
 
 

@@ -405,12 +405,16 @@ _TAIL = np.dtype([("index", "<i8"), ("weight", "<f4")])  # what batch_dtype adds
 
 
 def encode_npy_batch(
-    schema: np.dtype[Any], payloads: Sequence[bytes | memoryview], indices: np.ndarray, weights: np.ndarray
+    schema: np.dtype[Any],
+    payloads: Sequence[bytes | memoryview] | np.ndarray,
+    indices: np.ndarray,
+    weights: np.ndarray,
 ) -> bytearray | ScatteredBytes:
     """One `.npy` holding the batch. Small records are copied into one buffer (cheaper
     than many pieces); big ones stay views of the items with each record's 12-byte
     `_index`/`_weight` between them, as the blob format does, so the daemon copies
-    nothing before the reply."""
+    nothing before the reply. `payloads` may be the records as one (count, itemsize)
+    uint8 array (a buffer's rows, stores/replay/rows.py)."""
     count = len(payloads)
     header = npy_batch_header(schema, count)
     if schema.itemsize >= SCATTER_RECORD_BYTES:
@@ -427,7 +431,9 @@ def encode_npy_batch(
     out = bytearray(len(header) + count * dtype.itemsize)
     out[: len(header)] = header
     rows = np.frombuffer(out, dtype=np.uint8, offset=len(header)).reshape(count, dtype.itemsize)
-    if count:  # one joined copy and one strided copy, not a numpy call per record
+    if isinstance(payloads, np.ndarray):
+        rows[:, : schema.itemsize] = payloads
+    elif count:  # one joined copy and one strided copy, not a numpy call per record
         joined = b"".join(payloads)
         rows[:, : schema.itemsize] = np.frombuffer(joined, dtype=np.uint8).reshape(count, schema.itemsize)
     records = np.frombuffer(out, dtype=dtype, offset=len(header))
