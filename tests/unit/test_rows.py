@@ -80,7 +80,7 @@ def test_only_small_records_in_a_small_ring_get_rows() -> None:
     assert rows_bytes_for(1000, None, False, budget) == 0  # blobs
     assert rows_bytes_for(1000, 48, True, budget) == 0  # compressed
     assert rows_bytes_for(1000, 4096, False, budget) == 0  # served as views of the items
-    assert rows_bytes_for(budget // 16 // 48 + 1, 48, False, budget) == 0  # past its share of the budget
+    assert rows_bytes_for(budget // 8 // 48 + 1, 48, False, budget) == 0  # past its share of the budget
 
 
 async def test_a_restarted_buffer_fills_its_rows_from_draws(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ import numpy as np
 
 from distorefs.stores.replay.formats import SCATTER_RECORD_BYTES
 
-BUDGET_SHARE = 16  # the rows may take at most 1/16 of the DRAM budget ...
+BUDGET_SHARE = 8  # the rows may take at most 1/8 of the DRAM budget ...
 MAX_ROWS_BYTES = 256 << 20  # ... and at most this much
 
 
