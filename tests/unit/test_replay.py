@@ -122,6 +122,47 @@ def test_compiled_walks_give_the_numpy_walks_tree_and_draws(capacity: int, seed:
             assert (plain.leaves()[found] > 0).all()
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_one_leaf_updates_give_the_same_tree_as_batched_ones(compiled: bool) -> None:
+    assert sumtree.load_compiled()
+    rng = np.random.default_rng(5)
+    for capacity in (1, 7, 1000):
+        one = SegmentTree(capacity, with_min_max=True, compiled=compiled)
+        batched = SegmentTree(capacity, with_min_max=True, compiled=compiled)
+        for _ in range(300):
+            slot, value = int(rng.integers(0, capacity)), float(rng.random() * 10 if rng.random() > 0.2 else 0.0)
+            one.update_one(slot, value)
+            batched.update(np.array([slot]), np.array([value]))
+        for mine, theirs in ((one._sum, batched._sum), (one._min, batched._min), (one._max, batched._max)):
+            assert np.array_equal(mine, theirs)
+        for bad in (-1, capacity):
+            with pytest.raises(IndexError):
+                one.update_one(bad, 1.0)
+
+
+async def test_appends_one_at_a_time_leave_the_ring_a_batched_append_leaves(tiers: tuple[BlockStore, MetaDb]) -> None:
+    blocks, meta = tiers
+    config = BufferConfig().updated("t", {"capacity": 7, "sampler": "prioritized"}, has_items=False)
+    singly, batched = (
+        ReplayBuffer(name, owner, config, blocks, meta) for name, owner in (("a", 1 << 40), ("b", 2 << 40))
+    )
+    items = [b"x" * (i + 1) for i in range(17)]  # past the capacity twice: FIFO evictions on both paths
+    for item in items[:9]:
+        await singly.append([item])
+    await batched.append(items[:9])
+    await singly.update_priorities(np.array([5, 8]), np.array([3.0, 0.5]))
+    await batched.update_priorities(np.array([5, 8]), np.array([3.0, 0.5]))
+    for item in items[9:]:  # new items take the max priority, 3.0 now
+        await singly.append([item])
+    await batched.append(items[9:])
+    for name in ("_slot_index", "_priority", "_times", "_size"):
+        assert np.array_equal(getattr(singly, name), getattr(batched, name)), name
+    for mine, theirs in ((singly._tree, batched._tree), (singly._live, batched._live)):
+        assert np.array_equal(mine._sum, theirs._sum)
+    assert (singly.stored_bytes, singly.removed, singly.size) == (batched.stored_bytes, batched.removed, 7)
+    assert singly.stored_bytes == sum(len(i) for i in items[10:])
+
+
 def test_compiled_update_refuses_a_slot_outside_the_tree() -> None:
     assert sumtree.load_compiled()
     tree = SegmentTree(100, with_min_max=True)

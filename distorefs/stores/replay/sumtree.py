@@ -103,15 +103,7 @@ class SegmentTree:
             # without numba: the same walks as Python on memoryviews, whose elements are
             # Python floats (a numpy scalar costs 3-4x more); a dozen numpy calls per level
             # cost ~150 us a slot on a deep tree
-            low, high = self._min, self._max
-            self._climb(
-                sumtree_walks,
-                self._sum.data,
-                None if low is None else low.data,
-                None if high is None else high.data,
-                np.asarray(slots).tolist(),
-                np.asarray(values, dtype=np.float64).tolist(),
-            )
+            self._climb_in_python(np.asarray(slots).tolist(), np.asarray(values, dtype=np.float64).tolist())
             return
         nodes = np.asarray(slots, dtype=np.int64) + self._size
         values = np.asarray(values, dtype=np.float64)
@@ -134,6 +126,28 @@ class SegmentTree:
                 low[nodes] = np.minimum(low[left], low[right])
                 high[nodes] = np.maximum(high[left], high[right])
             nodes >>= 1
+
+    def update_one(self, slot: int, value: float) -> None:
+        """`update` of one leaf, without the numpy calls that check a batch's bounds and
+        types (an append's: each costs about a µs, several times the walk)."""
+        if not 0 <= slot < self.capacity:
+            raise IndexError(f"slot {slot} outside 0..{self.capacity - 1}")
+        jit = self._compiled_walks()
+        if jit is not None:
+            self._climb(jit, self._sum, self._min, self._max, np.array([slot], np.int64), np.array([value]))
+        else:
+            self._climb_in_python([slot], [value])
+
+    def _climb_in_python(self, slots: list[int], values: list[float]) -> None:
+        low, high = self._min, self._max
+        self._climb(
+            sumtree_walks,
+            self._sum.data,
+            None if low is None else low.data,
+            None if high is None else high.data,
+            slots,
+            values,
+        )
 
     def _climb(self, walks: ModuleType, total: Any, low: Any, high: Any, slots: Any, values: Any) -> None:
         """Set the leaves and walk each one's path to the root with `walks` (compiled, or
