@@ -156,6 +156,11 @@ class BlockStore(ByteRanges, Compaction):
     def dram_budget_bytes(self) -> int:
         return self._dram.budget_bytes
 
+    @property
+    def dram_reserved_bytes(self) -> int:
+        """Bytes that stores hold outside the block cache now (`reserve`)."""
+        return self._dram.reserved_bytes
+
     def spill(self, owner: int) -> None:
         """Let `owner`'s blocks go to the remote memory tier (buffer items: small and read
         at random; files stay local, their sequential reads prefetch from the log)."""

@@ -76,11 +76,32 @@ async def test_rows_are_reserved_against_the_budget_and_given_back(tiers: tuple[
 
 def test_only_small_records_in_a_small_ring_get_rows() -> None:
     budget = 1 << 30
-    assert rows_bytes_for(1000, 48, False, budget) == 48_000
-    assert rows_bytes_for(1000, None, False, budget) == 0  # blobs
-    assert rows_bytes_for(1000, 48, True, budget) == 0  # compressed
-    assert rows_bytes_for(1000, 4096, False, budget) == 0  # served as views of the items
-    assert rows_bytes_for(budget // 8 // 48 + 1, 48, False, budget) == 0  # past its share of the budget
+    assert rows_bytes_for(1000, 48, False, budget, 0) == 48_000
+    assert rows_bytes_for(1000, None, False, budget, 0) == 0  # blobs
+    assert rows_bytes_for(1000, 48, True, budget, 0) == 0  # compressed
+    assert rows_bytes_for(1000, 4096, False, budget, 0) == 0  # served as views of the items
+    assert rows_bytes_for(budget // 8 // 48 + 1, 48, False, budget, 0) == 0  # past its share of the budget
+    assert rows_bytes_for(1000, 48, False, budget, budget // 4 - 48_000) == 48_000
+    assert rows_bytes_for(1000, 48, False, budget, budget // 4 - 47_999) == 0  # reservations past a quarter
+
+
+async def test_many_small_buffers_leave_three_quarters_of_the_budget_to_the_cache(
+    tiers: tuple[BlockStore, MetaDb],
+) -> None:
+    blocks, meta = tiers
+    store = BufferStore(blocks, meta)
+    capacity = blocks.dram_budget_bytes // 8 // RECORD.itemsize  # each ring at its own limit
+    made = [
+        store.create(
+            f"r{i}", BufferConfig().updated(f"r{i}", {"schema": SCHEMA, "capacity": capacity}, has_items=False)
+        )
+        for i in range(6)
+    ]
+    with_rows = [buf for buf in made if "record_rows" in buf.stats()]
+    assert len(with_rows) == 2  # an eighth each: the third would pass a quarter
+    assert blocks.dram_reserved_bytes <= blocks.dram_budget_bytes // 4
+    await made[-1].append([record(0)])  # the others still work, without rows
+    assert drawn((await made[-1].sample(1)).data)["step"].tolist() == [0]
 
 
 async def test_a_restarted_buffer_fills_its_rows_from_draws(tmp_path: Path) -> None:

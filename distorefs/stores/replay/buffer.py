@@ -184,9 +184,10 @@ class ReplayBuffer:
         if self._rows is not None:
             self._rows.close()
             self._rows = None
-        config = self.config
+        config, blocks = self.config, self._blocks
+        compressed = config.zstd_level is not None
         if config.itemsize is not None and rows_bytes_for(
-            config.capacity, config.itemsize, config.zstd_level is not None, self._blocks.dram_budget_bytes
+            config.capacity, config.itemsize, compressed, blocks.dram_budget_bytes, blocks.dram_reserved_bytes
         ):
             self._rows = RecordRows.make(config.capacity, config.itemsize, self._blocks.reserve, self._blocks.unreserve)
 

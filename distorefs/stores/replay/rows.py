@@ -30,18 +30,28 @@ import numpy as np
 
 from distorefs.stores.replay.formats import SCATTER_RECORD_BYTES
 
-BUDGET_SHARE = 8  # the rows may take at most 1/8 of the DRAM budget ...
+BUDGET_SHARE = 8  # one buffer's rows may take at most 1/8 of the DRAM budget ...
 MAX_ROWS_BYTES = 256 << 20  # ... and at most this much
+RESERVED_SHARE = 4  # and none are made once reservations (all rows, arenas, streams) pass 1/4
 
 
-def rows_bytes_for(capacity: int, itemsize: int | None, compressed: bool, budget_bytes: int) -> int:
+def rows_bytes_for(
+    capacity: int, itemsize: int | None, compressed: bool, budget_bytes: int, reserved_bytes: int
+) -> int:
     """How many bytes a buffer's rows would take, or 0 where it gets none: blob buffers
-    (items of any size), compressed ones, records served as views (big), and rings
-    larger than their share of the budget."""
+    (items of any size), compressed ones, records served as views (big), rings larger
+    than their share of the budget, and any ring once what is reserved against the budget
+    now (`reserved_bytes`) and the rows would pass a quarter of it, so that many small
+    buffers never leave the block cache without room."""
     if itemsize is None or compressed or itemsize >= SCATTER_RECORD_BYTES:
         return 0
     size = capacity * itemsize
-    return size if size <= min(budget_bytes // BUDGET_SHARE, MAX_ROWS_BYTES) else 0
+    if (
+        size > min(budget_bytes // BUDGET_SHARE, MAX_ROWS_BYTES)
+        or reserved_bytes + size > budget_bytes // RESERVED_SHARE
+    ):
+        return 0
+    return size
 
 
 class RecordRows:
