@@ -79,8 +79,9 @@ class RecordRows:
         return cls(capacity, itemsize, unreserve)
 
     def put(self, indices: np.ndarray, records: Sequence[bytes | bytearray | memoryview]) -> None:
-        """These items' records (appended, replaced, or just read for a draw); the caller
-        passes only items that are live in their slots now."""
+        """These items' records (appended, replaced, or just read for a draw). An item
+        that is not live any more costs nothing but a later miss: its index never
+        matches a live one."""
         if self.closed or not len(indices):
             return
         slots = indices % self.capacity
