@@ -17,6 +17,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -545,3 +546,31 @@ def test_version2_a_blob_bigger_than_the_arenas_slots_gets_a_new_arena(buffer: P
         assert sampler.shm_version == 2  # not the fallback: a new arena with bigger slots
         assert arena(buffer)["slot_bytes"] >= 9000
         assert [(index, bytes(item)) for index, _w, item in held] == before  # the old arena's views live on
+
+
+def test_version2_a_sampler_polls_for_its_reply_then_sleeps_until_it_comes(buffer: Path) -> None:
+    (buffer / "config").write_text(json.dumps({"batch_size": 4, "min_size_to_sample": 8, "sample_timeout": 30}))
+    items = [b"item-%d" % i for i in range(8)]
+    client.append(buffer, items[:4])
+    with client.Sampler(buffer, transport="shm", spin_us=2_000) as sampler:
+        later = threading.Timer(0.5, client.append, (buffer, items[4:]))
+        started = time.monotonic()
+        later.start()
+        batch = sampler.sample()  # too few items until the timer: the poll ends, the wait goes on
+        assert time.monotonic() - started >= 0.4
+        later.join()
+        assert sampler._session is not None
+        assert sampler._session.spun_replies == 0
+        for _ in range(30):  # served at once: most replies come while it polls
+            batch = sampler.sample()
+            assert {bytes(item) for _i, _w, item in batch} <= set(items)
+        assert sampler._session.spun_replies > 0
+    with client.Sampler(buffer, transport="shm", spin_us=0) as sleeper:
+        for _ in range(10):
+            assert len(sleeper.sample()) == 4
+        assert sleeper._session is not None
+        assert sleeper._session.spun_replies == 0
+    for bad in (-1, client.MAX_SPIN_US + 1):
+        with pytest.raises(ValueError, match="spin_us"):
+            client.Sampler(buffer, transport="shm", spin_us=bad)
+    assert stats(buffer)["samples"] == 4 * (1 + 30 + 10)
