@@ -208,7 +208,8 @@ class Sampler:
     a priority update then reaches the draws after those N. While it waits for a reply
     it polls the socket for `spin_us` microseconds before it sleeps (default 300 where
     the machine has more than one CPU, else 0): a reply usually comes within that, and
-    a sleeping process's wake-up costs more than the draw on a VM whose idle CPUs halt. Where version 2 is not there
+    a sleeping process's wake-up costs more than the draw on a VM whose idle CPUs halt.
+    Where version 2 is not there
     (an older daemon, a compressed buffer, a batch over 4096 items) it uses version 1
     (the daemon copies each batch into a region of its own), and where shared memory is
     not there at all (no /dev/shm, another node, the arena does not fit the DRAM
