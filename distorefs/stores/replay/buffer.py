@@ -184,6 +184,8 @@ class ReplayBuffer:
         if self._rows is not None:
             self._rows.close()
             self._rows = None
+        if self.deleted:
+            return  # a deleted buffer holds no share of the budget
         config, blocks = self.config, self._blocks
         compressed = config.zstd_level is not None
         if config.itemsize is not None and rows_bytes_for(
@@ -460,14 +462,13 @@ class ReplayBuffer:
         self._notify()
 
     def delete_all(self) -> None:
-        """Remove every item at once (buffer deletion): one pass, no per-item tree updates."""
+        """Remove every item at once, for good (buffer deletion): one pass, no per-item
+        tree updates; the buffer is `deleted` from here on."""
+        self.deleted = True  # (before the empty ring is laid out: a deleted buffer gets no rows)
         self.close_mirror()
         self._drop_items(self.live_indices())
         self.stored_bytes = 0
         self._apply_config(self.config, *(np.zeros(0, dtype) for dtype in (np.int64, np.float64, np.int64, np.int64)))
-        if self._rows is not None:  # a deleted buffer holds no share of the budget
-            self._rows.close()
-            self._rows = None
         self._snapshot_dirty = True
         self._notify()
 

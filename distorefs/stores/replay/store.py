@@ -111,7 +111,6 @@ class BufferStore:
         """Remove the buffer and all its items (their log space is reclaimed by compaction)."""
         buf = self.get(name)
         buf.delete_all()
-        buf.deleted = True
         del self._buffers[name]
         del self._by_owner[buf.owner]
         self._meta.delete("buffers", (name,))
