@@ -209,13 +209,13 @@ class Sampler:
     it polls the socket for `spin_us` microseconds before it sleeps (default 300 where
     the machine has more than one CPU, else 0): a reply usually comes within that, and
     a sleeping process's wake-up costs more than the draw on a VM whose idle CPUs halt.
-    Where version 2 is not there
-    (an older daemon, a compressed buffer, a batch over 4096 items) it uses version 1
-    (the daemon copies each batch into a region of its own), and where shared memory is
-    not there at all (no /dev/shm, another node, the arena does not fit the DRAM
-    budget) it goes back to the files by itself; `transport` then says "fuse". Call
-    `close()` (or use it as a context manager) to hand everything back at once; the
-    daemon also reclaims it when this process exits or is killed.
+    Where version 2 is not there (an older daemon, a compressed buffer, a batch over
+    4096 items) it uses version 1 (the daemon copies each batch into a region of its
+    own), and where shared memory is not there at all (no /dev/shm, another node, the
+    arena does not fit the DRAM budget) it goes back to the files by itself;
+    `transport` then says "fuse". Call `close()` (or use it as a context manager) to
+    hand everything back at once; the daemon also reclaims it when this process exits
+    or is killed.
 
     Examples:
         >>> sampler = client.Sampler("/mnt/distore/buffers/r2d2")
