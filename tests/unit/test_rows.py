@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from distorefs.stores.replay.buffer import ReplayBuffer
 from distorefs.stores.replay.config import BufferConfig
-from distorefs.stores.replay.rows import rows_bytes_for
+from distorefs.stores.replay.rows import ring_bytes, rows_bytes_for
 from distorefs.stores.replay.store import BufferStore
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.metadb import MetaDb
@@ -59,7 +59,7 @@ async def test_draws_come_from_the_rows_once_they_hold_the_items(tiers: tuple[Bl
         batch = drawn((await buf.sample()).data)
         assert (batch["step"] == batch["_index"]).all()
     rows = buf.stats()["record_rows"]
-    assert rows == {"bytes": 100 * RECORD.itemsize, "hits": 20, "misses": 0}
+    assert rows == {"bytes": 100 * (RECORD.itemsize + 8), "hits": 20, "misses": 0}  # records and held indices
 
 
 async def test_rows_are_reserved_against_the_budget_and_given_back(tiers: tuple[BlockStore, MetaDb]) -> None:
@@ -67,22 +67,23 @@ async def test_rows_are_reserved_against_the_budget_and_given_back(tiers: tuple[
     before = blocks._dram.reserved_bytes
     store = BufferStore(blocks, meta)
     store.create("r", BufferConfig().updated("r", {"schema": SCHEMA, "capacity": 1000}, has_items=False))
-    assert blocks._dram.reserved_bytes == before + 1000 * RECORD.itemsize
+    assert blocks._dram.reserved_bytes == before + 1000 * (RECORD.itemsize + 8)
     store.get("r").reconfigure({"capacity": 2000})
-    assert blocks._dram.reserved_bytes == before + 2000 * RECORD.itemsize
+    assert blocks._dram.reserved_bytes == before + 2000 * (RECORD.itemsize + 8)
     store.delete("r")
     assert blocks._dram.reserved_bytes == before
 
 
 def test_only_small_records_in_a_small_ring_get_rows() -> None:
     budget = 1 << 30
-    assert rows_bytes_for(1000, 48, False, budget, 0) == 48_000
+    assert rows_bytes_for(1000, 48, False, budget, 0) == 56_000  # 48 bytes a record, 8 for its held index
     assert rows_bytes_for(1000, None, False, budget, 0) == 0  # blobs
     assert rows_bytes_for(1000, 48, True, budget, 0) == 0  # compressed
     assert rows_bytes_for(1000, 4096, False, budget, 0) == 0  # served as views of the items
-    assert rows_bytes_for(budget // 8 // 48 + 1, 48, False, budget, 0) == 0  # past its share of the budget
-    assert rows_bytes_for(1000, 48, False, budget, budget // 4 - 48_000) == 48_000
-    assert rows_bytes_for(1000, 48, False, budget, budget // 4 - 47_999) == 0  # reservations past a quarter
+    assert rows_bytes_for(budget // 8 // 56, 48, False, budget, 0) == ring_bytes(budget // 8 // 56, 48)
+    assert rows_bytes_for(budget // 8 // 56 + 1, 48, False, budget, 0) == 0  # past its share of the budget
+    assert rows_bytes_for(1000, 48, False, budget, budget // 4 - 56_000) == 56_000
+    assert rows_bytes_for(1000, 48, False, budget, budget // 4 - 55_999) == 0  # reservations past a quarter
 
 
 async def test_many_small_buffers_leave_three_quarters_of_the_budget_to_the_cache(
@@ -90,7 +91,7 @@ async def test_many_small_buffers_leave_three_quarters_of_the_budget_to_the_cach
 ) -> None:
     blocks, meta = tiers
     store = BufferStore(blocks, meta)
-    capacity = blocks.dram_budget_bytes // 8 // RECORD.itemsize  # each ring at its own limit
+    capacity = blocks.dram_budget_bytes // 8 // (RECORD.itemsize + 8)  # each ring at its own limit
     made = [
         store.create(
             f"r{i}", BufferConfig().updated(f"r{i}", {"schema": SCHEMA, "capacity": capacity}, has_items=False)

@@ -632,14 +632,13 @@ class ReplayBuffer:
         if rows is None:
             return indices, probabilities, await self._payloads(indices)
         records, missing = rows.gather(slots, indices)
-        if missing.any():  # rows that do not hold their item yet: read those items, and keep them
+        if missing is not None:  # rows that do not hold their item yet: read those items, and keep them
             wanted = indices[missing]
             payloads = await self._payloads(wanted)
             records[missing] = np.frombuffer(b"".join(payloads), dtype=np.uint8).reshape(len(wanted), rows.itemsize)
             if rows is self._rows:  # (a row filled meanwhile, by a replacement through items/N, keeps it)
                 unfilled = rows.held[wanted % rows.capacity] != wanted
-                kept = [p for p, ok in zip(payloads, unfilled.tolist(), strict=True) if ok]
-                self._rows_place(wanted[unfilled], kept)
+                rows.put(wanted[unfilled], [p for p, ok in zip(payloads, unfilled.tolist(), strict=True) if ok])
         return indices, probabilities, records
 
     # --- the shared-memory mirror (mirror.py) -------------------------------------------

@@ -33,6 +33,12 @@ from distorefs.stores.replay.formats import SCATTER_RECORD_BYTES
 BUDGET_SHARE = 8  # one buffer's rows may take at most 1/8 of the DRAM budget ...
 MAX_ROWS_BYTES = 256 << 20  # ... and at most this much
 RESERVED_SHARE = 4  # and none are made once reservations (all rows, arenas, streams) pass 1/4
+HELD_BYTES = 8  # each slot's `held` index (int64), reserved with its row
+
+
+def ring_bytes(capacity: int, itemsize: int) -> int:
+    """What a ring's rows hold in DRAM: the records and each slot's `held` index."""
+    return capacity * (itemsize + HELD_BYTES)
 
 
 def rows_bytes_for(
@@ -45,7 +51,7 @@ def rows_bytes_for(
     buffers never leave the block cache without room."""
     if itemsize is None or compressed or itemsize >= SCATTER_RECORD_BYTES:
         return 0
-    size = capacity * itemsize
+    size = ring_bytes(capacity, itemsize)
     if (
         size > min(budget_bytes // BUDGET_SHARE, MAX_ROWS_BYTES)
         or reserved_bytes + size > budget_bytes // RESERVED_SHARE
@@ -74,7 +80,7 @@ class RecordRows:
         """Rows for a ring of `capacity` records of `itemsize` bytes, reserved against the
         DRAM budget first; None when the budget refuses them (draws then read the block
         tier, as without rows)."""
-        if not reserve(capacity * itemsize):
+        if not reserve(ring_bytes(capacity, itemsize)):
             return None
         return cls(capacity, itemsize, unreserve)
 
@@ -91,27 +97,28 @@ class RecordRows:
             self.rows[slots] = np.frombuffer(b"".join(records), dtype=np.uint8).reshape(len(records), self.itemsize)
         self.held[slots] = indices
 
-    def gather(self, slots: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def gather(self, slots: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """The records of the drawn items (in `slots`, with `indices`), copied out as a
         (len(slots), itemsize) uint8 array, and a mask of those whose rows do not hold
-        them (their records are garbage: the caller reads them from the block tier)."""
+        them (their records are garbage: the caller reads them from the block tier), or
+        None when every row holds its item."""
+        records: np.ndarray = self.rows[slots]
         missing: np.ndarray = self.held[slots] != indices
         if missing.any():
             self.misses += 1
-        else:
-            self.hits += 1
-        records: np.ndarray = self.rows[slots]
-        return records, missing
+            return records, missing
+        self.hits += 1
+        return records, None
 
     def close(self) -> None:
         """Give the bytes back to the DRAM budget (a reconfiguration, a deletion)."""
         if not self.closed:
             self.closed = True
-            self._unreserve(self.capacity * self.itemsize)
+            self._unreserve(ring_bytes(self.capacity, self.itemsize))
             self.rows = np.empty((0, self.itemsize), dtype=np.uint8)
-            self.held = np.full(self.capacity, -1, dtype=np.int64)
+            self.held = np.empty(0, dtype=np.int64)
 
     def statistics(self) -> dict[str, int]:
         """`record_rows` in the buffer's stats: the bytes reserved, and draws served whole
         from the rows (`hits`) or with some records read from the block tier (`misses`)."""
-        return {"bytes": self.capacity * self.itemsize, "hits": self.hits, "misses": self.misses}
+        return {"bytes": ring_bytes(self.capacity, self.itemsize), "hits": self.hits, "misses": self.misses}
