@@ -452,7 +452,8 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
                         await daemon.node.start(nursery)
                     daemon.start_tasks(config, nursery)
                     nursery.start_soon(_stop_on_signal, name="signals")
-                    nursery.start_soon(_tune_after_init, config.mountpoint, name="tune")
+                    # (the event the first request sets: busy polling may replace it later)
+                    nursery.start_soon(_tune_after_init, config.mountpoint, daemon.ops.request_done, name="tune")
                     if config.metrics_port is not None:
                         daemon.ops.metrics.serve(config.metrics_port)
                     ready(f"distorefs: mounted {config.mountpoint} (pid {os.getpid()}, data dir {data_dir})")
@@ -487,10 +488,13 @@ def _render(report: dict[str, Any]) -> bytes:
     return (json.dumps(report, indent=2) + "\n").encode()
 
 
-async def _tune_after_init(mountpoint: str) -> None:
-    """Raise read-ahead once the kernel has processed FUSE INIT (which resets it): a stat
-    of the mount point is answered only after INIT."""
-    await trio.to_thread.run_sync(os.stat, mountpoint)
+async def _tune_after_init(mountpoint: str, first_request: trio.Event) -> None:
+    """Raise read-ahead once the kernel has processed FUSE INIT (which resets it): the
+    kernel sends no other request before, so the end of the first one (`first_request`)
+    comes after it. The daemon never touches its own mount for this: a stat of the mount
+    point in flight (from a thread the GIL may hold back) made a quick `fusermount3 -u`
+    fail with EBUSY."""
+    await first_request.wait()
     await trio.to_thread.run_sync(raise_read_ahead, mountpoint)
 
 

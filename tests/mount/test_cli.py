@@ -9,13 +9,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from distorefs import cli
-from tests.conftest import Mount, fuse_missing, is_mounted, mounted_at
+from distorefs.daemon import READ_AHEAD_KB, mount_device
+from tests.conftest import Mount, fuse_missing, is_mounted, mounted_at, start_daemon
 
 pytestmark = pytest.mark.mount
 
@@ -250,3 +252,22 @@ def test_top_of_a_directory_that_is_not_a_mount_says_so(tmp_path: Path) -> None:
     result = distore("top", str(tmp_path), "--once")
     assert result.returncode == 1
     assert result.stderr.strip() == f"distore top: {tmp_path} is not a distorefs mount"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a mount's read-ahead in /sys needs root")
+def test_read_ahead_is_raised_after_the_first_request_and_a_quick_umount_is_never_busy(tmp_path: Path) -> None:
+    for round_ in range(5):  # the daemon never touches its own mount: an unmount at once goes through
+        mount = start_daemon(tmp_path / f"mnt{round_}", tmp_path / f"data{round_}")
+        try:
+            if round_ == 0:
+                device = mount_device(str(mount.path))
+                assert device is not None
+                os.listdir(mount.path)  # the first request: INIT is done, the tuning follows it
+                ahead = Path(f"/sys/class/bdi/{device}/read_ahead_kb")
+                deadline = time.monotonic() + 10
+                while ahead.read_text().strip() != str(READ_AHEAD_KB) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                assert ahead.read_text().strip() == str(READ_AHEAD_KB)
+            assert mount.unmount() == 0
+        finally:
+            mount.cleanup()
