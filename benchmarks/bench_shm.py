@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.daemon import mounted  # noqa: E402
-from distorefs import client  # noqa: E402
+from distorefs import client, hugepages  # noqa: E402
 
 WORKLOADS = {  # name: (item bytes, batch, sampler, capacity, fill, items per append)
     "DQN": (110_000, 32, "prioritized", 20_000, 3_000, 16),
@@ -96,7 +96,8 @@ def main() -> int:
     parser.add_argument("--only", default="", help="comma-separated workloads (default: all)")
     args = parser.parse_args()
     chosen = [w for w in WORKLOADS if not args.only or w in args.only.split(",")]
-    report: dict[str, Any] = {}
+    # the host's setting for huge pages in shared memory (hugepages.py): arenas ask for them
+    report: dict[str, Any] = {"shmem_enabled": hugepages.shmem_setting()}
     base = Path(tempfile.mkdtemp(prefix="distorefs-shm-", dir="/var/tmp"))
     try:
         with mounted(base, "--dram-budget", "6GiB") as mnt:

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from distorefs import hugepages
 from distorefs.stores.replay.config import parse_schema
 from distorefs.stores.replay.formats import (
     NPY_MAGIC,
@@ -458,6 +459,7 @@ class _ShmSession:
         if self._arena_fd is None:
             raise OSError(errno.EPROTO, "sample.shm: a batch in an arena the daemon did not send")
         self._map = mmap.mmap(self._arena_fd, stride * slots, prot=mmap.PROT_READ)  # the old map goes with its views
+        hugepages.advise(self._map)
         self._stride, self._mapped_slots, self._arena_number = stride, slots, number
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distorefs import client
+from distorefs import client, hugepages
 from tests.conftest import Mount
 
 MountFactory = Callable[..., Mount]
@@ -574,3 +574,32 @@ def test_version2_a_sampler_polls_for_its_reply_then_sleeps_until_it_comes(buffe
         with pytest.raises(ValueError, match="spin_us"):
             client.Sampler(buffer, transport="shm", spin_us=bad)
     assert stats(buffer)["samples"] == 4 * (1 + 30 + 10)
+
+
+def mapping_flags(pid: int | str, name: str) -> list[set[str]]:
+    """The VmFlags of each mapping of process `pid` whose path starts with `name`."""
+    found: list[set[str]] = []
+    matching = False
+    with open(f"/proc/{pid}/smaps", encoding="ascii", errors="replace") as f:
+        for line in f:
+            fields = line.split()
+            if fields and "-" in fields[0] and ":" not in fields[0]:  # a mapping's first line
+                matching = len(fields) >= 6 and fields[5].startswith(name)
+            elif matching and fields and fields[0] == "VmFlags:":
+                found.append(set(fields[1:]))
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists(hugepages.SHMEM_SETTING), reason="a kernel without transparent huge pages")
+def test_version2_arena_mappings_ask_for_huge_pages_on_both_sides(mounted: Mount, buffer: Path) -> None:
+    (buffer / "config").write_text(json.dumps({"batch_size": 4}))
+    client.append(buffer, [bytes([i]) * 5000 for i in range(40)])
+    with client.Sampler(buffer, transport="shm") as sampler:
+        assert len(sampler.sample()) == 4
+        in_daemon = mapping_flags(mounted.proc.pid, "/memfd:distorefs-mirror")
+        in_client = mapping_flags("self", "/memfd:distorefs-mirror")
+    assert in_daemon
+    assert in_client
+    assert all("hg" in flags for flags in in_daemon), in_daemon
+    assert all("hg" in flags for flags in in_client), in_client
+    assert arena(buffer)["huge_pages"] == hugepages.shmem_huge()

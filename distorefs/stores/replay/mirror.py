@@ -11,7 +11,8 @@ the source of truth and the path to the log); its bytes are reserved against the
 budget. An arena slot is never written while a sampler holds it: a new item goes into
 a free slot, and the slot of an item that left is free again once no batch holds it.
 So a batch's views stay valid, unchanged, until the sampler releases it, whatever is
-appended meanwhile.
+appended meanwhile. Each mapping asks for huge pages (hugepages.py; the sampler's
+mapping asks too), which the host grants where its shmem setting allows.
 
 Examples:
     >>> mirror = Mirror(capacity=1000, stride=4096, reserve=blocks.reserve, unreserve=blocks.unreserve)
@@ -29,6 +30,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from distorefs import hugepages
 from distorefs.errors import OutOfMemory
 
 FIRST_BYTES = 8 << 20  # the first growth: this much, or 64 slots, whichever is fewer (at least 1)
@@ -102,6 +104,7 @@ class Mirror:
                 return False
         os.ftruncate(self._fd, new * self.stride)
         self._map = mmap.mmap(self._fd, new * self.stride)
+        hugepages.advise(self._map)
         self.rows = np.frombuffer(self._map, dtype=np.uint8).reshape(new, self.stride)
         self.index = np.concatenate([self.index, np.full(new - self.slots, -1, dtype=np.int64)])
         self.refs = np.concatenate([self.refs, np.zeros(new - self.slots, dtype=np.int32)])
@@ -210,6 +213,7 @@ class Mirror:
             "items": int(np.count_nonzero(self.ring >= 0)),
             "held_slots": self.held_slots(),
             "slot_bytes": self.stride,
+            "huge_pages": hugepages.shmem_huge(),
         }
 
     def close(self) -> None:
