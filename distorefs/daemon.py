@@ -271,6 +271,7 @@ class Daemon:
             nursery.start_soon(supervised, name, functools.partial(fn, *args), self.ops, name=name)
 
         start("flusher", blocks.run_flusher, config.flush_interval_s)
+        start("write-behind", blocks.run_write_behind)
         start("syncer", blocks.run_syncer, config.sync_interval_s)
         start("dirty page watch", blocks.run_dirty_watch)
         start("compactor", blocks.run_compactor, config.compact_interval_s, config.compact_min_dead_ratio)

@@ -76,6 +76,7 @@ class BlockStatistics:
     notes: int  # notes written since the start (priority updates of replay buffers)
     inline_notes: int  # of them, written on the event loop (the rest went to a thread)
     row_notes: int  # persists (closes) acknowledged by a row note in the log instead of a commit
+    written_behind_bytes: int  # full blocks written to the log by the write-behind before their close
     flush_lag_s: float  # age bound of the oldest write still only in DRAM (0: none)
     durable_lag_s: float  # age bound of the oldest log record not yet fsync'ed (0: none)
 
@@ -114,6 +115,9 @@ class BlockStore(ByteRanges, Compaction):
         self._prefetched = 0
         # write-back (tiers/writeback.py)
         self._dirty = {}
+        self._full_dirty = {}
+        self._write_behind_wanted = trio.Event()
+        self.written_behind_bytes = 0
         self._frozen = {}
         self._flush_lock = trio.Lock()
         self._flush_wanted = trio.Event()
@@ -619,5 +623,6 @@ class BlockStore(ByteRanges, Compaction):
             notes=self._note_count,
             inline_notes=self.inline_notes,
             row_notes=self.row_notes,
+            written_behind_bytes=self.written_behind_bytes,
             **self.lags(),
         )

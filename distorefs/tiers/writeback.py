@@ -33,6 +33,8 @@ from distorefs.types import BlockKey, LogLocation
 log = logging.getLogger(__name__)
 
 FLUSH_BATCH_BYTES = 16 * 1024 * 1024
+WRITE_BEHIND_BYTES = 8 * 1024 * 1024  # full dirty blocks that start a write-behind pass
+WRITE_BEHIND_RETRY_S = 1.0  # after a pass that failed (a full disk)
 INLINE_APPEND_BYTES = 256 * 1024  # log-only persists up to this size write on the event loop
 DIRTY_WATCH_S = 0.1  # how often the kernel's dirty page count is read (inline appends)
 TAIL_ROWS_SOON = 50_000  # staged rows that wake the flusher before its interval
@@ -84,6 +86,9 @@ class WriteBack(BlockTierBase):
     """Flushing, persisting and committing (mixed into BlockStore)."""
 
     _dirty: dict[int, set[int]]  # owner -> numbers of its dirty blocks in DRAM
+    _full_dirty: dict[BlockKey, None]  # dirty blocks written full, oldest first (write-behind)
+    _write_behind_wanted: trio.Event
+    written_behind_bytes: int  # full blocks the write-behind put in the log before their close
     _frozen: dict[int, int]  # id(block) -> flushes in flight reading its buffer
     _flush_lock: trio.Lock
     _flush_wanted: trio.Event
@@ -150,8 +155,13 @@ class WriteBack(BlockTierBase):
         self._dirty.setdefault(key.owner, set()).add(key.number)
         if self._dram.dirty_bytes > self._dram.budget_bytes // 4:
             self._flush_wanted.set()
+        if block.length == self.block_bytes and key not in self._full_dirty:
+            self._full_dirty[key] = None
+            if len(self._full_dirty) * self.block_bytes >= WRITE_BEHIND_BYTES:
+                self._write_behind_wanted.set()
 
     def _unmark_dirty(self, key: BlockKey) -> None:
+        self._full_dirty.pop(key, None)
         indices = self._dirty.get(key.owner)
         if indices is not None:
             indices.discard(key.number)
@@ -544,6 +554,40 @@ class WriteBack(BlockTierBase):
                 async with survive("flusher"):
                     await self.flush()
                     await self.commit()
+
+    async def run_write_behind(self) -> None:
+        """Background task: full blocks to the log while their files are still being
+        written (`write_behind`), so that a close finds little left to write."""
+        while True:
+            await self._write_behind_wanted.wait()
+            self._write_behind_wanted = trio.Event()
+            try:
+                await self.write_behind()
+            except (DistorefsError, OSError) as exc:  # a full disk: the flusher and the closes write them
+                log.warning("write-behind: pass failed, will retry in %s s: %s", WRITE_BEHIND_RETRY_S, exc)
+                await trio.sleep(WRITE_BEHIND_RETRY_S)
+
+    async def write_behind(self) -> None:
+        """Write the dirty blocks that were written full to the log, oldest first, one
+        batch per trip to a thread, while at least WRITE_BEHIND_BYTES of them wait. A
+        sequential writer fills a block and moves on, so the block will not change again:
+        written now, on the core the writer's round trips leave idle, it is not written at
+        the close, which then waits only for the file's last few blocks (docs/design.md,
+        "Write-behind of full blocks"). A block changed again is marked again and goes in
+        a later pass; the rows are staged for the flusher's next commit, as its own are."""
+        per_batch = max(1, FLUSH_BATCH_BYTES // self.block_bytes)
+        while len(self._full_dirty) * self.block_bytes >= WRITE_BEHIND_BYTES:
+            async with self._flush_lock:
+                keys: list[BlockKey] = []
+                while self._full_dirty and len(keys) < per_batch:  # taken out first: every pass ends
+                    key = next(iter(self._full_dirty))
+                    del self._full_dirty[key]
+                    block = self._dram.peek(key)
+                    if block is not None and block.dirty and block.length == self.block_bytes:
+                        keys.append(key)
+                before = self._flushed_bytes
+                await self._flush_batch(keys)
+                self.written_behind_bytes += self._flushed_bytes - before
 
     def watch_dirty_pages(self) -> None:
         """Allow inline log-only appends only while the kernel is below its background

@@ -102,6 +102,38 @@ def test_kill_9_keeps_every_fsynced_and_closed_file(mount_factory: MountFactory)
     assert mount.unmount() == 0
 
 
+def test_a_big_file_goes_to_the_log_while_written_and_a_kill_9_after_its_close_keeps_it(
+    mount_factory: MountFactory,
+) -> None:
+    mount = mount_factory("--dram-budget", "256MiB", "--flush-interval", "60")  # no flusher pass meanwhile
+    root = tree(mount)
+    chunk = 1 << 20
+    data = bytearray(os.urandom(40 * chunk + 12_345))
+    fd = os.open(root / "big", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for start in range(0, 32 * chunk, chunk):
+            os.write(fd, data[start : start + chunk])
+        blocks = mount.status()["blocks"]
+        assert isinstance(blocks, dict)
+        deadline = time.monotonic() + 10
+        while blocks["written_behind_bytes"] < 16 * chunk and time.monotonic() < deadline:
+            time.sleep(0.02)
+            blocks = mount.status()["blocks"]
+            assert isinstance(blocks, dict)
+        assert blocks["written_behind_bytes"] >= 16 * chunk  # in the log while the file is still open
+        os.pwrite(fd, b"changed after it was written behind", 3 * chunk + 5)
+        data[3 * chunk + 5 : 3 * chunk + 5 + 35] = b"changed after it was written behind"
+        for start in range(32 * chunk, len(data), chunk):
+            os.write(fd, data[start : start + chunk])
+    finally:
+        os.close(fd)
+    mount.kill9()
+
+    mount = mount_factory()
+    assert (tree(mount) / "big").read_bytes() == data
+    assert mount.unmount() == 0
+
+
 def test_kill_9_after_closes_acknowledged_by_row_notes_brings_back_the_tree_as_the_last_close_left_it(
     mount_factory: MountFactory,
 ) -> None:

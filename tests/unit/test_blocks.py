@@ -613,3 +613,67 @@ async def test_gather_reads_again_through_the_index_what_compaction_moved_meanwh
     stats = store.statistics()
     assert (stats.gathered_log_spans if count == 400 else stats.gathered_log_parts) > 0
     await store.close()
+
+
+async def wait_written_behind(store: BlockStore, nbytes: int) -> None:
+    with trio.fail_after(10):
+        while store.written_behind_bytes < nbytes:
+            await trio.sleep(0.01)
+
+
+async def test_full_blocks_go_to_the_log_while_written_and_a_close_writes_only_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(writeback, "WRITE_BEHIND_BYTES", 3 * BLOCK)
+    store = open_store(tmp_path, budget=16 * BLOCK, segment=16 * BLOCK)
+    data = bytearray(os.urandom(5 * BLOCK + 100))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(store.run_write_behind)
+        await store.write_range(3, 0, bytes(data[: 2 * BLOCK]))  # two full blocks: under the mark
+        await trio.sleep(0.05)
+        assert store.written_behind_bytes == 0
+        await store.write_range(3, 2 * BLOCK, bytes(data[2 * BLOCK :]))  # three more, and a partial one
+        await wait_written_behind(store, 5 * BLOCK)
+        assert store.owner_dirty_bytes(3) == 100  # only the last, partial block waits for the close
+        for number in range(5):
+            block = store._dram.peek(BlockKey(3, number))
+            assert block is not None
+            assert not block.dirty
+        data[BLOCK + 7 : BLOCK + 10] = b"new"  # a block written behind changes again: dirty again
+        await store.write_range(3, BLOCK + 7, b"new")
+        assert store.owner_dirty_bytes(3) == BLOCK + 100
+        nursery.cancel_scope.cancel()
+    assert store.written_behind_bytes == 5 * BLOCK
+    await store.persist(3)  # the close
+    assert store.owner_dirty_bytes(3) == 0
+    killed(store)
+
+    store = open_store(tmp_path)
+    await store.read_tail()
+    got = b"".join([await read_all(store, BlockKey(3, number)) for number in range(6)])
+    assert got == data
+    await store.close()
+
+
+async def test_a_block_rewritten_while_written_behind_keeps_its_last_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(writeback, "WRITE_BEHIND_BYTES", 2 * BLOCK)
+    store = open_store(tmp_path, budget=16 * BLOCK, segment=16 * BLOCK)
+    last = [b""] * 4
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(store.run_write_behind)
+        for round_ in range(40):  # full rewrites of four blocks, racing the passes' threads
+            number = round_ % 4
+            last[number] = os.urandom(BLOCK)
+            await store.write_range(9, number * BLOCK, last[number])
+            if round_ % 3 == 0:
+                await trio.sleep(0.001)  # a pass may be in its thread meanwhile
+        await wait_written_behind(store, 2 * BLOCK)
+        nursery.cancel_scope.cancel()
+    await store.persist(9)
+    killed(store)
+    store = open_store(tmp_path)
+    await store.read_tail()
+    assert [await read_all(store, BlockKey(9, number)) for number in range(4)] == last
+    await store.close()
