@@ -347,8 +347,17 @@ class NvmeLog:
     def _write(self, seg: _Segment, offset: int, buffers: list[bytes | bytearray | memoryview]) -> None:
         pending = [memoryview(b).cast("B") for b in buffers]
         if seg.direct_fd >= 0 and sum(len(b) for b in pending) >= DIRECT_MIN_BYTES:
-            self._write_direct(seg, offset, pending)
-            return
+            try:
+                self._write_direct(seg, offset, pending)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                # a device whose blocks are bigger than DIRECT_ALIGN: the page cache from now
+                # on, this write again from its start (what reached the file is the same bytes)
+                log.warning("log %s: O_DIRECT write refused (%s): appends go through the page cache", seg.path, exc)
+                self.direct = False
+                _close_direct(seg)
         # pwritev takes at most IOV_MAX (1024) buffers and may write short.
         while pending:
             batch = pending[:1024]

@@ -324,3 +324,27 @@ def test_where_o_direct_is_refused_big_appends_go_through_the_page_cache(
     assert log.direct_bytes == 0
     assert bytes(log.read(location, BlockKey(4, 0))) == b"z" * 50_000
     log.close()
+
+
+def test_a_direct_write_the_device_refuses_is_written_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device whose blocks are bigger than the alignment refuses the write (EINVAL, here
+    injected): that write and every later one go through the page cache, nothing lost."""
+    small_direct_writes(monkeypatch)
+    log = NvmeLog.open(str(tmp_path))
+    if not log.direct:
+        log.close()
+        pytest.skip("this file system refuses O_DIRECT")
+
+    def refuse(seg: object, data: memoryview, at: int) -> None:
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(NvmeLog, "_pwrite_direct", staticmethod(refuse))
+    first = log.append(BlockKey(6, 0), b"a" * 20_000)
+    second = log.append(BlockKey(6, 1), b"b" * 20_000)
+    assert not log.direct
+    assert log.direct_bytes == 0
+    assert bytes(log.read(first, BlockKey(6, 0))) == b"a" * 20_000
+    assert bytes(log.read(second, BlockKey(6, 1))) == b"b" * 20_000
+    log.close()
