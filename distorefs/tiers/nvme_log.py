@@ -379,25 +379,28 @@ class NvmeLog:
         if self._stage is None:
             self._stage = mmap.mmap(-1, STAGE_BYTES)  # page-aligned, reused for every direct write
         stage = memoryview(self._stage)
+        staged = np.frombuffer(self._stage, dtype=np.uint8)  # numpy copies without the GIL
         file_at = offset - offset % DIRECT_ALIGN
         filled = offset - file_at
         try:
             if filled and os.preadv(seg.fd, [stage[:filled]], file_at) != filled:
                 raise OSError(errno.EIO, f"log {seg.path}: short read of the page before offset {offset}")
             for buf in pending:
-                while len(buf):
-                    step = min(len(buf), STAGE_BYTES - filled)
-                    stage[filled : filled + step] = buf[:step]
+                source = np.frombuffer(buf, dtype=np.uint8)
+                while len(source):
+                    step = min(len(source), STAGE_BYTES - filled)
+                    staged[filled : filled + step] = source[:step]
                     filled += step
-                    buf = buf[step:]
+                    source = source[step:]
                     if filled == STAGE_BYTES:
                         self._pwrite_direct(seg, stage, file_at)
                         file_at, filled = file_at + STAGE_BYTES, 0
             if filled:
                 padded = -(-filled // DIRECT_ALIGN) * DIRECT_ALIGN
-                stage[filled:padded] = bytes(padded - filled)
+                staged[filled:padded] = 0
                 self._pwrite_direct(seg, stage[:padded], file_at)
         finally:
+            del staged
             stage.release()
         self.direct_bytes += sum(len(b) for b in pending)
 
