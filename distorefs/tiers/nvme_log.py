@@ -179,6 +179,8 @@ class NvmeLog:
         self.direct = hasattr(os, "O_DIRECT")  # False once the file system refuses it
         self.direct_bytes = 0  # bytes appended with O_DIRECT
         self._stage: mmap.mmap | None = None
+        # ((segment, end offset), the bytes of the last page up to the end) after a direct write
+        self._direct_tail: tuple[tuple[int, int], bytes] | None = None
 
     # --- opening and recovery -------------------------------------------------------
 
@@ -382,8 +384,11 @@ class NvmeLog:
         staged = np.frombuffer(self._stage, dtype=np.uint8)  # numpy copies without the GIL
         file_at = offset - offset % DIRECT_ALIGN
         filled = offset - file_at
+        tail, self._direct_tail = self._direct_tail, None
         try:
-            if filled and os.preadv(seg.fd, [stage[:filled]], file_at) != filled:
+            if tail is not None and tail[0] == (seg.segment, offset):  # nothing appended since the last one
+                stage[:filled] = tail[1]
+            elif filled and os.preadv(seg.fd, [stage[:filled]], file_at) != filled:
                 raise OSError(errno.EIO, f"log {seg.path}: short read of the page before offset {offset}")
             for buf in pending:
                 source = np.frombuffer(buf, dtype=np.uint8)
@@ -399,6 +404,10 @@ class NvmeLog:
                 padded = -(-filled // DIRECT_ALIGN) * DIRECT_ALIGN
                 staged[filled:padded] = 0
                 self._pwrite_direct(seg, stage[:padded], file_at)
+            # The page at the end, which the next direct write starts with: kept, so that
+            # write need not read it back from the disk (it is not in the page cache)
+            last = filled - filled % DIRECT_ALIGN
+            self._direct_tail = ((seg.segment, file_at + filled), bytes(stage[last:filled]))
         finally:
             del staged
             stage.release()
