@@ -30,8 +30,9 @@ record, which the next append overwrites and a start-up cuts off without calling
 torn). Through the page cache the same write cost 0.3-1.9 s of CPU per GiB on this VM
 (new page cache pages, then the kernel's writeback), with O_DIRECT 0.17-0.19 s
 (docs/design.md, "Big log writes bypass the page cache"). Small appends (replay items,
-notes, small files) keep the page cache. Where the file system refuses O_DIRECT (tmpfs),
-every append goes through the page cache.
+notes, small files) keep the page cache. Where the file system refuses O_DIRECT (tmpfs
+before Linux 6.6), or a device refuses a 4 KiB-aligned write, every append goes through
+the page cache.
 """
 
 from __future__ import annotations
@@ -236,7 +237,7 @@ class NvmeLog:
         if self.direct:
             try:
                 seg.direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
-            except OSError as exc:  # EINVAL: a file system without O_DIRECT (tmpfs)
+            except OSError as exc:  # EINVAL: a file system without O_DIRECT (tmpfs before 6.6)
                 log.info("log %s: no O_DIRECT here (%s): every append goes through the page cache", path, exc)
                 self.direct = False
         previous, self._active = self._active, seg
