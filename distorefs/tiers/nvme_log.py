@@ -349,9 +349,11 @@ class NvmeLog:
 
     def _write(self, seg: _Segment, offset: int, buffers: list[bytes | bytearray | memoryview]) -> None:
         pending = [memoryview(b).cast("B") for b in buffers]
-        if seg.direct_fd >= 0 and sum(len(b) for b in pending) >= DIRECT_MIN_BYTES:
+        total = sum(len(b) for b in pending)
+        if seg.direct_fd >= 0 and total >= DIRECT_MIN_BYTES:
             try:
                 self._write_direct(seg, offset, pending)
+                self.direct_bytes += total
                 return
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
@@ -412,7 +414,6 @@ class NvmeLog:
         finally:
             del staged
             stage.release()
-        self.direct_bytes += sum(len(b) for b in pending)
 
     @staticmethod
     def _pwrite_direct(seg: _Segment, data: memoryview, at: int) -> None:
