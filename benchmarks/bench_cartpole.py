@@ -1,7 +1,7 @@
 """A DQN loop on CartPole with its replay buffer in distorefs through plain file calls,
 against the same loop with an in-memory numpy buffer, in one run (issue 16).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_cartpole.py [--steps 8000] [--runs 3] [--busy-poll-us 0]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_cartpole.py [--steps 8000] [--runs 3] [--busy-poll-us 200]
 
 The loop is the textbook one: every env step appends its transition (one record per
 open of `append`, written with `os.write`), and from `--learning-starts` on every env
@@ -224,7 +224,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8000)
     parser.add_argument("--learning-starts", type=int, default=1000)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--busy-poll-us", type=int, default=0, help="the daemon's --busy-poll-us")
+    parser.add_argument("--busy-poll-us", type=int, default=200, help="the daemon's --busy-poll-us (its default: 200)")
     args = parser.parse_args()
     import torch
 

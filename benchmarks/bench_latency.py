@@ -51,6 +51,7 @@ def timed(call: object, calls: int) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--busy-poll-us", type=int, default=None, help="the daemon's --busy-poll-us (default: its own)")
     args = parser.parse_args()
     record = np.zeros(1, RECORD)
     raw = record.tobytes()
@@ -83,7 +84,8 @@ def main() -> int:
 
     base = Path(tempfile.mkdtemp(prefix="distorefs-latency-"))
     try:
-        with mounted(base, "--dram-budget", "1GiB") as mnt:
+        polling = [] if args.busy_poll_us is None else ["--busy-poll-us", str(args.busy_poll_us)]
+        with mounted(base, "--dram-budget", "1GiB", *polling) as mnt:
             b = mnt / "buffers" / "lat"
             b.mkdir()
             schema = {"obs": ["float32", [128]], "action": "int64", "reward": "float32", "next_obs": ["float32", [125]]}

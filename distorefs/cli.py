@@ -107,9 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
         " shared-memory path off, and clients fall back to plain reads (default /dev/shm)",
     )  # fmt: skip
     mount.add_argument(
-        "--busy-poll-us", type=int, default=0, metavar="US",
-        help="after each request, poll for the next one this many microseconds before sleeping: lower"
-        " latency for a client in a tight loop, for CPU while requests come (default 0: off)",
+        "--busy-poll-us", type=int, default=200, metavar="US",
+        help="after each request, poll for the next one for up to this many microseconds before sleeping;"
+        " the window adapts to the gaps between requests (a client in a tight loop is served without"
+        " wake-ups, one that pauses turns it off). Default 200; 0: never poll",
     )  # fmt: skip
     mount.add_argument(
         "--metrics-port",

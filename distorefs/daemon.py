@@ -31,6 +31,7 @@ from distorefs.errors import ConfigError, DistorefsError
 from distorefs.fs.buffers import BuffersDir
 from distorefs.fs.datasets import DatasetsDir
 from distorefs.fs.ops import FsOperations
+from distorefs.fs.polling import PollWindow
 from distorefs.fs.shm import SharedMemory, sweep_stale
 from distorefs.fs.shm_sessions import SampleSessions
 from distorefs.fs.virtual import MountInfo, VirtualTree
@@ -85,7 +86,7 @@ class DaemonConfig:
     wait_timeout_s: float = 60.0
     checkpoint_sync_close: bool = False
     prefetch_window_bytes: int | None = None  # None: min(256 MiB, a quarter of the DRAM budget)
-    busy_poll_us: int = 0  # after each request, keep polling for the next one this long (0: off)
+    busy_poll_us: int = 200  # the most the daemon polls for the next request after one (0: off; fs/polling.py)
     shm_dir: str = "/dev/shm"  # where sample.shm makes its regions (missing: the shm path is off)
     cluster: ClusterConfig | None = None  # None: the single-node embedded default
 
@@ -279,7 +280,7 @@ class Daemon:
         start("checkpoint persister", self.checkpoints.run_persister)
         start("kernel invalidations", self.ops.run_invalidations)
         if config.busy_poll_us:
-            start("busy poll", self.ops.run_busy_poll, config.busy_poll_us / 1e6)
+            start("busy poll", self.ops.run_busy_poll, PollWindow(config.busy_poll_us / 1e6))
         start("snapshots", self.buffers.run_snapshots, config.snapshot_interval_s)
         start("buffer warm-up", self.buffers.warm_up, config.dram_budget_bytes)
         start("dataset streams", self.datasets.run_streams)

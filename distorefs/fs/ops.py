@@ -33,6 +33,7 @@ import trio
 
 from distorefs.errors import Busy, CrossDevice, DistorefsError, Exists, NameTooLong, NotPermitted, ReadOnly
 from distorefs.fs.metrics import Metrics
+from distorefs.fs.polling import PollWindow
 from distorefs.fs.shm import ADOPT_XATTR, borrow_sealed, parse_fd
 from distorefs.fs.virtual import KindDirectory, VirtualDir, VirtualFile, VirtualHandle, VirtualNode, VirtualTree
 from distorefs.logs import FailureLog
@@ -106,6 +107,7 @@ def _translate(mutates: bool) -> Callable[[Callable[P, Coroutine[Any, Any, R]]],
             if mutates and self.degraded:
                 raise pyfuse3.FUSEError(errno.EROFS)
             started, failed = time.perf_counter(), 0
+            self.request_started = started
             op = fn.__name__
             try:
                 return await fn(*args, **kwargs)
@@ -164,6 +166,8 @@ class FsOperations(pyfuse3.Operations):
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
         self.request_done = trio.Event()  # set at the end of every request (busy polling)
+        self.request_started = 0.0  # time.perf_counter() at the start of the latest request
+        self.poll_window: PollWindow | None = None  # while the daemon busy-polls
 
     def _count_internal_error(self, op: str, exc: Exception) -> None:
         """An unexpected error failed one request: `.distore/status` counts it."""
@@ -182,22 +186,31 @@ class FsOperations(pyfuse3.Operations):
             parent, name, ino = await self.tree.removed.next()
             pyfuse3.invalidate_entry_async(parent, name, deleted=ino, ignore_enoent=True)
 
-    async def run_busy_poll(self, window_s: float) -> None:
-        """Background task (`--busy-poll-us`): for `window_s` after each request, keep the
-        event loop polling /dev/fuse without sleeping, so the next request of a client in
-        a tight loop (an RL step: append, sample, priority) is picked up at once instead
-        of after a wake-up of the daemon's thread. It costs CPU only while requests come
-        less than `window_s` apart; an idle daemon sleeps as before."""
+    async def run_busy_poll(self, window: PollWindow) -> None:
+        """Background task (`--busy-poll-us`, fs/polling.py): after each request keep the
+        event loop polling /dev/fuse without sleeping for `window`'s current length, so
+        the next request of a client in a tight loop is picked up at once instead of
+        after a wake-up of the daemon's thread. The window adapts to the gaps between
+        requests: an idle daemon, or a client that computes between its calls, costs no
+        polling beyond a few windows."""
+        self.poll_window = window
+        self.virtual.add_status(lambda: {"busy_poll": window.stats()})
         while True:
-            done = self.request_done
-            await done.wait()
+            await self.request_done.wait()
             self.request_done = trio.Event()
-            until = time.perf_counter() + window_s
-            while time.perf_counter() < until:
-                await trio.lowlevel.checkpoint()  # trio polls its I/O without blocking here
-                if self.request_done.is_set():
-                    self.request_done = trio.Event()
-                    until = time.perf_counter() + window_s
+            while True:
+                ended = time.perf_counter()
+                until = ended + window.window_s
+                while time.perf_counter() < until and not self.request_done.is_set():
+                    await trio.lowlevel.checkpoint()  # trio polls its I/O without blocking here
+                polled = time.perf_counter() - ended
+                if not self.request_done.is_set():
+                    await self.request_done.wait()  # the thread sleeps until a request ends
+                if self.request_started <= ended + polled:
+                    window.hit(polled)  # it came while polling (and may have ended after)
+                else:
+                    window.missed(polled, self.request_started - ended)
+                self.request_done = trio.Event()
 
     async def _stale_attrs(self, directory: VirtualDir) -> None:
         """The kernel caches some nodes' attributes (weights versions, a buffer's control

@@ -1,0 +1,65 @@
+"""Adaptive busy polling of /dev/fuse (docs/design.md, "Adaptive busy polling").
+
+A request that finds the daemon's thread asleep waits for it to wake up: on the VMs we
+measured, with the guest's halt polling off, that costs more than the daemon's own work
+for a small request. After each request the daemon therefore keeps its event loop
+polling for the next one for a short window, and the window adapts to the gaps between
+requests the way the kernel's haltpoll governor adapts a vCPU's: a request that came
+too late for the window but within the maximum grows it, one that came later than the
+maximum shrinks it, down to not polling at all. A client in a tight loop (small files,
+an RL step's calls on kept descriptors) is served without wake-ups; a client that
+computes between calls, or an idle mount, costs no polling beyond a few windows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+START_S = 50e-6  # a window grows from this (haltpoll's guest_halt_poll_grow_start)
+MIN_S = 10e-6  # a window halved below this becomes 0: no polling until a short gap again
+
+
+@dataclass
+class PollWindow:
+    """How long to poll after a request, learnt from the gaps between requests."""
+
+    max_s: float
+    window_s: float = 0.0
+    hits: int = 0  # requests that came while polling
+    misses: int = 0  # windows that ran out (the thread then slept; a window of 0 is none)
+    polled_s: float = 0.0  # time spent polling, hits and misses
+
+    def __post_init__(self) -> None:
+        if self.max_s <= 0:
+            raise ValueError(f"a poll window needs a positive maximum, got {self.max_s}")
+        self.window_s = min(START_S, self.max_s)
+
+    def hit(self, polled_s: float) -> None:
+        """A request came `polled_s` into the window: the window stays."""
+        self.hits += 1
+        self.polled_s += polled_s
+
+    def missed(self, polled_s: float, gap_s: float) -> None:
+        """The window ran out after `polled_s`; the next request came `gap_s` after the
+        last one ended. A gap the maximum would have covered doubles the window (from
+        START_S when it was 0); a longer one halves it."""
+        if self.window_s > 0:
+            self.misses += 1
+        self.polled_s += polled_s
+        if gap_s <= self.max_s:
+            self.window_s = min(self.max_s, max(START_S, 2 * self.window_s))
+        else:
+            half = self.window_s / 2
+            self.window_s = half if half >= MIN_S else 0.0
+
+    def stats(self) -> dict[str, float | int]:
+        return {
+            "max_us": round(self.max_s * 1e6),
+            "window_us": round(self.window_s * 1e6),
+            "hits": self.hits,
+            "misses": self.misses,
+            "polled_s": round(self.polled_s, 6),
+        }
+
+
+__all__ = ["MIN_S", "START_S", "PollWindow"]

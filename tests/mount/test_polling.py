@@ -1,0 +1,84 @@
+"""Adaptive busy polling (fs/polling.py, `--busy-poll-us`): a client in a tight loop is
+served by a polling daemon; a client that pauses between calls, or none at all, costs no
+more than a few poll windows. `.distore/status` shows the poller's numbers."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.conftest import Mount
+
+MountFactory = Callable[..., Mount]
+
+
+def poll_stats(mount: Mount) -> dict[str, float]:
+    stats = mount.status()["busy_poll"]
+    assert isinstance(stats, dict)
+    return stats
+
+
+def daemon_cpu_s(mount: Mount) -> float:
+    fields = Path(f"/proc/{mount.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_tight_loop_of_small_files_is_served_by_polling_by_default(mount_factory: MountFactory) -> None:
+    mount = mount_factory()
+    root = mount.path / "small"
+    root.mkdir()
+    before = poll_stats(mount)
+    assert before["max_us"] == 200
+    for i in range(300):
+        fd = os.open(root / f"f{i}", os.O_CREAT | os.O_WRONLY, 0o644)
+        os.write(fd, b"x" * 4096)
+        os.close(fd)
+    after = poll_stats(mount)
+    # six requests a file, most of them within a few microseconds of the one before
+    assert after["hits"] - before["hits"] >= 100
+    assert all((root / f"f{i}").read_bytes() == b"x" * 4096 for i in (0, 150, 299))
+    assert mount.unmount() == 0
+
+
+def test_a_client_that_pauses_between_calls_turns_polling_off(mount_factory: MountFactory) -> None:
+    """One write every 3 ms (a request each: a write-only open skips the page cache):
+    each gap is longer than the 200 us maximum, so the window halves to nothing within
+    a few calls (at most 200, 100, 50, 25 and 12.5 us: the status read before the loop
+    may have grown it to the maximum, and its own requests may miss a window or two),
+    where a window per call would poll 200 x 200 us = 40 ms and miss 200 times. A window
+    of 0 polls nothing and counts no miss."""
+    mount = mount_factory()
+    fd = os.open(mount.path / "paced", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        time.sleep(0.05)  # the open's own requests are behind us
+        before = poll_stats(mount)
+        for i in range(200):
+            os.pwrite(fd, b"y" * 512, i * 512)
+            time.sleep(0.003)
+        after = poll_stats(mount)
+    finally:
+        os.close(fd)
+    assert after["window_us"] == 0
+    assert after["misses"] - before["misses"] <= 12
+    assert after["polled_s"] - before["polled_s"] < 0.02
+    assert (mount.path / "paced").stat().st_size == 200 * 512
+    assert mount.unmount() == 0
+
+
+def test_an_idle_daemon_sleeps_and_zero_turns_polling_off(mount_factory: MountFactory) -> None:
+    mount = mount_factory("--busy-poll-us", "10000")  # the largest window allowed
+    (mount.path / "burst").mkdir()
+    for i in range(100):
+        (mount.path / "burst" / str(i)).write_bytes(b"z")
+    before = daemon_cpu_s(mount)
+    time.sleep(1.0)
+    assert daemon_cpu_s(mount) - before < 0.5  # no requests: the last window ends and the thread sleeps
+    assert poll_stats(mount)["max_us"] == 10_000
+    assert mount.unmount() == 0
+
+    mount = mount_factory("--busy-poll-us", "0")
+    (mount.path / "f").write_bytes(b"z")
+    assert "busy_poll" not in mount.status()
+    assert mount.unmount() == 0

@@ -1,0 +1,62 @@
+"""The adaptive busy-poll window (fs/polling.py): how it learns from the gaps between
+requests. The polling itself is tested through a mount (tests/mount/test_posix.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from distorefs.fs.polling import MIN_S, START_S, PollWindow
+
+MAX_S = 200e-6
+
+
+def test_a_window_starts_short_and_never_exceeds_its_maximum() -> None:
+    assert PollWindow(MAX_S).window_s == START_S
+    assert PollWindow(20e-6).window_s == 20e-6
+    with pytest.raises(ValueError, match="positive maximum"):
+        PollWindow(0.0)
+
+
+def test_a_gap_the_maximum_would_cover_doubles_the_window_up_to_the_maximum() -> None:
+    window = PollWindow(MAX_S)
+    sizes = []
+    for _ in range(4):
+        window.missed(window.window_s, gap_s=150e-6)
+        sizes.append(window.window_s)
+    assert sizes == [2 * START_S, 4 * START_S, MAX_S, MAX_S]
+    assert window.misses == 4
+
+
+def test_longer_gaps_halve_the_window_down_to_no_polling_and_a_short_gap_starts_it_again() -> None:
+    window = PollWindow(MAX_S)
+    sizes = []
+    while window.window_s:
+        window.missed(window.window_s, gap_s=5e-3)
+        sizes.append(window.window_s)
+    assert sizes == [START_S / 2, START_S / 4, 0.0]  # 6.25 us would be under MIN_S
+    assert START_S / 8 < MIN_S
+    window.missed(0.0, gap_s=5e-3)
+    assert (window.window_s, window.misses) == (0.0, 3)  # a window of 0 polls nothing: no miss
+    window.missed(0.0, gap_s=30e-6)
+    assert window.window_s == START_S
+
+
+def test_hits_keep_the_window_and_every_poll_is_counted() -> None:
+    window = PollWindow(MAX_S)
+    window.hit(10e-6)
+    window.hit(20e-6)
+    window.missed(START_S, gap_s=1.0)
+    assert (window.window_s, window.hits, window.misses) == (START_S / 2, 2, 1)
+    assert window.polled_s == pytest.approx(80e-6)
+    assert window.stats() == {"max_us": 200, "window_us": 25, "hits": 2, "misses": 1, "polled_s": 8e-05}
+
+
+def test_a_client_that_computes_between_calls_costs_a_bounded_amount_of_polling() -> None:
+    """Calls 1 ms apart, a thousand of them: the window falls to 0 after three misses, so
+    the polling is what those three windows took, not a window per call."""
+    window = PollWindow(MAX_S)
+    for _ in range(1000):
+        polled = window.window_s
+        window.missed(polled, gap_s=1e-3)
+    assert window.misses == 3
+    assert window.polled_s == pytest.approx(START_S + START_S / 2 + START_S / 4)
