@@ -368,6 +368,12 @@ class WriteBack(BlockTierBase):
         await self.flush(owner)  # another append is in flight, or a new segment is due
         self._flush_wanted_for_rows()
 
+    def commit_soon(self) -> None:
+        """Ask the flusher for a pass now rather than at its interval: a store whose
+        cheap path waits for its rows to be committed (a new buffer's appends go log-only
+        once its row is in the database)."""
+        self._flush_wanted.set()
+
     def _flush_wanted_for_rows(self) -> None:
         """Rows staged by log-only persists commit with the flusher's next pass; many of
         them make it come sooner (a start-up reads the log's tail back)."""

@@ -537,6 +537,38 @@ def test_a_buffer_made_and_appended_to_just_before_kill_9_comes_back_with_its_it
     assert mount.unmount() == 0
 
 
+def test_a_new_buffers_row_is_committed_at_once_so_its_appends_go_log_only(mount_factory: MountFactory) -> None:
+    """Until a commit carries a new buffer's row, its appends persist with row notes (two
+    log writes each, and the close's too); the first such append asks the flusher for a
+    pass, so the cheap log-only path starts long before the flusher's, the syncer's or
+    the snapshots' next pass (30 s here)."""
+    mount = mount_factory("--flush-interval", "30", "--sync-interval", "30", "--snapshot-interval", "30")
+    path = mount.path / "buffers" / "fresh"
+    path.mkdir()
+    configure(path, schema=SCHEMA)
+
+    def append_one(i: int) -> None:
+        fd = os.open(path / "append", os.O_WRONLY)
+        os.write(fd, records(1, start=i).tobytes())
+        os.close(fd)
+
+    def inline_appends() -> int:
+        blocks = mount.status()["blocks"]
+        assert isinstance(blocks, dict)
+        return int(blocks["inline_appends"])
+
+    append_one(0)
+    deadline = time.monotonic() + 3
+    i = 1
+    while inline_appends() == 0:
+        assert time.monotonic() < deadline, "appends still wait for the flush interval"
+        append_one(i)
+        i += 1
+        time.sleep(0.01)
+    assert sorted(int(n) for n in os.listdir(path / "items")) == list(range(i))
+    assert mount.unmount() == 0
+
+
 def test_with_busy_polling_the_rl_calls_are_served_and_an_idle_daemon_sleeps(mount_factory: MountFactory) -> None:
     mount = mount_factory("--busy-poll-us", "2000")
     path = mount.path / "buffers" / "polled"

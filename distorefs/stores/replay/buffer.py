@@ -424,8 +424,11 @@ class ReplayBuffer:
         with its row (a commit, or a row note that a start-up replays before it loads
         the buffers)."""
         self.stage_row()
-        if self.config.sync or not self.row_committed:
-            await self._blocks.persist(self.owner, durable=self.config.sync)
+        if self.config.sync:
+            await self._blocks.persist(self.owner, durable=True)
+        elif not self.row_committed:
+            await self._blocks.persist(self.owner)
+            self._blocks.commit_soon()  # once the row is committed, appends go log-only
         else:
             await self._blocks.persist(self.owner, log_only=True)
 
