@@ -94,13 +94,15 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--processes", default="1,2")
     parser.add_argument("--only", default="", help="comma-separated workloads (default: all)")
+    parser.add_argument("--busy-poll-us", type=int, default=None, help="the daemon's --busy-poll-us (default: its own)")
     args = parser.parse_args()
     chosen = [w for w in WORKLOADS if not args.only or w in args.only.split(",")]
     # the host's setting for huge pages in shared memory (hugepages.py): arenas ask for them
     report: dict[str, Any] = {"shmem_enabled": hugepages.shmem_setting()}
     base = Path(tempfile.mkdtemp(prefix="distorefs-shm-", dir="/var/tmp"))
     try:
-        with mounted(base, "--dram-budget", "6GiB") as mnt:
+        polling = [] if args.busy_poll_us is None else ["--busy-poll-us", str(args.busy_poll_us)]
+        with mounted(base, "--dram-budget", "6GiB", *polling) as mnt:
             for name in chosen:
                 item, batch, sampler, capacity, fill, per_append = WORKLOADS[name]
                 schema = name.endswith("-schema")

@@ -280,6 +280,8 @@ class Daemon:
         start("checkpoint persister", self.checkpoints.run_persister)
         start("kernel invalidations", self.ops.run_invalidations)
         if config.busy_poll_us:
+            if self.shared.sessions is not None:
+                self.shared.sessions.served = self.ops.request_served
             start("busy poll", self.ops.run_busy_poll, PollWindow(config.busy_poll_us / 1e6))
         start("snapshots", self.buffers.run_snapshots, config.snapshot_interval_s)
         start("buffer warm-up", self.buffers.warm_up, config.dram_budget_bytes)

@@ -186,6 +186,12 @@ class FsOperations(pyfuse3.Operations):
             parent, name, ino = await self.tree.removed.next()
             pyfuse3.invalidate_entry_async(parent, name, deleted=ino, ignore_enoent=True)
 
+    def request_served(self, started: float) -> None:
+        """A request served outside FUSE (a draw of a sampling session) that began at
+        `started` (time.perf_counter): the busy poller counts it as a request."""
+        self.request_started = started
+        self.request_done.set()
+
     async def run_busy_poll(self, window: PollWindow) -> None:
         """Background task (`--busy-poll-us`, fs/polling.py): after each request keep the
         event loop polling /dev/fuse without sleeping for `window`'s current length, so

@@ -25,6 +25,7 @@ class PollWindow:
 
     max_s: float
     window_s: float = 0.0
+    requests: int = 0  # requests seen, polled for or not
     hits: int = 0  # requests that came while polling
     misses: int = 0  # windows that ran out (the thread then slept; a window of 0 is none)
     polled_s: float = 0.0  # time spent polling, hits and misses
@@ -36,6 +37,7 @@ class PollWindow:
 
     def hit(self, polled_s: float) -> None:
         """A request came `polled_s` into the window: the window stays."""
+        self.requests += 1
         self.hits += 1
         self.polled_s += polled_s
 
@@ -43,6 +45,7 @@ class PollWindow:
         """The window ran out after `polled_s`; the next request came `gap_s` after the
         last one ended. A gap the maximum would have covered doubles the window (from
         START_S when it was 0); a longer one halves it."""
+        self.requests += 1
         if self.window_s > 0:
             self.misses += 1
         self.polled_s += polled_s
@@ -56,6 +59,7 @@ class PollWindow:
         return {
             "max_us": round(self.max_s * 1e6),
             "window_us": round(self.window_s * 1e6),
+            "requests": self.requests,
             "hits": self.hits,
             "misses": self.misses,
             "polled_s": round(self.polled_s, 6),

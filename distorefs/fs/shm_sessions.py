@@ -105,6 +105,9 @@ class SampleSessions:
         self._listener: trio.socket.SocketType | None = None
         self._nursery: trio.Nursery | None = None
         self.sessions = 0
+        # called with time.perf_counter() at a draw's request once it is answered: the
+        # daemon's busy poller (fs/polling.py) then polls for the next as after a FUSE request
+        self.served: Callable[[float], None] | None = None
 
     @property
     def available(self) -> bool:
@@ -204,7 +207,7 @@ class SampleSessions:
                 self.sessions += 1
                 assert self._nursery is not None
                 with ticket.cancel:
-                    await _Session(conn, ticket, self.budget, held, self._nursery).run()
+                    await _Session(conn, ticket, self.budget, held, self._nursery, self.served).run()
         except OSError as exc:
             log.debug("shm sampling session ended: %s", exc)
         except Exception:  # a session's failure is its own: it never ends the daemon
@@ -309,8 +312,10 @@ class _Session:
         budget: ArenaBudget,
         held: dict[int, _Held],
         nursery: trio.Nursery,
+        served: Callable[[float], None] | None = None,
     ) -> None:
         self._conn = conn
+        self._served = served
         self._nursery = nursery
         self._ticket = ticket
         self._budget = budget
@@ -327,6 +332,7 @@ class _Session:
                 await trio.lowlevel.checkpoint()
             drew = False
             message = await self._conn.recv(REQUEST.size + 1)
+            started = time.perf_counter()
             if not message:
                 return  # the client closed (or died)
             if len(message) != REQUEST.size:
@@ -356,6 +362,8 @@ class _Session:
             except DistorefsError as exc:
                 buffer.record_error(str(exc))
                 await _send_error(self._conn, exc.errno, str(exc))
+            if self._served is not None:
+                self._served(started)
 
     async def _draw(self, buffer: ReplayBuffer, count: int | None) -> None:
         """Draw into the buffer's arena; once more into a new one when a drawn blob was

@@ -36,7 +36,7 @@ def test_longer_gaps_halve_the_window_down_to_no_polling_and_a_short_gap_starts_
     assert sizes == [START_S / 2, START_S / 4, 0.0]  # 6.25 us would be under MIN_S
     assert START_S / 8 < MIN_S
     window.missed(0.0, gap_s=5e-3)
-    assert (window.window_s, window.misses) == (0.0, 3)  # a window of 0 polls nothing: no miss
+    assert (window.window_s, window.misses, window.requests) == (0.0, 3, 4)  # a window of 0 polls nothing: no miss
     window.missed(0.0, gap_s=30e-6)
     assert window.window_s == START_S
 
@@ -48,7 +48,9 @@ def test_hits_keep_the_window_and_every_poll_is_counted() -> None:
     window.missed(START_S, gap_s=1.0)
     assert (window.window_s, window.hits, window.misses) == (START_S / 2, 2, 1)
     assert window.polled_s == pytest.approx(80e-6)
-    assert window.stats() == {"max_us": 200, "window_us": 25, "hits": 2, "misses": 1, "polled_s": 8e-05}
+    assert window.stats() == {
+        "max_us": 200, "window_us": 25, "requests": 3, "hits": 2, "misses": 1, "polled_s": 8e-05,
+    }  # fmt: skip
 
 
 def test_a_client_that_computes_between_calls_costs_a_bounded_amount_of_polling() -> None:
