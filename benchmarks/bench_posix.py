@@ -29,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 CHUNK = 1024 * 1024
@@ -175,10 +175,11 @@ class Ceiling:
 class Distore:
     """A distorefs daemon for the benchmark, started and stopped with the CLI."""
 
-    def __init__(self, base: Path, budget: str) -> None:
+    def __init__(self, base: Path, budget: str, options: Sequence[str] = ()) -> None:
         self.mnt = base / "mnt"
         self.data = base / "data"
         self.budget = budget
+        self.options = list(options)
         self.mnt.mkdir(parents=True, exist_ok=True)
 
     def __enter__(self) -> Path:
@@ -188,7 +189,7 @@ class Distore:
     def mount(self) -> None:
         subprocess.run(
             [sys.executable, "-m", "distorefs", "mount", str(self.mnt), "--data-dir", str(self.data),
-             "--dram-budget", self.budget],
+             "--dram-budget", self.budget, *self.options],
             check=True, stdout=subprocess.DEVNULL,
         )  # fmt: skip
 
@@ -211,6 +212,7 @@ def main() -> int:
     parser.add_argument("--disk-dir", default="/var/tmp", help="a directory on the local disk")
     parser.add_argument("--json", default=None, help="write raw results here")
     parser.add_argument("--repeats", type=int, default=3, help="runs of the timed phases (medians are kept)")
+    parser.add_argument("--busy-poll-us", type=int, default=None, help="the daemon's --busy-poll-us (default: its own)")
     args = parser.parse_args()
     size = args.size_mib * CHUNK
     payload = os.urandom(CHUNK)
@@ -224,7 +226,8 @@ def main() -> int:
     disk.mkdir()
     budget = f"{max(2 * args.size_mib, 512)}MiB"
     try:
-        with Distore(base, budget) as fs, Ceiling(base) as ceiling:
+        polling = [] if args.busy_poll_us is None else ["--busy-poll-us", str(args.busy_poll_us)]
+        with Distore(base, budget, polling) as fs, Ceiling(base) as ceiling:
             targets = {"distorefs": fs, "ceiling": ceiling, "tmpfs": tmpfs, "disk": disk}
             tree = fs.parent / "files"  # a plain directory of the POSIX tree (close persists)
             tree.mkdir()
@@ -303,7 +306,7 @@ def main() -> int:
         # Cold read: distorefs after a remount (empty DRAM) with the page cache dropped,
         # against the local disk with its page cache dropped.
         if can_drop:
-            fs_mount = Distore(base, budget)
+            fs_mount = Distore(base, budget, polling)
             for _ in range(args.repeats):
                 fs_mount.mount()
                 try:
