@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -35,6 +35,7 @@ from distorefs.tiers.dram import Block, DramCache, capacity_for
 from distorefs.tiers.metadb import MetaDb
 from distorefs.tiers.nvme_log import LogPosition, NvmeLog
 from distorefs.tiers.remote_memory import RemoteMemory
+from distorefs.tiers.writeback import INLINE_APPEND_BYTES
 from distorefs.types import BlockKey, LogLocation
 
 log = logging.getLogger(__name__)
@@ -457,6 +458,40 @@ class BlockStore(ByteRanges, Compaction):
         else is copied."""
         buf = data if isinstance(data, bytearray) else bytearray(data)
         await self._replace(key, Block(buf, len(buf), dirty=False))
+
+    def put_logged(self, keys: Sequence[BlockKey], datas: Sequence[bytes | bytearray | memoryview]) -> bool:
+        """`put` each of `datas` under its key and write their records to the log now, on
+        the event loop, with one pwritev: the blocks arrive clean with their rows staged,
+        *logged* when this returns (the log-only contract: a start-up adopts the records
+        a commit did not carry, docs/design.md "Log-only appends"). For small appends
+        only, under the conditions of `_append_inline` (the kernel's dirty pages low, no
+        other append in flight, room in DRAM without waiting, the active segment not
+        full). False, with nothing put and nothing written, when they do not hold: then
+        `put` them and persist as usual. Skips the dirty-block bookkeeping that an
+        append written right after its put would undo at once."""
+        if not self._inline_ok or self._flush_lock.locked():
+            return False
+        buffers = [data if isinstance(data, bytearray) else bytearray(data) for data in datas]
+        total = sum(len(buf) for buf in buffers)
+        if total > INLINE_APPEND_BYTES or not self._dram.make_room(total):
+            return False
+        views = [memoryview(buf) for buf in buffers]
+        try:
+            locations = self._log.try_append_now(list(zip(keys, views, strict=True)))
+        finally:
+            for view in views:
+                view.release()
+        if locations is None:
+            return False
+        for key, buf, location in zip(keys, buffers, locations, strict=True):
+            self._uncache(key)
+            self._dram.insert(key, Block(buf, len(buf), dirty=False))
+            self._set_location(key, location)
+            self._flushed_bytes += location.length
+        self._logged()
+        self.inline_appends += 1
+        self._flush_wanted_for_rows()
+        return True
 
     async def _replace(self, key: BlockKey, block: Block) -> None:
         """`block` (new, clean) becomes `key`'s block in DRAM, dirty, whatever was there."""

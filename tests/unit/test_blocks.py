@@ -343,6 +343,37 @@ async def test_a_small_persist_is_acknowledged_by_a_row_note_and_comes_back_afte
     assert (5, 0) in [row[:2] for row in meta.rows("blocks")]
 
 
+async def test_put_logged_items_are_clean_at_once_and_come_back_from_the_tail_after_a_kill(tmp_path: Path) -> None:
+    store = inline(open_store(tmp_path))
+    await store.commit()
+    keys = [BlockKey(9, i) for i in range(3)]
+    assert store.put_logged(keys, [b"item %d" % i for i in range(3)])
+    assert store.dirty_bytes == 0  # written with their put: nothing left for a persist
+    assert [await read_all(store, key) for key in keys] == [b"item 0", b"item 1", b"item 2"]
+    assert all(store.has_block(key) for key in keys)
+    killed(store)  # no commit carried their rows: the log's tail has them
+
+    store = open_store(tmp_path)
+    await store.read_tail()
+    assert store.adopt_tail(9, lambda number: True) == 3
+    assert [await read_all(store, key) for key in keys] == [b"item 0", b"item 1", b"item 2"]
+    await store.close()
+
+
+async def test_put_logged_does_nothing_where_the_inline_path_is_closed(tmp_path: Path) -> None:
+    store = open_store(tmp_path)  # the dirty page watch has not looked yet: not inline
+    key = BlockKey(9, 0)
+    assert not store.put_logged([key], [b"x"])
+    inline(store)
+    async with store._flush_lock:  # a flush in flight
+        assert not store.put_logged([key], [b"x"])
+    assert not store.put_logged([key], [b"x" * (writeback.INLINE_APPEND_BYTES + 1)])
+    assert not store.has_block(key)
+    assert store.statistics().log_bytes == 0
+    assert store.put_logged([key], [b"x"])
+    await store.close()
+
+
 async def held_notes_mark(store: BlockStore) -> None:
     """A replay buffer's priority note that no snapshot covered keeps the notes mark, and
     so the start of a start-up's walk, before everything below: the walk then meets row

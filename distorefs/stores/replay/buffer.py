@@ -336,8 +336,12 @@ class ReplayBuffer:
             self.next_index += count
             self.inserts += count
             chunk = stored[at : at + count]
-            for k, data in enumerate(chunk):
-                await self._blocks.put(self.key(first + k), data)  # bytes first ...
+            keys = [self.key(first + k) for k in range(count)]
+            # bytes first: logged at once where they may be (small items of a buffer whose
+            # row is committed: `persist_appends` then finds nothing left to write) ...
+            if self.config.sync or not self.row_committed or not self._blocks.put_logged(keys, chunk):
+                for key, data in zip(keys, chunk, strict=True):
+                    await self._blocks.put(key, data)
             sizes = [len(item) for item in items[at : at + count]]
             self._publish(first, sizes)  # ... then samplers may see the indices
             self._mirror_place(np.arange(first, first + count, dtype=np.int64), chunk)
