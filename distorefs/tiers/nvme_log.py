@@ -348,8 +348,17 @@ class NvmeLog:
             raise
 
     def _write(self, seg: _Segment, offset: int, buffers: list[bytes | bytearray | memoryview]) -> None:
+        total = sum(b.nbytes if isinstance(b, memoryview) else len(b) for b in buffers)
+        if total < DIRECT_MIN_BYTES and len(buffers) <= IOV_MAX:  # small: one pwritev, nearly always whole
+            written = os.pwritev(seg.fd, buffers, offset)
+            if written == total:
+                return
+            buffers = [memoryview(b).cast("B") for b in buffers]  # the rest, from where it stopped
+            while written >= len(buffers[0]):
+                written -= len(buffers.pop(0))
+            buffers[0] = buffers[0][written:]
+            offset += total - sum(len(b) for b in buffers)
         pending = [memoryview(b).cast("B") for b in buffers]
-        total = sum(len(b) for b in pending)
         if seg.direct_fd >= 0 and total >= DIRECT_MIN_BYTES:
             try:
                 self._write_direct(seg, offset, pending)

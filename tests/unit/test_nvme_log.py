@@ -164,6 +164,34 @@ def test_try_append_now_writes_while_the_log_is_free_and_never_starts_a_segment(
     log.close()
 
 
+def test_short_writes_are_carried_on_where_they_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pwritev may write less than asked (a signal, a nearly full disk): every append,
+    small or not, one record or many, and of any buffer type, goes on from where the
+    kernel stopped, and the records read back whole, then and after a reopen."""
+    real = os.pwritev
+    calls = []
+
+    def short(fd: int, buffers: list[bytes | bytearray | memoryview], offset: int) -> int:
+        flat = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
+        calls.append(len(flat))
+        return real(fd, [flat[:777]], offset)  # at most 777 bytes a call
+
+    monkeypatch.setattr(nvme_log.os, "pwritev", short)
+    log = NvmeLog.open(str(tmp_path), segment_bytes=1 << 20)
+    payloads = [b"x" * 5, bytearray(b"y" * 3000), memoryview(bytearray(range(256)) * 10), b""]
+    records = [(BlockKey(4, i), p) for i, p in enumerate(payloads)]
+    locations = log.append_many(records[:2]) + (log.try_append_now(records[2:]) or [])
+    assert len(locations) == 4
+    assert len(calls) == 8  # 3,077 bytes in four calls, then 2,632 in four
+    expected = [bytes(p) for p in payloads]
+    assert [bytes(log.read(loc, key)) for loc, (key, _p) in zip(locations, records, strict=True)] == expected
+    log.close()
+    monkeypatch.setattr(nvme_log.os, "pwritev", real)
+    log = NvmeLog.open(str(tmp_path), segment_bytes=1 << 20)
+    assert [bytes(log.read(loc, key)) for loc, (key, _p) in zip(locations, records, strict=True)] == expected
+    log.close()
+
+
 def test_position_and_scan_from_it_give_the_records_after_a_point(tmp_path: Path) -> None:
     log = NvmeLog.open(str(tmp_path), segment_bytes=4096)
     log.append(BlockKey(1, 0), b"before")

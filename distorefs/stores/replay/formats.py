@@ -157,12 +157,13 @@ class RecordStream(_Stream):
         self._mode: str | None = None  # "raw" or "npy"
         self._npy_left: int | None = None
 
-    def feed(self, offset: int, data: bytes | memoryview) -> list[bytes]:
-        """The records completed by `data`. A stream is raw records, or .npy files one
-        after another (each `np.save` to the same open, or each `client.append` on its
-        kept descriptor, starts a new one where the last ended)."""
+    def feed(self, offset: int, data: bytes | memoryview) -> list[bytearray]:
+        """The records completed by `data`, each a new bytearray (the block tier takes it
+        over without a copy). A stream is raw records, or .npy files one after another
+        (each `np.save` to the same open, or each `client.append` on its kept descriptor,
+        starts a new one where the last ended)."""
         self._accept(offset, data)
-        records: list[bytes] = []
+        records: list[bytearray] = []
         while True:
             if self._mode is None:
                 is_npy = self._starts_with(NPY_MAGIC)
@@ -183,7 +184,8 @@ class RecordStream(_Stream):
             if self._npy_left is not None:
                 count = min(count, self._npy_left)
                 self._npy_left -= count
-            records += [bytes(self._pending[i * self.itemsize : (i + 1) * self.itemsize]) for i in range(count)]
+            size, pending = self.itemsize, self._pending
+            records += [pending[i * size : (i + 1) * size] for i in range(count)]  # (a slice is a copy)
             del self._pending[: count * self.itemsize]
             if self._npy_left != 0:
                 return records
@@ -196,7 +198,7 @@ class RecordStream(_Stream):
         self._pending.clear()
         self._mode, self._npy_left = None, None
 
-    def finish(self) -> list[bytes]:
+    def finish(self) -> list[bytearray]:
         """At a close: a trailing partial record (or a short .npy) is an error and is
         dropped; otherwise nothing more to add (records were added as they arrived).
         Writes after this start a new stream (a dup'ed descriptor may still write)."""
