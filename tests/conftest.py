@@ -240,3 +240,16 @@ def tmpfs_dir(tmp_path: Path) -> Iterator[Path]:
     path.mkdir()
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+def first_episodes(out: Path, count: int) -> list[float]:
+    """The returns of the first `count` episodes that the actors of
+    docs/examples/distributed_dqn.py finished, in time order (each actor's CSV in `out`:
+    time, rank, return, steps)."""
+    rows = []
+    for path in out.glob("actor-*.csv"):
+        for line in path.read_text().splitlines():
+            at, _rank, ret, _steps = line.split(",")
+            rows.append((float(at), float(ret)))
+    assert len(rows) >= count
+    return [ret for _at, ret in sorted(rows)[:count]]

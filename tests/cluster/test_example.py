@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from tests.cluster.conftest import NodeFactory, wait_for
+from tests.conftest import first_episodes
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "distributed_dqn.py"
 RANDOM_RETURN = 22
@@ -28,7 +31,7 @@ def test_distributed_dqn_learns_with_its_buffer_sharded_over_three_nodes(
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     returns = [point["mean_return"] for point in summary["curve"]]
-    assert returns[0] < 2 * RANDOM_RETURN
+    assert np.mean(first_episodes(out, 20)) < 2 * RANDOM_RETURN  # it starts near random (tests/mount/test_example.py)
     assert max(returns) >= 80, returns  # a clear rise above random on 2 cores shared by 3 daemons
     stats = json.loads((nodes[0].path / "buffers" / "cartpole" / "stats").read_text())
     shards = stats["cluster"]["shards"]

@@ -10,9 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from tests.conftest import mounted_at
+from tests.conftest import first_episodes, mounted_at
 
 pytestmark = pytest.mark.mount
 
@@ -31,7 +32,11 @@ def test_distributed_dqn_learns_and_a_killed_learner_resumes_from_its_durable_ch
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         summary = json.loads((out / "summary.json").read_text())
         returns = [point["mean_return"] for point in summary["curve"]]
-        assert returns[0] < 2 * RANDOM_RETURN  # it starts near random
+        # It starts near random: the first 20 episodes of the actors (about 450 steps),
+        # played before the buffer holds the 1,000 items the learner waits for. (The
+        # curve's first 10 s point mixes in later episodes: the daemon serves the loop
+        # fast enough now for returns near 200 within 7 s.)
+        assert np.mean(first_episodes(out, 20)) < 2 * RANDOM_RETURN
         assert max(returns) >= 100, returns  # and learns: well above random within 70 s
 
         starts = [e for e in summary["learner"] if e["event"] == "start"]
