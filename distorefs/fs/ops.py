@@ -167,7 +167,6 @@ class FsOperations(pyfuse3.Operations):
         self._next_fh = 1
         self.request_done = trio.Event()  # set at the end of every request (busy polling)
         self.request_started = 0.0  # time.perf_counter() at the start of the latest request
-        self.poll_window: PollWindow | None = None  # while the daemon busy-polls
 
     def _count_internal_error(self, op: str, exc: Exception) -> None:
         """An unexpected error failed one request: `.distore/status` counts it."""
@@ -199,7 +198,6 @@ class FsOperations(pyfuse3.Operations):
         after a wake-up of the daemon's thread. The window adapts to the gaps between
         requests: an idle daemon, or a client that computes between its calls, costs no
         polling beyond a few windows."""
-        self.poll_window = window
         self.virtual.add_status(lambda: {"busy_poll": window.stats()})
         while True:
             await self.request_done.wait()
