@@ -5,9 +5,10 @@ Owns the registry: a counter and a latency histogram of FUSE requests per operat
 (the fs layer observes each request), bytes read and written and the latency of reads and
 writes per kind of file (tree, checkpoints, buffers, weights, datasets, control), and a
 collector that reads the daemon's numbers at scrape time: `.distore/status` (DRAM, log,
-flush and fsync lag, compaction, checkpoints, weights, degraded state, internal errors),
-per buffer its size, inserts, samples and blocked readers and writers, per model its
-current version, and per peer the calls, failures and bytes of cluster traffic.
+flush and fsync lag, compaction, checkpoints, weights, degraded state, internal errors,
+the busy poller), per buffer its size, inserts, samples and blocked readers and
+writers, per model its current version, and per peer the calls, failures and bytes of
+cluster traffic.
 Label sets are bounded: at most MAX_LABELLED buffers, models and peers are labelled.
 """
 
@@ -54,11 +55,12 @@ class DaemonCollector(Collector):
                 value = int(value)
             if isinstance(value, (int, float)) and key != "pid":
                 yield GaugeMetricFamily(f"distorefs_{key}", f"{key} (as in .distore/status)", value=float(value))
-        blocks = status.get("blocks")
-        if isinstance(blocks, dict):
-            for key, value in blocks.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    yield GaugeMetricFamily(f"distorefs_blocks_{key}", f"block tier: {key}", value=float(value))
+        for part, what in (("blocks", "block tier"), ("busy_poll", "polling for the next request")):
+            numbers = status.get(part)
+            if isinstance(numbers, dict):
+                for key, value in numbers.items():
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                        yield GaugeMetricFamily(f"distorefs_{part}_{key}", f"{what}: {key}", value=float(value))
         families = {
             name: GaugeMetricFamily(f"distorefs_buffer_{name}", f"replay buffer: {name}", labels=["buffer"])
             for name in BUFFER_GAUGES

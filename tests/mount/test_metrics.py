@@ -51,6 +51,8 @@ def test_metrics_file_and_port_serve_requests_state_and_buffers(tmp_path: Path) 
         assert got[("distorefs_requests_total", (("errno", "0"), ("op", "write")))] >= 1
         assert got[("distorefs_requests_total", (("errno", "2"), ("op", "lookup")))] >= 1  # f.txt did not exist
         assert got[("distorefs_request_seconds_count", (("op", "write"),))] >= 1
+        assert got[("distorefs_busy_poll_max_us", ())] == 200  # the poller, on by default
+        assert got[("distorefs_busy_poll_requests", ())] >= 1
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
             served = samples(reply.read().decode())
         assert served[("distorefs_buffer_size", (("buffer", "m"),))] == 5
