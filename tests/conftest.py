@@ -253,3 +253,9 @@ def first_episodes(out: Path, count: int) -> list[float]:
             rows.append((float(at), float(ret)))
     assert len(rows) >= count
     return [ret for _at, ret in sorted(rows)[:count]]
+
+
+def daemon_cpu_s(mount: Mount) -> float:
+    """The CPU seconds (user and system) the mount's daemon has used so far."""
+    fields = Path(f"/proc/{mount.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -35,7 +35,6 @@ from distorefs.tiers.dram import Block, DramCache, capacity_for
 from distorefs.tiers.metadb import MetaDb
 from distorefs.tiers.nvme_log import LogPosition, NvmeLog
 from distorefs.tiers.remote_memory import RemoteMemory
-from distorefs.tiers.writeback import INLINE_APPEND_BYTES
 from distorefs.types import BlockKey, LogLocation
 
 log = logging.getLogger(__name__)
@@ -464,17 +463,16 @@ class BlockStore(ByteRanges, Compaction):
         the event loop, with one pwritev: the blocks arrive clean with their rows staged,
         *logged* when this returns (the log-only contract: a start-up adopts the records
         a commit did not carry, docs/design.md "Log-only appends"). For small appends
-        only, under the conditions of `_append_inline` (the kernel's dirty pages low, no
-        other append in flight, room in DRAM without waiting, the active segment not
-        full). False, with nothing put and nothing written, when they do not hold: then
-        `put` them and persist as usual. Skips the dirty-block bookkeeping that an
-        append written right after its put would undo at once."""
-        if not self._inline_ok or self._flush_lock.locked():
+        only, under the conditions of `_inline_room` (the kernel's dirty pages low, no
+        flush in flight, at most INLINE_APPEND_BYTES), with room in DRAM without waiting
+        and the log free, its active segment not full. False, with nothing put and
+        nothing written, when they do not hold: then `put` them and persist as usual.
+        Skips the dirty-block bookkeeping that an append written right after its put
+        would undo at once."""
+        total = sum(data.nbytes if isinstance(data, memoryview) else len(data) for data in datas)
+        if not self._inline_room(total) or not self._dram.make_room(total):
             return False
         buffers = [data if isinstance(data, bytearray) else bytearray(data) for data in datas]
-        total = sum(len(buf) for buf in buffers)
-        if total > INLINE_APPEND_BYTES or not self._dram.make_room(total):
-            return False
         views = [memoryview(buf) for buf in buffers]
         try:
             locations = self._log.try_append_now(list(zip(keys, views, strict=True)))

@@ -116,6 +116,14 @@ def _close_direct(seg: _Segment) -> None:
         seg.direct_fd = -1
 
 
+def _drop_written(pending: list[memoryview], written: int) -> None:
+    """Take the first `written` bytes off `pending` (after a pwritev that may be short)."""
+    while pending and written >= len(pending[0]):
+        written -= len(pending.pop(0))
+    if written:
+        pending[0] = pending[0][written:]
+
+
 def _is_padding(fd: int, offset: int, length: int) -> bool:
     """Whether the `length` bytes at `offset` are what a direct write leaves past the
     log's end: fewer than a page, all zeros."""
@@ -349,16 +357,14 @@ class NvmeLog:
 
     def _write(self, seg: _Segment, offset: int, buffers: list[bytes | bytearray | memoryview]) -> None:
         total = sum(b.nbytes if isinstance(b, memoryview) else len(b) for b in buffers)
+        written = 0
         if total < DIRECT_MIN_BYTES and len(buffers) <= IOV_MAX:  # small: one pwritev, nearly always whole
             written = os.pwritev(seg.fd, buffers, offset)
             if written == total:
                 return
-            buffers = [memoryview(b).cast("B") for b in buffers]  # the rest, from where it stopped
-            while written >= len(buffers[0]):
-                written -= len(buffers.pop(0))
-            buffers[0] = buffers[0][written:]
-            offset += total - sum(len(b) for b in buffers)
+            offset += written  # the rest below, from where it stopped
         pending = [memoryview(b).cast("B") for b in buffers]
+        _drop_written(pending, written)
         if seg.direct_fd >= 0 and total >= DIRECT_MIN_BYTES:
             try:
                 self._write_direct(seg, offset, pending)
@@ -374,15 +380,9 @@ class NvmeLog:
                 _close_direct(seg)
         # pwritev takes at most IOV_MAX (1024) buffers and may write short.
         while pending:
-            batch = pending[:1024]
-            written = os.pwritev(seg.fd, batch, offset)
+            written = os.pwritev(seg.fd, pending[:IOV_MAX], offset)
             offset += written
-            while batch and written >= len(batch[0]):
-                written -= len(batch[0])
-                batch.pop(0)
-                pending.pop(0)
-            if written:
-                pending[0] = pending[0][written:]
+            _drop_written(pending, written)
 
     def _write_direct(self, seg: _Segment, offset: int, pending: list[memoryview]) -> None:
         """Write `pending` at `offset` with O_DIRECT through the staging buffer: from the

@@ -335,13 +335,20 @@ class WriteBack(BlockTierBase):
         self._flush_wanted_for_rows()
         return True
 
+    def _inline_room(self, nbytes: int) -> bool:
+        """Whether `nbytes` of records may be written on the event loop now: the kernel has
+        room for dirty pages, no flush is in flight, and they are at most
+        INLINE_APPEND_BYTES (docs/design.md, "Small appends are written on the event
+        loop"). The log itself may still refuse (another append, a new segment due)."""
+        return self._inline_ok and not self._flush_lock.locked() and nbytes <= INLINE_APPEND_BYTES
+
     def _append_inline(self, owner: int) -> bool:
         """Write `owner`'s dirty blocks to the log now, on the event loop, and stage their
         rows: only while the kernel has room for dirty pages, no flush is in flight and
         they are at most INLINE_APPEND_BYTES (docs/design.md, "Small appends are written
         on the event loop"). False when it cannot (then nothing was written), or when the
         records do not fit in the active segment."""
-        if not self._inline_ok or self._flush_lock.locked() or self.owner_dirty_bytes(owner) > INLINE_APPEND_BYTES:
+        if not self._inline_room(self.owner_dirty_bytes(owner)):
             return False
         snapshots, records = self._freeze(BlockKey(owner, i) for i in sorted(self._dirty.get(owner, ())))
         if not records:

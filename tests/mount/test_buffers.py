@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from distorefs import client
-from tests.conftest import Mount, blocked_read
+from tests.conftest import Mount, blocked_read, daemon_cpu_s
 
 pytestmark = pytest.mark.mount
 
@@ -580,15 +580,9 @@ def test_with_busy_polling_the_rl_calls_are_served_and_an_idle_daemon_sleeps(mou
         os.close(fd)
         with open(path / "sample", "rb", buffering=0) as f:
             assert len(np.load(io.BytesIO(f.read()))) == 4
-    ticks = os.sysconf("SC_CLK_TCK")
-
-    def cpu_s() -> float:
-        fields = Path(f"/proc/{mount.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / ticks
-
-    before = cpu_s()
+    before = daemon_cpu_s(mount)
     time.sleep(1.0)
-    assert cpu_s() - before < 0.5  # no requests: the poll window ends and the daemon sleeps
+    assert daemon_cpu_s(mount) - before < 0.5  # no requests: the poll window ends and the daemon sleeps
     assert mount.unmount() == 0
 
 

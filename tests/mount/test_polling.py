@@ -8,10 +8,9 @@ import json
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from distorefs import client
-from tests.conftest import Mount
+from tests.conftest import Mount, daemon_cpu_s
 
 MountFactory = Callable[..., Mount]
 
@@ -20,11 +19,6 @@ def poll_stats(mount: Mount) -> dict[str, float]:
     stats = mount.status()["busy_poll"]
     assert isinstance(stats, dict)
     return stats
-
-
-def daemon_cpu_s(mount: Mount) -> float:
-    fields = Path(f"/proc/{mount.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_a_tight_loop_of_small_files_is_served_by_polling_by_default(mount_factory: MountFactory) -> None:
