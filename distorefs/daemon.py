@@ -289,7 +289,7 @@ class Daemon:
         if self.shared.sessions is not None:
             start("shm sampling sessions", self.shared.sessions.serve)
             start("weights' shared copies", self.weights.run_sharing)
-        start("memory trim", run_memory_trim, self._accounted_bytes)
+        start("memory trim", run_memory_trim, self._accounted_bytes, self.blocks.shed_spares)
 
     def _accounted_bytes(self) -> int:
         stats = self.blocks.statistics()

@@ -65,15 +65,20 @@ def _malloc_trim() -> Callable[[int], int] | None:
     return trim  # type: ignore[no-any-return]
 
 
-async def run_memory_trim(accounted: Callable[[], int], interval_s: float = 5.0) -> None:
-    """Background task: when RSS exceeds `accounted()` (DRAM the cache holds or reserved)
-    by more than SLACK_BYTES, return malloc's free pages to the system (in a thread)."""
+async def run_memory_trim(
+    accounted: Callable[[], int], shed: Callable[[], int] = lambda: 0, interval_s: float = 5.0
+) -> None:
+    """Background task: every `interval_s`, first `shed()` idle reusable buffers (the
+    DRAM cache's spares, which `accounted` counts), then, when RSS exceeds `accounted()`
+    (DRAM the cache holds or reserved) by more than SLACK_BYTES, return malloc's free
+    pages to the system (in a thread)."""
     trim = _malloc_trim()
     if trim is None:
         log.info("memory: this libc has no malloc_trim; freed memory stays with the process")
         return
     while True:
         await trio.sleep(interval_s)
+        shed()
         before = rss_bytes()
         if before <= accounted() + SLACK_BYTES:
             continue

@@ -55,7 +55,8 @@ class BlockStatistics:
     dram_misses: int
     dram_evictions: int
     dram_transient_bytes: int  # blocks one-pass readers had loaded, kept briefly (tiers/dram.py)
-    dram_reused_buffers: int  # loads of theirs into a buffer reused instead of fresh memory
+    dram_reused_buffers: int  # new blocks and loads given a reused buffer instead of fresh memory
+    dram_spare_bytes: int  # of dram_used_bytes: block buffers kept for reuse (tiers/dram.py)
     log_bytes: int
     log_live_bytes: int
     log_segments: int
@@ -230,6 +231,10 @@ class BlockStore(ByteRanges, Compaction):
     def unreserve(self, nbytes: int) -> None:
         self._dram.unreserve(nbytes)
 
+    def shed_spares(self) -> int:
+        """Let idle reusable buffers go (see DramCache.shed_spares); the bytes let go."""
+        return self._dram.shed_spares()
+
     async def get(self, key: BlockKey, transient: bool = False) -> Block | None:
         """Return the block (from DRAM, else loaded from the log), or None for a hole.
         `transient`: a one-pass sequential reader asks, so a block loaded for it is kept
@@ -330,7 +335,7 @@ class BlockStore(ByteRanges, Compaction):
         try:
             payload = (await self._read_remote({key: location})).get(key)
             if payload is None:
-                spare = self._dram.take_spare(location.length) if transient else None
+                spare = self._dram.take_spare(location.length)
                 payload = await trio.to_thread.run_sync(self._log.read, location, key, spare, limiter=self._io_limiter)
         finally:
             del self._loading[key]
@@ -579,8 +584,10 @@ class BlockStore(ByteRanges, Compaction):
     def _uncache(self, key: BlockKey) -> None:
         """Drop the block from DRAM, dirty or not (its index entry stays)."""
         block = self._dram.remove(key)
-        if block is not None and block.dirty:
-            self._unmark_dirty(key)
+        if block is not None:
+            if block.dirty:
+                self._unmark_dirty(key)
+            self._dram.recycle(block)
 
     async def _writable(self, key: BlockKey, end: int) -> Block:
         """Return the cached block with capacity for `end` bytes and no flush reading it.
@@ -602,19 +609,27 @@ class BlockStore(ByteRanges, Compaction):
             # the change goes to a copy.
             frozen = block is not None and (id(block) in self._frozen or not block.writable)
             need = want if frozen else max(0, want - have)
-            if need and not self._dram.make_room(need):
+            capacity = max(want, have)  # of a new buffer, when one is needed
+            if need and not self._dram.room_for_buffer(capacity, need):
                 await self._wait_for_room()
                 continue
             break
         if block is None:
-            block = Block(bytearray(want), 0, dirty=False)
+            block = Block(self._new_buffer(want), 0, dirty=False)
             self._dram.insert(key, block)
         elif frozen or want > have:
             # A flush is writing the old buffer from a thread (or it is too small): copy.
-            buf = bytearray(max(want, have))
+            buf = self._new_buffer(capacity)
             buf[: block.length] = memoryview(block.buf)[: block.length]
             self._dram.replace_buffer(block, buf)
         return block
+
+    def _new_buffer(self, capacity: int) -> bytearray:
+        """A buffer for a new or copied block, room made for it: a spare when one of that
+        size is kept (its bytes past the block's length are another block's, and nothing
+        reads there), else new zeroed memory."""
+        spare = self._dram.take_spare(capacity)
+        return bytearray(capacity) if spare is None else spare
 
     async def close(self) -> None:
         """Flush everything, commit durably and close the log (clean unmount)."""
@@ -636,6 +651,7 @@ class BlockStore(ByteRanges, Compaction):
             dram_evictions=dram.evictions,
             dram_transient_bytes=dram.transient_bytes,
             dram_reused_buffers=dram.reused_buffers,
+            dram_spare_bytes=dram.spare_bytes,
             log_bytes=log_bytes,
             log_live_bytes=live,
             log_segments=len(self._log.segment_sizes()),

@@ -16,10 +16,16 @@ first change copies it into a bytearray of its own. So is a block whose buffer i
 with `transient`): they stay in a FIFO of at most `transient_budget` bytes, and the
 oldest leaves the cache when the FIFO is full, unless it was read a second time (then
 it is an ordinary block). The kernel's page cache keeps what such a reader read, so a
-cold scan of a big file does not push the working set out of DRAM, and the buffer of
-a block that leaves is kept as a *spare* for the next load when nothing else holds it:
-a load into a reused buffer skips the page faults of fresh memory, which were a third
-of a cold read's time (docs/design.md, "Cold sequential reads reuse their buffers").
+cold scan of a big file does not push the working set out of DRAM.
+
+*Spares*: the block-size buffer of a block that leaves (a transient one, a deleted or
+replaced one, see `recycle`) is kept, when nothing else holds it, for the next new
+block or load of that size, still counted in `used_bytes` (so within the budget). A
+reused buffer skips the page faults of fresh memory: a third of a cold read's time, and
+on this VM (free pages are handed back to the host) up to 13 µs per 4 KiB page for a
+write into new blocks, four times what the copy itself costs (docs/design.md, "Block
+buffers are reused"). `make_room` drops spares before it evicts anything, and
+`shed_spares` lets idle ones go.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from distorefs.types import BlockKey
 
 MIN_CAPACITY_BYTES = 4096
 TRANSIENT_MAX_BYTES = 128 * 1024 * 1024  # four sequential readers' prefetch windows of 32 MiB
-MAX_SPARES = 16  # buffers kept for the next transient loads
+SPARE_IDLE_CHECKS = 6  # shed_spares calls without a spare taken before half of them go
 
 
 class Block:
@@ -99,13 +105,6 @@ class DramStatistics:
     reused_buffers: int
 
 
-def unshared(block: Block) -> bool:
-    """Whether nothing but the caller's one reference holds `block`, and nothing but
-    `block` its buffer (no memoryview of it handed out and still alive): CPython's
-    reference counts, each plus the one of getrefcount's own argument."""
-    return sys.getrefcount(block) <= 3 and sys.getrefcount(block.buf) <= 2
-
-
 class DramCache:
     """LRU of blocks under `budget_bytes`, counted by buffer capacity."""
 
@@ -125,6 +124,7 @@ class DramCache:
         self.spare_size = 0  # the capacity of a reusable buffer (the block tier's block size)
         self._spares: list[bytearray] = []  # counted in used_bytes
         self._reused = 0
+        self._idle_checks = 0  # shed_spares calls since a spare was last taken
         # Told of each clean block that make_room evicts (the remote memory tier's chance
         # to keep a copy); it must not touch the cache.
         self.evicted: Callable[[BlockKey, Block], None] | None = None
@@ -209,28 +209,60 @@ class DramCache:
             self._evictions += 1
             if self.evicted is not None:
                 self.evicted(key, block)
-            if (
-                len(self._spares) < MAX_SPARES
-                and isinstance(block.buf, bytearray)
-                and len(block.buf) == self.spare_size
-                and unshared(block)
-            ):
-                self._spares.append(block.buf)
-                self.used_bytes += self.spare_size
+            self.recycle(block)
 
-    def take_spare(self, length: int) -> bytearray | None:
-        """A reused buffer to load a transient block of `length` bytes into, or None. Only
-        for full blocks: the spare's old bytes are all overwritten, none lies past the
-        new block's length."""
-        if not self._spares or length != self.spare_size:
+    def recycle(self, block: Block) -> None:
+        """`block` left the cache (`remove`d): keep its buffer as a spare when it is a
+        block-size bytearray that nothing else holds. The caller's one reference to
+        `block` must be its last (a flush's snapshot, a write-behind pass or a reply's
+        memoryview still holding it or its buffer keeps the buffer out of the spares).
+        Its bytes stay counted in `used_bytes`; the cache had counted them already."""
+        if (
+            isinstance(block.buf, bytearray)
+            and len(block.buf) == self.spare_size
+            and sys.getrefcount(block) <= 3  # the caller's, this call's, getrefcount's own
+            and sys.getrefcount(block.buf) <= 2  # the block's, getrefcount's own
+        ):
+            self._spares.append(block.buf)
+            self.used_bytes += self.spare_size
+            block.buf = bytearray()
+
+    def has_spare(self, capacity: int) -> bool:
+        return capacity == self.spare_size and bool(self._spares)
+
+    def take_spare(self, capacity: int) -> bytearray | None:
+        """A reused buffer of `capacity` bytes for a new block, or None (only block-size
+        ones are kept). Its old bytes are another block's: the caller fills what the new
+        block's length covers; nothing reads past a block's length. No longer counted
+        in `used_bytes` (the block it goes to is, when inserted)."""
+        if not self._spares or capacity != self.spare_size:
             return None
         self.used_bytes -= self.spare_size
         self._reused += 1
+        self._idle_checks = 0
         return self._spares.pop()
 
-    def _drop_spares(self) -> None:
-        self.used_bytes -= len(self._spares) * self.spare_size
-        self._spares.clear()
+    def _drop_spares(self, need_bytes: int) -> None:
+        """Let spares go (the newest last) until `need_bytes` more fit in the budget."""
+        spares = self._spares
+        while spares and self.used_bytes + need_bytes > self.budget_bytes:
+            spares.pop()
+            self.used_bytes -= self.spare_size
+
+    def shed_spares(self) -> int:
+        """Called every few seconds (the daemon's memory trim): once SPARE_IDLE_CHECKS
+        calls in a row have found no spare taken, half of the spares go (the memory trim
+        then gives them back to the system). Returns the bytes let go."""
+        if not self._spares:
+            return 0
+        self._idle_checks += 1
+        if self._idle_checks < SPARE_IDLE_CHECKS:
+            return 0
+        keep = len(self._spares) // 2
+        dropped = len(self._spares) - keep
+        del self._spares[keep:]
+        self.used_bytes -= dropped * self.spare_size
+        return dropped * self.spare_size
 
     def remove(self, key: BlockKey) -> Block | None:
         block = self._blocks.pop(key, None)
@@ -276,32 +308,62 @@ class DramCache:
         """
         if self.used_bytes + need_bytes <= self.budget_bytes:
             return True
-        self._drop_spares()
+        self._drop_spares(need_bytes)
         if self.used_bytes + need_bytes <= self.budget_bytes:
             return True
-        # Walk from the least recently used end and stop as soon as there is room: a
-        # full cache of a million items costs a few steps per call, not a copy of its
-        # keys. Dirty blocks met on the way cannot go; they move to the other end, so
-        # the next walk does not step over them again (they are in use anyway).
-        victims: list[tuple[BlockKey, Block]] = []
+        self._evict(need_bytes, reuse=False)
+        return self.used_bytes + need_bytes <= self.budget_bytes
+
+    def room_for_buffer(self, capacity: int, need_bytes: int) -> bool:
+        """Room for a block's new buffer of `capacity` bytes (`need_bytes` more than the
+        cache counts now, when it is new memory), which the caller then takes with
+        `take_spare`, or allocates when that gives None. A block-size buffer comes from a
+        spare when one is kept, else from a block evicted for it (its buffer kept as a
+        spare, when nothing else holds it, instead of freed and then allocated again as
+        new memory). False as for `make_room`."""
+        if self.has_spare(capacity) or self.used_bytes + need_bytes <= self.budget_bytes:
+            return True
+        if capacity == self.spare_size:
+            self._evict(need_bytes, reuse=True)
+            if self.has_spare(capacity):
+                return True
+        return self.make_room(need_bytes)
+
+    def _evict(self, need_bytes: int, reuse: bool) -> None:
+        """Evict clean blocks, least recently used first, until `need_bytes` more fit or,
+        with `reuse`, until a block-size one was evicted (its buffer kept as a spare)."""
+        for key in self._victims(need_bytes, reuse):
+            victim = self.remove(key)
+            assert victim is not None
+            self._evictions += 1
+            if self.evicted is not None:
+                self.evicted(key, victim)
+            if reuse:
+                self.recycle(victim)
+
+    def _victims(self, need_bytes: int, reuse: bool) -> list[BlockKey]:
+        """The keys `_evict` evicts. Walks from the least recently used end and stops as
+        soon as there is room: a full cache of a million items costs a few steps per
+        call, not a copy of its keys. Dirty blocks met on the way cannot go; they move to
+        the other end, so the next walk does not step over them again (they are in use
+        anyway). (Keys only: a victim's reference count must be the cache's alone when
+        `recycle` looks at it.)"""
+        victims: list[BlockKey] = []
         passed: list[BlockKey] = []
         freed = 0
         for key, block in self._blocks.items():
             if block.dirty:
                 passed.append(key)
                 continue
-            victims.append((key, block))
+            victims.append(key)
             freed += block.capacity_bytes
             if self.used_bytes - freed + need_bytes <= self.budget_bytes:
                 break
+            if reuse and block.capacity_bytes == self.spare_size:
+                break
         for key in passed:
             self._blocks.move_to_end(key)
-        for key, block in victims:
-            self.remove(key)
-            self._evictions += 1
-            if self.evicted is not None:
-                self.evicted(key, block)
-        return self.used_bytes + need_bytes <= self.budget_bytes
+        return victims
 
     def reserve(self, nbytes: int) -> bool:
         """Count `nbytes` held outside the LRU against the budget, evicting clean blocks

@@ -389,3 +389,42 @@ def test_a_write_only_open_writes_past_the_page_cache_and_every_reader_sees_it(m
         mapped.close()
         os.close(both)
         os.close(reader)
+
+
+def test_a_new_file_reuses_a_deleted_files_memory_and_never_shows_its_bytes(mounted: Mount, scratch: Path) -> None:
+    """The DRAM cache keeps a deleted file's 1 MiB block buffers for the next new blocks
+    (docs/design.md, "Block buffers are reused"). What a new file did not write reads as
+    zeros through every way in: a short write into a block, a hole left by a truncate
+    up, a read through the page cache and one past it."""
+    old = scratch / "old"
+    old.write_bytes(b"\xaa" * (8 << 20))
+    old.unlink()
+    blocks = mounted.status()["blocks"]
+    assert isinstance(blocks, dict)
+    reused_before = blocks["dram_reused_buffers"]
+    assert blocks["dram_spare_bytes"] >= 4 << 20
+
+    new = scratch / "new"
+    fd = os.open(new, os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        os.ftruncate(fd, 8 << 20)
+        for i in range(8):
+            os.pwrite(fd, b"new", (i << 20) + 500_000)  # far enough in for a whole block's buffer
+    finally:
+        os.close(fd)
+    blocks = mounted.status()["blocks"]
+    assert isinstance(blocks, dict)
+    assert blocks["dram_reused_buffers"] >= reused_before + 4
+
+    expected = bytearray(8 << 20)
+    for i in range(8):
+        expected[(i << 20) + 500_000 : (i << 20) + 500_003] = b"new"
+    assert new.read_bytes() == expected
+    direct = os.open(new, os.O_RDONLY | os.O_DIRECT)
+    try:
+        buf = mmap.mmap(-1, 8 << 20)
+        assert os.preadv(direct, [buf], 0) == 8 << 20
+        assert buf[:] == expected
+        buf.close()
+    finally:
+        os.close(direct)

@@ -523,6 +523,47 @@ async def test_a_buffer_still_viewed_is_never_reused(tmp_path: Path) -> None:
     await store.close()
 
 
+async def test_a_deleted_files_buffers_hold_the_next_files_blocks_and_never_show_its_bytes(tmp_path: Path) -> None:
+    """A new block made in a reused buffer (a spare) reads as what was written to it and
+    zeros elsewhere, never as the bytes of the file the buffer held before."""
+    store = open_store(tmp_path, budget=16 * BLOCK, segment=64 * BLOCK)
+    for i in range(6):
+        await store.write(BlockKey(3, i), 0, b"\xaa" * BLOCK)
+    await store.persist(3)
+    store.delete_owner(3)
+    assert store.statistics().dram_spare_bytes == 6 * BLOCK
+    at = BLOCK - 5000  # a short write far enough in for a block-size buffer
+    for i in range(6):
+        await store.write(BlockKey(4, i), at, b"new")
+    stats = store.statistics()
+    assert stats.dram_reused_buffers == 6
+    assert stats.dram_spare_bytes == 0
+    content = bytes(await store.read_range(4, 0, 6 * BLOCK, 6 * BLOCK))  # past each block's end: a hole
+    expected = (bytes(at) + b"new" + bytes(BLOCK - at - 3)) * 6
+    assert content == expected
+    await store.persist(4)
+    await store.close()
+    store = open_store(tmp_path, budget=16 * BLOCK, segment=64 * BLOCK)  # and so the log has them
+    assert bytes(await store.read_range(4, 0, 6 * BLOCK, 6 * BLOCK)) == expected
+    await store.close()
+
+
+async def test_new_blocks_on_a_full_cache_reuse_the_evicted_ones_buffers(tmp_path: Path) -> None:
+    store = open_store(tmp_path, budget=8 * BLOCK, segment=64 * BLOCK)
+    for i in range(8):
+        await store.write(BlockKey(3, i), 0, bytes([i]) * BLOCK)
+    await store.persist(3)  # clean: evictable
+    for i in range(6):
+        await store.write(BlockKey(4, i), 0, bytes([100 + i]) * BLOCK)
+        assert store.statistics().dram_used_bytes <= 8 * BLOCK
+    assert store.statistics().dram_reused_buffers == 6
+    for i in range(6):
+        assert await read_all(store, BlockKey(4, i)) == bytes([100 + i]) * BLOCK
+    for i in range(8):  # the evicted ones come back from the log
+        assert await read_all(store, BlockKey(3, i)) == bytes([i]) * BLOCK
+    await store.close()
+
+
 async def random_file(tmp_path: Path, blocks: int) -> tuple[BlockStore, bytes]:
     """A store reopened over `blocks` blocks of random bytes of owner 3, nothing in DRAM."""
     content = np.random.default_rng(5).integers(0, 256, blocks * BLOCK, dtype=np.uint8).tobytes()

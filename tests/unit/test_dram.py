@@ -50,3 +50,92 @@ def test_make_room_on_a_full_cache_evicts_only_the_oldest_clean_blocks_it_needs(
     assert cache.make_room(3 * 4096)
     assert [cache.peek(BlockKey(1, i)) is None for i in range(3, 7)] == [True, True, True, False]
     assert all(cache.peek(BlockKey(1, i)) is not None for i in range(3))
+
+
+SPARE = 64 * 1024  # a small block size for these tests
+
+
+def spare_cache(blocks: int) -> DramCache:
+    cache = DramCache(budget_bytes=blocks * SPARE)
+    cache.spare_size = SPARE
+    return cache
+
+
+def test_a_removed_block_size_buffer_is_kept_as_a_counted_spare_and_taken_again() -> None:
+    cache = spare_cache(4)
+    cache.insert(BlockKey(1, 0), Block(bytearray(SPARE), SPARE, dirty=False))
+    block = cache.remove(BlockKey(1, 0))
+    assert block is not None
+    buf = block.buf
+    del buf
+    cache.recycle(block)
+    assert cache.statistics().spare_bytes == SPARE
+    assert cache.used_bytes == SPARE  # still within the budget's count
+    assert cache.take_spare(4096) is None  # only block-size buffers
+    spare = cache.take_spare(SPARE)
+    assert spare is not None
+    assert len(spare) == SPARE
+    assert cache.used_bytes == 0
+    assert cache.statistics().reused_buffers == 1
+
+
+def test_a_buffer_anything_else_holds_is_never_kept() -> None:
+    cache = spare_cache(4)
+    for i, size in enumerate((SPARE, SPARE, 4096)):
+        cache.insert(BlockKey(1, i), Block(bytearray(size), size, dirty=False))
+    viewed = cache.remove(BlockKey(1, 0))
+    assert viewed is not None
+    view = memoryview(viewed.buf)  # a reply still being sent
+    cache.recycle(viewed)
+    held = cache.remove(BlockKey(1, 1))
+    keeper = [held]  # a flush's snapshot of the block
+    cache.recycle(held)  # type: ignore[arg-type]
+    small = cache.remove(BlockKey(1, 2))
+    assert small is not None
+    cache.recycle(small)
+    assert cache.statistics().spare_bytes == 0
+    assert cache.used_bytes == 0
+    assert view[0] == 0
+    assert keeper
+
+
+def test_make_room_lets_only_the_spares_it_needs_go() -> None:
+    cache = spare_cache(4)
+    for i in range(3):
+        cache.insert(BlockKey(1, i), Block(bytearray(SPARE), SPARE, dirty=False))
+    for i in range(3):
+        block = cache.remove(BlockKey(1, i))
+        assert block is not None
+        cache.recycle(block)
+    assert cache.statistics().spare_bytes == 3 * SPARE
+    assert cache.make_room(2 * SPARE)  # one free block-size place and one spare
+    assert cache.statistics().spare_bytes == 2 * SPARE
+    assert cache.used_bytes == 2 * SPARE
+
+
+def test_a_new_buffer_on_a_full_cache_reuses_an_evicted_blocks() -> None:
+    cache = spare_cache(4)
+    for i in range(4):
+        cache.insert(BlockKey(1, i), Block(bytearray(SPARE), SPARE, dirty=i == 0))
+    assert cache.room_for_buffer(SPARE, SPARE)
+    assert cache.peek(BlockKey(1, 1)) is None  # the oldest clean one went ...
+    assert cache.peek(BlockKey(1, 2)) is not None  # ... and only it
+    spare = cache.take_spare(SPARE)
+    assert spare is not None
+    cache.insert(BlockKey(2, 0), Block(spare, 0, dirty=False))
+    assert cache.used_bytes == 4 * SPARE
+    assert cache.statistics().evictions == 1
+
+
+def test_idle_spares_are_shed_by_halves() -> None:
+    cache = spare_cache(8)
+    for i in range(8):
+        cache.insert(BlockKey(1, i), Block(bytearray(SPARE), SPARE, dirty=False))
+        block = cache.remove(BlockKey(1, i))
+        assert block is not None
+        cache.recycle(block)
+    shed = [cache.shed_spares() for _ in range(7)]
+    assert shed == [0, 0, 0, 0, 0, 4 * SPARE, 2 * SPARE]
+    assert cache.take_spare(SPARE) is not None  # used again: the count starts over
+    assert [cache.shed_spares() for _ in range(6)] == [0, 0, 0, 0, 0, SPARE]
+    assert cache.used_bytes == 0
