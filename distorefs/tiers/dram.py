@@ -39,7 +39,10 @@ from distorefs.types import BlockKey
 
 MIN_CAPACITY_BYTES = 4096
 TRANSIENT_MAX_BYTES = 128 * 1024 * 1024  # four sequential readers' prefetch windows of 32 MiB
-SPARE_IDLE_CHECKS = 6  # shed_spares calls without a spare taken before half of them go
+# shed_spares calls (the memory trim's, 5 s apart) without a spare taken before half of
+# them go: 10 minutes, longer than the interval of most training jobs' checkpoints,
+# whose next save reuses the buffers the last one's deleted files left
+SPARE_IDLE_CHECKS = 120
 
 
 class Block:

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from distorefs.tiers.dram import Block, DramCache, capacity_for
+from distorefs.tiers.dram import SPARE_IDLE_CHECKS, Block, DramCache, capacity_for
 from distorefs.types import BlockKey
 
 
@@ -134,8 +134,9 @@ def test_idle_spares_are_shed_by_halves() -> None:
         block = cache.remove(BlockKey(1, i))
         assert block is not None
         cache.recycle(block)
-    shed = [cache.shed_spares() for _ in range(7)]
-    assert shed == [0, 0, 0, 0, 0, 4 * SPARE, 2 * SPARE]
+    idle = [0] * (SPARE_IDLE_CHECKS - 1)
+    shed = [cache.shed_spares() for _ in range(SPARE_IDLE_CHECKS + 1)]
+    assert shed == [*idle, 4 * SPARE, 2 * SPARE]
     assert cache.take_spare(SPARE) is not None  # used again: the count starts over
-    assert [cache.shed_spares() for _ in range(6)] == [0, 0, 0, 0, 0, SPARE]
+    assert [cache.shed_spares() for _ in range(SPARE_IDLE_CHECKS)] == [*idle, SPARE]
     assert cache.used_bytes == 0
