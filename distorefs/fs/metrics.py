@@ -15,12 +15,14 @@ Label sets are bounded: at most MAX_LABELLED buffers, models and peers are label
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from distorefs.stores.replay.store import BufferStore
 from distorefs.stores.weights import WeightStore
@@ -106,34 +108,91 @@ class DaemonCollector(Collector):
             yield GaugeMetricFamily(f"distorefs_peer_{key}", f"peer server: {key}", value=float(report.get(key, 0)))
 
 
+class Tally:
+    """A count, a sum of seconds and a latency histogram (LATENCY_BUCKETS), and a byte
+    count, in one plain list that the event loop adds to: no lock, no object per
+    increment. prometheus_client's Counter and Histogram take a lock per increment and
+    cost 1.2 µs per request each (measured), and every FUSE request paid for one or two."""
+
+    __slots__ = ("cells",)
+    COUNT, SECONDS, BYTES, BUCKETS = 0, 1, 2, 3
+
+    def __init__(self) -> None:
+        self.cells: list[float] = [0, 0.0, 0, *([0] * (len(LATENCY_BUCKETS) + 1))]
+
+    def add(self, seconds: float, nbytes: int = 0) -> None:
+        cells = self.cells
+        cells[0] += 1
+        cells[1] += seconds
+        cells[2] += nbytes
+        cells[3 + bisect_left(LATENCY_BUCKETS, seconds)] += 1  # the first bound >= seconds ("le")
+
+
+BUCKET_LABELS = (*(floatToGoString(b) for b in LATENCY_BUCKETS), "+Inf")  # type: ignore[no-untyped-call]
+
+
+def histogram_buckets(cells: list[float]) -> list[tuple[str, float]]:
+    """A Tally's (snapshot's) buckets, cumulative, as prometheus wants them (+Inf last)."""
+    out, total = [], 0.0
+    for label, count in zip(BUCKET_LABELS, cells[Tally.BUCKETS :], strict=True):
+        total += count
+        out.append((label, total))
+    return out
+
+
+class RequestCollector(Collector):
+    """The fs layer's tallies of requests and data, read at each scrape (from
+    prometheus_client's HTTP thread, or the event loop for `.distore/metrics`): a copy of
+    each tally's list is taken whole under the GIL, so its count and its buckets agree."""
+
+    def __init__(self, requests: dict[tuple[str, int], Tally], data: dict[tuple[str, str], Tally]) -> None:
+        self._requests = requests
+        self._data = data
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            "distorefs_requests", "FUSE requests by operation and errno (0: ok)", labels=["op", "errno"]
+        )
+        by_op: dict[str, list[float]] = {}
+        for (op, errno), tally in list(self._requests.items()):
+            cells = list(tally.cells)
+            requests.add_metric([op, str(errno)], cells[Tally.COUNT])
+            merged = by_op.setdefault(op, [0.0] * len(cells))
+            for i, value in enumerate(cells):
+                merged[i] += value
+        yield requests
+        latency = HistogramMetricFamily(
+            "distorefs_request_seconds", "FUSE request latency inside the daemon", labels=["op"]
+        )
+        for op, cells in by_op.items():
+            latency.add_metric([op], histogram_buckets(cells), sum_value=cells[Tally.SECONDS])
+        yield latency
+        moved = CounterMetricFamily(
+            "distorefs_bytes", "bytes read and written through the mount, by kind of file", labels=["kind", "direction"]
+        )
+        data_latency = HistogramMetricFamily(
+            "distorefs_data_request_seconds", "read and write latency inside the daemon, by kind of file",
+            labels=["kind", "op"],
+        )  # fmt: skip
+        for (kind, op), tally in list(self._data.items()):
+            cells = list(tally.cells)
+            moved.add_metric([kind, DIRECTIONS[op]], cells[Tally.BYTES])
+            data_latency.add_metric([kind, op], histogram_buckets(cells), sum_value=cells[Tally.SECONDS])
+        yield moved
+        yield data_latency
+
+
+DIRECTIONS = {"read": "out", "write": "in", "adopt": "adopted"}  # adopted: staged, past FUSE
+
+
 class Metrics:
     """The registry, and what the fs layer observes of each request."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self._requests = Counter(
-            "distorefs_requests", "FUSE requests by operation and errno (0: ok)", ["op", "errno"],
-            registry=self.registry,
-        )  # fmt: skip
-        self._latency = Histogram(
-            "distorefs_request_seconds", "FUSE request latency inside the daemon", ["op"],
-            buckets=LATENCY_BUCKETS, registry=self.registry,
-        )  # fmt: skip
-        self._bytes = Counter(
-            "distorefs_bytes", "bytes read and written through the mount, by kind of file",
-            ["kind", "direction"], registry=self.registry,
-        )  # fmt: skip
-        self._data_latency = Histogram(
-            "distorefs_data_request_seconds", "read and write latency inside the daemon, by kind of file",
-            ["kind", "op"], buckets=LATENCY_BUCKETS, registry=self.registry,
-        )  # fmt: skip
-        self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
-        directions = {"read": "out", "write": "in", "adopt": "adopted"}  # adopted: staged, past FUSE
-        self._data_children = {
-            (kind, op): (self._bytes.labels(kind, direction), self._data_latency.labels(kind, op))
-            for kind in KINDS
-            for op, direction in directions.items()
-        }
+        self._requests: dict[tuple[str, int], Tally] = {}
+        self._data = {(kind, op): Tally() for kind in KINDS for op in DIRECTIONS}
+        self.registry.register(RequestCollector(self._requests, self._data))
 
     def watch(
         self,
@@ -146,19 +205,15 @@ class Metrics:
 
     def transferred(self, kind: str, op: str, size: int, started: float) -> None:
         """A read or write (`op`) of `size` bytes of a `kind` file, begun at `started`."""
-        children = self._data_children.get((kind, op)) or self._data_children["control", op]
-        counter, latency = children
-        counter.inc(size)
-        latency.observe(time.perf_counter() - started)
+        tally = self._data.get((kind, op)) or self._data["control", op]
+        tally.add(time.perf_counter() - started, size)
 
     def observe(self, op: str, started: float, errno: int) -> None:
         """One request of `op` that began at `started` (time.perf_counter) and ended with `errno`."""
-        key = (op, errno)
-        children = self._children.get(key)
-        if children is None:
-            children = self._children[key] = (self._requests.labels(op, str(errno)), self._latency.labels(op))
-        children[0].inc()
-        children[1].observe(time.perf_counter() - started)
+        tally = self._requests.get((op, errno))
+        if tally is None:
+            tally = self._requests[op, errno] = Tally()
+        tally.add(time.perf_counter() - started)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
