@@ -259,3 +259,14 @@ def daemon_cpu_s(mount: Mount) -> float:
     """The CPU seconds (user and system) the mount's daemon has used so far."""
     fields = Path(f"/proc/{mount.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def getxattr_requests(mount: Mount) -> int:
+    """FUSE GETXATTR requests the daemon has answered so far, whatever their outcome (the
+    kernel asks one before each write() that goes through the page cache, none before a
+    direct one)."""
+    total = 0
+    for line in (mount.path / ".distore" / "metrics").read_text().splitlines():
+        if line.startswith("distorefs_requests_total{") and 'op="getxattr"' in line:
+            total += int(float(line.rsplit(" ", 1)[1]))
+    return total

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
 import subprocess
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import Mount, dir_for_test
+from tests.conftest import Mount, dir_for_test, getxattr_requests
 
 pytestmark = pytest.mark.mount
 
@@ -335,3 +336,43 @@ def test_stable_baselines3_checkpoint_callback_with_keep_last(run_dir: Path) -> 
         assert restored.replay_buffer is not None
         sizes[step] = restored.replay_buffer.size()
     assert sizes[1000] - sizes[750] == 250
+
+
+def test_an_exclusive_create_in_checkpoints_skips_the_page_cache(mounted: Mount, run_dir: Path) -> None:
+    """A file created O_RDWR | O_CREAT | O_EXCL under checkpoints/ (safetensors'
+    temporary, mkstemp) is direct_io (docs/design.md, "Exclusive creates in checkpoints/
+    skip the page cache"): its writes go past the page cache (no GETXATTR before them),
+    it reads back through the same descriptor, only that descriptor refuses a shared
+    mapping, and the file renamed into place maps and reads like any other. Elsewhere
+    in the tree the same open keeps the page cache and maps."""
+    tmp = run_dir / ".tmp-model"
+    data = os.urandom(3 << 20)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        before = getxattr_requests(mounted)
+        for at in range(0, len(data), 1 << 20):
+            os.pwrite(fd, data[at : at + (1 << 20)], at)
+        assert getxattr_requests(mounted) == before
+        assert os.pread(fd, len(data), 0) == data
+        with pytest.raises(OSError) as refused:
+            mmap.mmap(fd, len(data))
+        assert refused.value.errno == errno.ENODEV
+    finally:
+        os.close(fd)
+    final = run_dir / "model.safetensors"
+    os.rename(tmp, final)
+    with open(final, "r+b") as f, mmap.mmap(f.fileno(), len(data)) as mapped:
+        assert mapped[:] == data
+    assert final.read_bytes() == data
+
+    elsewhere = mounted.path / f"excl-{os.getpid()}"
+    fd = os.open(elsewhere, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        before = getxattr_requests(mounted)
+        os.pwrite(fd, b"x" * 4096, 0)
+        assert getxattr_requests(mounted) > before  # buffered: the kernel asked
+        with mmap.mmap(fd, 4096) as mapped:
+            assert mapped[:] == b"x" * 4096
+    finally:
+        os.close(fd)
+        elsewhere.unlink()

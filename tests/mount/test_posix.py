@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import Mount
+from tests.conftest import Mount, getxattr_requests
 
 pytestmark = pytest.mark.mount
 
@@ -339,15 +339,6 @@ def test_create_list_remove_5000_entries(scratch: Path) -> None:
     for name in names:
         os.unlink(directory / name)
     assert os.listdir(directory) == []
-
-
-def getxattr_requests(mount: Mount) -> int:
-    """FUSE GETXATTR requests the daemon has answered so far, whatever their outcome."""
-    total = 0
-    for line in (mount.path / ".distore" / "metrics").read_text().splitlines():
-        if line.startswith("distorefs_requests_total{") and 'op="getxattr"' in line:
-            total += int(float(line.rsplit(" ", 1)[1]))
-    return total
 
 
 def test_a_write_only_open_writes_past_the_page_cache_and_every_reader_sees_it(mounted: Mount, scratch: Path) -> None:
