@@ -230,13 +230,25 @@ def test_top_once_shows_requests_bytes_and_the_busiest_buffer(background: tuple[
     assert distore("mount", str(mnt), "--data-dir", str(data)).returncode == 0
     buffer = mnt / "buffers" / "busy"
     buffer.mkdir()
+    # The writer appends until told to stop (at most 60 s), so that it is still appending
+    # during top's interval whatever the two processes' start-up times: a fixed 400
+    # appends could all land before top's first reading (0.1 s of appends).
+    stop = data.parent / "stop-writer"
     writer = subprocess.Popen(
         [sys.executable, "-c",
-         f"from distorefs import client\nfor _ in range(400): client.append({str(buffer)!r}, [b'x' * 100] * 4)"],
+         "import os, time\nfrom distorefs import client\nend = time.monotonic() + 60\n"
+         f"while not os.path.exists({str(stop)!r}) and time.monotonic() < end:\n"
+         f"    client.append({str(buffer)!r}, [b'x' * 100] * 4)\n"],
     )  # fmt: skip
     try:
+        deadline = time.monotonic() + 60
+        while json.loads((buffer / "stats").read_text())["inserts"] == 0:  # until the writer has begun
+            assert writer.poll() is None, "the writer ended before appending"
+            assert time.monotonic() < deadline, "the writer never appended"
+            time.sleep(0.01)
         result = distore("top", str(mnt), "--once", "--interval", "1")
     finally:
+        stop.touch()
         writer.wait(timeout=120)
     assert result.returncode == 0, result.stderr
     out = result.stdout
