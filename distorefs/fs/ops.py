@@ -154,7 +154,7 @@ def _created_direct(flags: int, kind: str) -> bool:
     (O_CREAT | O_EXCL), whatever its access mode: the temporary file that safetensors'
     `save_file`, `tempfile.mkstemp` and atomic-write helpers write whole and then
     rename. Through the page cache the kernel first copies each write into new cache
-    pages: 1 GiB in one write() took 0.55-6.6 s that way against 0.25-1.26 s direct.
+    pages: 1 GiB in one write() took 1.2-6.8 s that way against 0.3-0.9 s direct.
     The price, that descriptor alone cannot be mapped shared (ENODEV: libfuse 3.14
     cannot allow mmap of a direct_io file); a new open of the file can (docs/design.md,
     "Exclusive creates in checkpoints/ skip the page cache")."""
