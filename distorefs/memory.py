@@ -65,9 +65,7 @@ def _malloc_trim() -> Callable[[int], int] | None:
     return trim  # type: ignore[no-any-return]
 
 
-async def run_memory_trim(
-    accounted: Callable[[], int], shed: Callable[[], int] = lambda: 0, interval_s: float = 5.0
-) -> None:
+async def run_memory_trim(accounted: Callable[[], int], shed: Callable[[], int], interval_s: float = 5.0) -> None:
     """Background task: every `interval_s`, first `shed()` idle reusable buffers (the
     DRAM cache's spares, which `accounted` counts), then, when RSS exceeds `accounted()`
     (DRAM the cache holds or reserved) by more than SLACK_BYTES, return malloc's free

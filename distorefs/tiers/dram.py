@@ -208,11 +208,8 @@ class DramCache:
             block.transient = False
             if block.dirty:
                 continue  # written meanwhile: an ordinary block now
-            self.remove(key)
-            self._evictions += 1
-            if self.evicted is not None:
-                self.evicted(key, block)
-            self.recycle(block)
+            del block  # (recycle must find the cache's reference alone)
+            self._evict_one(key, reuse=True)
 
     def recycle(self, block: Block) -> None:
         """`block` left the cache (`remove`d): keep its buffer as a spare when it is a
@@ -238,7 +235,7 @@ class DramCache:
         ones are kept). Its old bytes are another block's: the caller fills what the new
         block's length covers; nothing reads past a block's length. No longer counted
         in `used_bytes` (the block it goes to is, when inserted)."""
-        if not self._spares or capacity != self.spare_size:
+        if not self.has_spare(capacity):
             return None
         self.used_bytes -= self.spare_size
         self._reused += 1
@@ -336,13 +333,18 @@ class DramCache:
         """Evict clean blocks, least recently used first, until `need_bytes` more fit or,
         with `reuse`, until a block-size one was evicted (its buffer kept as a spare)."""
         for key in self._victims(need_bytes, reuse):
-            victim = self.remove(key)
-            assert victim is not None
-            self._evictions += 1
-            if self.evicted is not None:
-                self.evicted(key, victim)
-            if reuse:
-                self.recycle(victim)
+            self._evict_one(key, reuse)
+
+    def _evict_one(self, key: BlockKey, reuse: bool) -> None:
+        """Evict the clean block at `key`: counted, told to `evicted`, and with `reuse`
+        its buffer kept as a spare when nothing else holds it."""
+        victim = self.remove(key)
+        assert victim is not None
+        self._evictions += 1
+        if self.evicted is not None:
+            self.evicted(key, victim)
+        if reuse:
+            self.recycle(victim)
 
     def _victims(self, need_bytes: int, reuse: bool) -> list[BlockKey]:
         """The keys `_evict` evicts. Walks from the least recently used end and stops as
