@@ -12,11 +12,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import trio
 
 READY_TIMEOUT_S = 60.0
 EXIT_TIMEOUT_S = 60.0
@@ -270,3 +271,26 @@ def getxattr_requests(mount: Mount) -> int:
         if line.startswith("distorefs_requests_total{") and 'op="getxattr"' in line:
             total += int(float(line.rsplit(" ", 1)[1]))
     return total
+
+
+class Ticker:
+    """A task that counts its passes through the scheduler."""
+
+    def __init__(self) -> None:
+        self.passes = 0
+
+    async def run(self) -> None:
+        while True:
+            self.passes += 1
+            await trio.lowlevel.checkpoint()
+
+    async def runs_during(self, call: Callable[[], Awaitable[None]], tries: int = 50) -> bool:
+        """Whether this task ran while `call()` was awaited up to `tries` times. trio runs
+        the tasks of one pass in either order, so one schedule point lets another task run
+        with a chance of one half: 50 of them fail to with a chance of 2**-50."""
+        before = self.passes
+        for _ in range(tries):
+            await call()
+            if self.passes > before:
+                return True
+        return False

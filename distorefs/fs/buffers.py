@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import numpy as np
 import trio
 
+from distorefs import scheduling
 from distorefs.errors import (
     Busy,
     DistorefsError,
@@ -202,7 +203,7 @@ class AppendHandle(VirtualHandle):
             await self._add(items)
             await self._buffer.persist_appends()
         else:
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
         return len(data)
 
     async def flush(self) -> None:
@@ -277,7 +278,7 @@ class SampleHandle(VirtualHandle):
                 data = batch.data.tobytes() if isinstance(batch.data, ScatteredBytes) else bytes(batch.data)
                 self._data = await trio.to_thread.run_sync(columnar_npz, data)
         else:
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
         if isinstance(self._data, ScatteredBytes):
             return self._data.read(offset, size)
         return memoryview(self._data)[offset : offset + size]
@@ -320,7 +321,7 @@ class StreamHandle(VirtualHandle):
             self._start, self._data = end, batch.data
             self.batches += 1
         else:
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
         at = offset - self._start
         if isinstance(self._data, ScatteredBytes):
             return self._data.read(at, size)
@@ -404,7 +405,7 @@ class ShmSampleHandle(VirtualHandle):
             )
         sessions = self._shared.sessions
         if self._ticket is not None and sessions is not None:
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
             return b"%s %s %s\n" % (SHM_SESSION_MAGIC, sessions.path.encode(), self._ticket)
         region = self._region
         if region is not None and len(region.held) == SHM_SLOTS:
@@ -419,7 +420,7 @@ class ShmSampleHandle(VirtualHandle):
         """`release <slot> [<slot> ...]` lines give slots back; an unknown slot is EINVAL.
         `session 2` asks for a version 2 session: reads return its ticket from then on
         (ENOTSUP where the daemon has none, EBUSY for a second one)."""
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         if len(self._input) + len(data) > SHM_INPUT_BYTES:
             self._input.clear()
             raise InvalidArgument(f"buffers/{self._buffer.name}/sample.shm: a release line of more than 64 KiB")
@@ -466,7 +467,7 @@ class ShmSampleHandle(VirtualHandle):
             region.close()
 
     async def release(self) -> None:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         if self._ticket is not None and self._shared.sessions is not None:
             self._shared.sessions.revoke(self._ticket)
         for region, _slot in list(self._slots.values()):
@@ -542,7 +543,7 @@ class ItemHandle(VirtualHandle):
 
     async def flush(self) -> None:
         if not self._dirty:
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
             return
         self._dirty = False
         assert self._content is not None
@@ -588,7 +589,7 @@ class BufferFile(VirtualFile):
         return npz_batch_bytes(config.dtype, count) if self.columnar else npy_batch_bytes(config.dtype, count)
 
     async def open(self, flags: int, pid: int) -> VirtualHandle:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         if not self.writable and flags & os.O_ACCMODE != os.O_RDONLY:
             raise ReadOnly(f"buffers/{self.buffer.name}/{self.name.decode()} is read-only")
         return self._make(flags, pid)
@@ -620,7 +621,7 @@ class ItemNode(VirtualFile):
         return self.buffer.item_size(self.index)
 
     async def open(self, flags: int, pid: int) -> VirtualHandle:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         self.buffer.item_size(self.index)  # NotFound if it left
         return ItemHandle(self.buffer, self.index, truncate=bool(flags & os.O_TRUNC))
 
@@ -653,7 +654,7 @@ class ItemsDir(VirtualDir):
         return [(b"%d" % i, base | i, mode, s) for i, s in zip(live.tolist(), sizes.tolist(), strict=True)]
 
     async def unlink(self, name: bytes) -> None:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         node = self.lookup(name)
         assert isinstance(node, ItemNode)
         self.buffer.delete_item(node.index)
@@ -794,13 +795,13 @@ class BufferDir(NamedDir):
 
     async def unlink(self, name: bytes) -> None:
         """Control files come back: unlinking one is a no-op, so `rm -r` works."""
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         if name not in CONTROL_NAMES:
             raise NotFound(f"buffers/{self.buffer.name}: no file {name.decode(errors='replace')!r}")
 
     async def rmdir(self, name: bytes) -> None:
         """`items/` stays (a no-op, for `rm -r`); its items were unlinked one by one."""
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         if name != b"items":
             raise NotFound(f"buffers/{self.buffer.name}: no directory {name.decode(errors='replace')!r}")
 
@@ -842,7 +843,7 @@ class BuffersDir(NamedKindDirectory):
         self._store.delete(key)
         self._forget(key)
         self._tree.owners.delete(self.name, name)
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
 
     def _resolve_item(self, ino: int) -> VirtualNode:
         number = (ino - ITEM_BASE) >> INDEX_BITS

@@ -21,8 +21,8 @@ from dataclasses import asdict
 from typing import Any, overload
 
 import numpy as np
-import trio
 
+from distorefs import scheduling
 from distorefs.errors import DistorefsError, InvalidArgument, NotFound, ReadOnly, describe
 from distorefs.fs.virtual import (
     Access,
@@ -153,7 +153,7 @@ class StateHandle(RenderedHandle):
                 self._ds, InvalidArgument(f"{_label(self._ds, 'state')}: write `seal`, got {describe(word)}")
             )
         else:
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
 
     async def write(self, offset: int, data: bytes) -> int:
         self._pending += data
@@ -161,7 +161,7 @@ class StateHandle(RenderedHandle):
             text, self._pending = bytes(self._pending), bytearray()
             await self._apply(text)
         else:
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
         return len(data)
 
     async def flush(self) -> None:
@@ -185,7 +185,7 @@ class OrderHandle(VirtualHandle):
             np.save(out, await self._ds.order_indices())
             self._content = out.getvalue()
         else:
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
         return memoryview(self._content)[offset : offset + size]
 
     async def _apply(self, take: Callable[[], tuple[OrderSpec, np.ndarray | None] | None]) -> None:
@@ -197,7 +197,7 @@ class OrderHandle(VirtualHandle):
         if done is not None:
             await self._ds.set_order(*done)
         else:
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
 
     async def write(self, offset: int, data: bytes) -> int:
         await self._apply(lambda: self._input.feed(data))
@@ -220,7 +220,7 @@ class StreamHandle(VirtualHandle):
         return await self.stream.read(offset, size)
 
     async def release(self) -> None:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         self._store.close_stream(self.stream)
 
 
@@ -250,7 +250,7 @@ class DatasetFile(VirtualFile):
         self.writable = writable
 
     async def open(self, flags: int, pid: int) -> VirtualHandle:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         if self.ds.deleted:
             raise NotFound(f"datasets/{self.ds.name} was removed")
         if not self.writable and flags & os.O_ACCMODE != os.O_RDONLY:
@@ -293,7 +293,7 @@ class RecordNode(VirtualFile):
         return 0 if loaded is None or self.index >= len(loaded) else int(loaded["length"][self.index])
 
     async def open(self, flags: int, pid: int) -> VirtualHandle:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         if flags & os.O_ACCMODE != os.O_RDONLY:
             raise ReadOnly(f"datasets/{self.ds.name}/records/{self.index}: records are written once, via append")
         if self.ds.deleted or self.index >= self.ds.count:
@@ -344,7 +344,7 @@ class RecordsDir(VirtualDir):
 
     async def unlink(self, name: bytes) -> None:
         """Records are not removed one by one: a no-op, so `rm -r` of a dataset works."""
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         self.lookup(name)
 
 
@@ -405,13 +405,13 @@ class DatasetDir(NamedDir):
 
     async def unlink(self, name: bytes) -> None:
         """Control files come back: unlinking one is a no-op, so `rm -r` works."""
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         if name not in CONTROL_NAMES:
             raise NotFound(f"datasets/{self.ds.name}: no file {name.decode(errors='replace')!r}")
 
     async def rmdir(self, name: bytes) -> None:
         """`records/` stays (a no-op, for `rm -r`)."""
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         if name != b"records":
             raise NotFound(f"datasets/{self.ds.name}: no directory {name.decode(errors='replace')!r}")
 

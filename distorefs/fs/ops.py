@@ -31,6 +31,7 @@ from typing import Any, ParamSpec, TypeVar
 import pyfuse3
 import trio
 
+from distorefs import scheduling
 from distorefs.errors import Busy, CrossDevice, DistorefsError, Exists, NameTooLong, NotPermitted, ReadOnly
 from distorefs.fs.metrics import Metrics
 from distorefs.fs.polling import PollWindow
@@ -109,6 +110,7 @@ def _translate(mutates: bool) -> Callable[[Callable[P, Coroutine[Any, Any, R]]],
             started, failed = time.perf_counter(), 0
             self.request_started = started
             op = fn.__name__
+            serving = scheduling.deferring_since(started)  # its schedule points come after the reply
             try:
                 return await fn(*args, **kwargs)
             except pyfuse3.FUSEError as exc:
@@ -130,6 +132,7 @@ def _translate(mutates: bool) -> Callable[[Callable[P, Coroutine[Any, Any, R]]],
                 self._count_internal_error(fn.__name__, exc)
                 raise pyfuse3.FUSEError(errno.EIO) from None
             finally:
+                scheduling.done(serving)
                 self.metrics.observe(fn.__name__, started, failed)
                 self.request_done.set()
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
+from distorefs import scheduling
 from distorefs.errors import DistorefsError, InvalidArgument, NotSupported, OutOfMemory, TryAgain
 from distorefs.stores.replay.buffer import MirroredBatch, ReplayBuffer
 from distorefs.stores.replay.mirror import ArenaBudget, Mirror
@@ -177,7 +178,7 @@ class SampleSessions:
         """Accept until cancelled (after `listen`); a session per connection."""
         listener, self._listener = self._listener, None  # serve's own from now on
         if listener is None:
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
             return
         try:
             async with trio.open_nursery() as nursery:
@@ -326,11 +327,11 @@ class _Session:
 
     async def run(self) -> None:
         buffer = self._ticket.buffer
-        drew = True
+        first = True
         while True:
-            if not drew:  # a draw passes through the scheduler once; a refused request must too
+            if not first:  # one pass through the scheduler per request, after its reply
                 await trio.lowlevel.checkpoint()
-            drew = False
+            first = False
             message = await self._conn.recv(REQUEST.size + 1)
             started = time.perf_counter()
             if not message:
@@ -357,8 +358,8 @@ class _Session:
             try:
                 if len(self._held) >= MAX_HELD:
                     raise InvalidArgument(f"a session may hold {MAX_HELD} batches; release some first")
-                await self._draw(buffer, count or self._ticket.count)
-                drew = True
+                with scheduling.deferring(started):  # its schedule points wait for the reply
+                    await self._draw(buffer, count or self._ticket.count)
             except DistorefsError as exc:
                 buffer.record_error(str(exc))
                 await _send_error(self._conn, exc.errno, str(exc))

@@ -21,9 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Self
 
-import trio
-
-from distorefs import __version__
+from distorefs import __version__, scheduling
 from distorefs.errors import (
     DistorefsError,
     FileTooLarge,
@@ -122,7 +120,7 @@ class VirtualNode:
     async def getxattr(self, name: bytes, uid: int) -> bytes:
         """An extended attribute (the kernel checked that `uid` may read the node);
         virtual nodes have none unless a kind says otherwise."""
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         raise NoSuchAttribute(f"{self.name.decode(errors='replace')} has no attribute {name.decode(errors='replace')}")
 
     def child_bits(self, access: Access, default: int) -> int:
@@ -149,11 +147,11 @@ class VirtualHandle:
     kind = "control"  # for metrics: which kind of file this opens (each kind's handles say)
 
     async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         return b""
 
     async def fsync(self) -> None:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
 
     def opened_by(self, uid: int, gid: int) -> None:
         """Who opened it, from the FUSE request (not from anything the client says)."""
@@ -165,10 +163,10 @@ class VirtualHandle:
         """truncate(0) through this open (O_TRUNC without atomic_o_trunc): nothing by default."""
 
     async def flush(self) -> None:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
 
     async def release(self) -> None:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
 
 
 class RenderedHandle(VirtualHandle):
@@ -178,7 +176,7 @@ class RenderedHandle(VirtualHandle):
         self.content = content
 
     async def read(self, offset: int, size: int) -> bytes:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         return self.content[offset : offset + size]
 
 
@@ -228,7 +226,7 @@ class WholeInputHandle(RenderedHandle):
         raise NotImplementedError
 
     async def write(self, offset: int, data: bytes) -> int:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         if len(self._pending) + len(data) > self.max_input_bytes:
             self._pending.clear()
             raise self.recorded(
@@ -245,7 +243,7 @@ class WholeInputHandle(RenderedHandle):
         return len(data)
 
     async def flush(self) -> None:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         if bytes(self._pending).strip():
             size = len(self._pending)
             self._pending.clear()
@@ -288,7 +286,7 @@ class VirtualFile(VirtualNode):
 
     async def resize(self, size: int, handle: VirtualHandle | None) -> None:
         """truncate/ftruncate to `size` (through `handle` when the caller has one open)."""
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         if size != 0:
             raise ReadOnly(f"{self.name.decode()} can only be truncated to 0")
         self.truncate()
@@ -307,7 +305,7 @@ class ControlFile(VirtualFile):
     async def open(self, flags: int, pid: int) -> VirtualHandle:
         if flags & os.O_ACCMODE != os.O_RDONLY:
             raise ReadOnly(f"{self.name.decode()} is read-only")
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         return RenderedHandle(self.render())
 
 
@@ -474,7 +472,7 @@ class NamedKindDirectory(KindDirectory):
         return [(n.encode(errors="surrogateescape"), (d := self._dir(n)).ino, d.effective_mode(), 0) for n in names]
 
     async def unlink(self, name: bytes) -> None:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         kind = self.name.decode()
         raise IsADirectory(f"{kind}/{name.decode(errors='replace')} is a directory: use rmdir or rm -r")
 

@@ -35,8 +35,7 @@ import os
 import stat
 import time
 
-import trio
-
+from distorefs import scheduling
 from distorefs.errors import CrossDevice, Exists, NotFound, NotPermitted, NotSupported, ReadOnly, Stale
 from distorefs.fs.buffers import run_waiting
 from distorefs.fs.procs import process_exiting, thread_group
@@ -84,7 +83,7 @@ class ReaderHandle(VirtualHandle):
         return await self._store.read(self._node.wf, offset, size)
 
     async def release(self) -> None:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         self._store.release(self._node.wf)
         self._node.collect()
 
@@ -164,7 +163,7 @@ class WriterHandle(VirtualHandle):
 
     async def _publish(self) -> None:
         if is_staging(self._name):
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
             self._dir.stage(self._name, self.pending)
             self._written = False
             self._published = True
@@ -179,7 +178,7 @@ class WriterHandle(VirtualHandle):
         self._published = True
 
     async def flush(self) -> None:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         if self._killed:
             return
         if process_exiting(self._tgid):
@@ -241,7 +240,7 @@ class WaitHandle(VirtualHandle):
             except NotFound:
                 return b""
         else:
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
         self._last = model.version
         return model.version_line()
 
@@ -281,7 +280,7 @@ class FileNode(VirtualFile):
     async def open(self, flags: int, pid: int) -> VirtualHandle:
         store = self.kind.store
         if flags & os.O_ACCMODE == os.O_RDONLY and not flags & os.O_TRUNC:
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
             if self.wf.freed:
                 # Republished and freed between the reader's lookup and its open: this
                 # inode's size and pages are the old version's, so the kernel looks the
@@ -316,7 +315,7 @@ class FileNode(VirtualFile):
         no longer current (look the name up again)."""
         if name != SHM_XATTR:
             return await super().getxattr(name, uid)
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         sessions = self.kind.sessions
         label = f"weights/{self.name.decode(errors='replace')}"
         if sessions is None or not sessions.available:
@@ -354,7 +353,7 @@ class PinnedNode(FileNode):
         self.mode = stat.S_IFREG | 0o444
 
     async def open(self, flags: int, pid: int) -> VirtualHandle:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
             raise ReadOnly(f"{self.name.decode(errors='replace')} is one version's bytes: read-only")
         if self.wf.freed:
@@ -469,7 +468,7 @@ class ModelDir(VirtualDir):
 
     async def unlink(self, name: bytes) -> None:
         if name in RESERVED_NAMES:
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
             return  # control files come back: a no-op, so `rm -r` works
         staged = self.staged.pop(name, None)
         writers = self.open_writers.get(name, [])
@@ -478,7 +477,7 @@ class ModelDir(VirtualDir):
         if staged is not None:
             self.kind.store.release(staged)
         if staged is not None or (writers and name not in self.model.files):
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
             return
         await self.kind.store.unlink(self.model, name)
 
@@ -505,7 +504,7 @@ class ModelDir(VirtualDir):
             writer.retarget(new_name)
         staged = self.staged.pop(name, None)
         if staged is None:
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
             return
         try:
             if is_staging(new_name):
@@ -535,7 +534,7 @@ class WaitFile(VirtualFile):
         self._model = model
 
     async def open(self, flags: int, pid: int) -> VirtualHandle:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         if flags & os.O_ACCMODE != os.O_RDONLY:
             raise ReadOnly("wait is read-only")
         nonblocking = bool(flags & os.O_NONBLOCK)
@@ -623,7 +622,7 @@ class WeightsDir(KindDirectory):
         return out
 
     async def mkdir(self, name: bytes, mode: int) -> VirtualNode:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         return self.dir_for(self.store.create_model(name))
 
     async def rmdir(self, name: bytes) -> None:
@@ -634,7 +633,7 @@ class WeightsDir(KindDirectory):
         await self.store.commit()
 
     async def unlink(self, name: bytes) -> None:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         raise NotPermitted(f"weights/{name.decode(errors='replace')} is a model directory: use rmdir or rm -r")
 
     async def rename(self, name: bytes, new_parent: VirtualDir, new_name: bytes, flags: int) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import trio
 
+from distorefs import scheduling
 from distorefs.cluster.etcd import WatchEvent
 from distorefs.cluster.rpc import Payload, PeerServer, split_payload
 from distorefs.errors import DistorefsError, NotFound, RemoteError, TryAgain
@@ -180,7 +181,7 @@ class BufferSync:
         return self._buffers.get(str(meta["name"]))
 
     async def _on_state(self, meta: dict[str, Any], body: memoryview) -> Reply:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         return asdict(self._shard(meta).shard_state()), ()
 
     async def _on_pick(self, meta: dict[str, Any], body: memoryview) -> Reply:
@@ -194,7 +195,7 @@ class BufferSync:
         return reply, drawn.payloads
 
     async def _on_commit(self, meta: dict[str, Any], body: memoryview) -> Reply:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         self._shard(meta).commit(np.frombuffer(meta["indices"], dtype=np.int64))
         return {}, ()
 

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import trio
 
+from distorefs import scheduling
 from distorefs.cluster.etcd import EtcdClient, WatchEvent
 from distorefs.cluster.membership import Membership, NodeInfo, PrefixMirror
 from distorefs.cluster.rpc import Payload, PeerServer, PeerTransport, choose_transport
@@ -227,7 +228,7 @@ class ClusterNode:
     # --- what the core answers and reports --------------------------------------------------
 
     async def _on_ping(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         return {"node": self.me, "time_ns": time.time_ns()}, ()
 
     def peers_report(self) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from typing import Protocol
 
 import trio
 
+from distorefs import scheduling
 from distorefs.errors import DistorefsError, InvalidArgument, NotADirectory, NotEmpty, NotFound, NotPermitted
 from distorefs.news import Outbox
 from distorefs.stores.files import ROOT_INODE, FileStore
@@ -204,7 +205,7 @@ class CheckpointPolicy:
         if self.sync_close or self._sync_close_set(self._states[ino].parent):
             await self.fsync(ino)
         else:
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
             self._wake()
 
     async def fsync(self, ino: int) -> None:

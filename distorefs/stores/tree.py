@@ -16,8 +16,7 @@ from __future__ import annotations
 import os
 import stat
 
-import trio
-
+from distorefs import scheduling
 from distorefs.errors import NotPermitted
 from distorefs.news import Outbox
 from distorefs.stores.checkpoints import CHECKPOINTS, KEEP_XATTR, SETTING_XATTRS, STATE_XATTR, CheckpointPolicy
@@ -187,7 +186,7 @@ class PosixTree:
         A read-only open changed nothing, so its close writes nothing (and cannot fail
         on a full disk)."""
         if not writable:
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
         elif not self.checkpoints.tracks(ino):
             await self.files.flush(ino)
         else:

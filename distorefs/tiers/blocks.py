@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import trio
 
+from distorefs import scheduling
 from distorefs.errors import OutOfMemory
 from distorefs.tiers.block_index import BlockIndex
 from distorefs.tiers.byte_ranges import ByteRanges
@@ -260,7 +261,7 @@ class BlockStore(ByteRanges, Compaction):
         """
         out = self._dram.get_many(keys)
         if all(block is not None for block in out):  # all in DRAM: the common case of a batch
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
             return out
         cold: dict[BlockKey, LogLocation] = {}
         for key, block in zip(keys, out, strict=True):

@@ -29,6 +29,7 @@ from typing import Any
 import crc32c
 import trio
 
+from distorefs import scheduling
 from distorefs.cluster.rpc import Payload, PeerServer, PeerTransport, split_payload
 from distorefs.errors import DistorefsError
 from distorefs.types import BlockKey, LogLocation
@@ -131,19 +132,19 @@ class LentMemory:
         server.register("mem.drop", self._on_drop)
 
     async def _on_put(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         borrower = str(meta["from"])
         self.drop(borrower, [tuple(k) for k in meta.get("drop", ())])
         keys = [(int(k[0]), int(k[1])) for k in meta["keys"]]
         return {"kept": self.put(borrower, keys, split_payload(body, meta["sizes"]))}, ()
 
     async def _on_get(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         found = self.get(str(meta["from"]), [(int(k[0]), int(k[1])) for k in meta["keys"]])
         return {"sizes": [-1 if p is None else len(p) for p in found]}, [p for p in found if p is not None]
 
     async def _on_drop(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
-        await trio.lowlevel.checkpoint()
+        await scheduling.checkpoint()
         keys = meta.get("keys")
         self.drop(str(meta["from"]), None if keys is None else [(int(k[0]), int(k[1])) for k in keys])
         return {}, ()

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 import trio
 
+from distorefs import scheduling
 from distorefs.errors import Corrupted, DistorefsError, StoreFull
 from distorefs.ids import ROW_NOTES_OWNER
 from distorefs.tiers.block_base import BlockTierBase
@@ -282,10 +283,10 @@ class WriteBack(BlockTierBase):
             await self._log_only(owner)
             return
         if not durable and owner not in self._dirty and not self._meta.pending_changes:
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
             return  # nothing to persist (a read-only close): no trip to a thread
         if not durable and self._persist_noted(owner):
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
             return
         if len(self._dirty.get(owner, ())) * self.block_bytes > FLUSH_BATCH_BYTES:
             await self.flush(owner)  # big files go in batches first
@@ -365,12 +366,12 @@ class WriteBack(BlockTierBase):
 
     async def _log_only(self, owner: int) -> None:
         if not self._dirty.get(owner):
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
             return
         if self._append_inline(owner):
             self.inline_appends += 1
             self._flush_wanted_for_rows()
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
             return
         await self.flush(owner)  # another append is in flight, or a new segment is due
         self._flush_wanted_for_rows()
@@ -501,12 +502,12 @@ class WriteBack(BlockTierBase):
             if locations is not None:
                 self.inline_notes += 1
                 self._noted(locations[0])
-                await trio.lowlevel.cancel_shielded_checkpoint()
+                await scheduling.cancel_shielded_checkpoint()
                 return
         async with self._notes_lock:  # (a thread's append is not cancelled: it completes)
             locations = await trio.to_thread.run_sync(self._log.append_many, records, limiter=self._io_limiter)
             self._noted(locations[0])
-        await trio.lowlevel.cancel_shielded_checkpoint()  # written: the caller must not see a cancel
+        await scheduling.cancel_shielded_checkpoint()  # written: the caller must not see a cancel
 
     def _noted(self, location: LogLocation) -> None:
         self._logged()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import io
 import json
 import os
@@ -15,6 +16,7 @@ import trio.testing
 
 from distorefs.daemon import Daemon
 from distorefs.stores.files import ROOT_INODE
+from tests.conftest import Ticker
 from tests.ops.conftest import CTX, DIR_MODE, lookup, read_file, write_file
 
 
@@ -251,3 +253,40 @@ async def test_a_reader_whose_version_was_replaced_after_its_lookup_is_sent_to_t
     current = (await ops.lookup(model, b"w.bin", CTX)).st_ino
     assert current != old
     assert await read_file(ops, current) == b"version two"
+
+
+async def test_requests_that_need_not_wait_make_no_schedule_point_before_their_reply(daemon: Daemon) -> None:
+    """A request's checkpoints are cancel points only (distorefs/scheduling.py): another
+    runnable task gets the event loop after the reply, when pyfuse3's loop yields, not in
+    the middle. Reading a buffer's config, drawing a batch from DRAM and reading its
+    stats (open, read, read at the end, release) wait for nothing: none may let the
+    ticker run. (A priority update or an append may wait for a log write in a thread
+    here, where no background task makes the inline path ready: that yields.)"""
+    ops = daemon.ops
+    buffers = await lookup(ops, "buffers")
+    made = await ops.mkdir(buffers.st_ino, b"b", DIR_MODE, CTX)
+    config_ino = (await ops.lookup(made.st_ino, b"config", CTX)).st_ino
+    info = await ops.open(config_ino, os.O_WRONLY | os.O_TRUNC, CTX)
+    await ops.write(info.fh, 0, json.dumps({"schema": {"x": "int64"}, "batch_size": 4}).encode())
+    await ops.flush(info.fh)
+    await ops.release(info.fh)
+    append = (await ops.lookup(made.st_ino, b"append", CTX)).st_ino
+    info = await ops.open(append, os.O_WRONLY, CTX)
+    await ops.write(info.fh, 0, np.arange(10, dtype=np.int64).tobytes())
+    await ops.flush(info.fh)
+    await ops.release(info.fh)
+    names = ("config", "sample", "stats")
+    inos = {name: (await ops.lookup(made.st_ino, name.encode(), CTX)).st_ino for name in names}
+    calls = {name: functools.partial(read_file, ops, ino) for name, ino in inos.items()}
+    ticker = Ticker()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker.run)
+        for name, call in calls.items():
+            await call()  # once to warm up whatever a first call makes
+            assert await ticker.runs_during(trio.lowlevel.checkpoint)  # (the ticker runs)
+            before = ticker.passes
+            for _ in range(20):
+                await call()
+            assert ticker.passes == before, f"{name}: a schedule point inside its requests"
+        nursery.cancel_scope.cancel()
+    assert daemon.buffers.get("b").samples >= 84

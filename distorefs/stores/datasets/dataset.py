@@ -25,7 +25,7 @@ import crc32c
 import numpy as np
 import trio
 
-from distorefs import progress
+from distorefs import progress, scheduling
 from distorefs.errors import Busy, Corrupted, InvalidArgument, NotFound, ReadOnly, describe
 from distorefs.news import Outbox
 from distorefs.stores.datasets.formats import INDEX_DTYPE, MAX_RECORD_BYTES, OrderSpec, shuffled
@@ -221,7 +221,7 @@ class Dataset:
         self._check_live()
         self._check_writer(from_writer)
         if not records:
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
             return
         lengths = np.fromiter((len(r) for r in records), dtype=np.int64, count=len(records))
         if self.dtype is not None and (lengths != self.dtype.itemsize).any():

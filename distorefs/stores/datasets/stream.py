@@ -26,6 +26,7 @@ import crc32c
 import numpy as np
 import trio
 
+from distorefs import scheduling
 from distorefs.errors import Corrupted, DistorefsError
 from distorefs.stores.datasets.dataset import Dataset
 from distorefs.stores.datasets.formats import StreamLayout
@@ -235,7 +236,7 @@ class Stream:
         layout = self.layout
         end = min(offset + size, layout.total)
         if offset >= end:
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
             return b""
         pieces: list[memoryview | bytes] = []
         header = len(layout.header)

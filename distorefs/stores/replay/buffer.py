@@ -36,6 +36,7 @@ import numpy as np
 import trio
 import zstandard
 
+from distorefs import scheduling
 from distorefs.errors import (
     DistorefsError,
     FileTooLarge,
@@ -85,7 +86,7 @@ class MirroredBatch:
 
 
 async def _as_is(batch: Batch) -> Batch:
-    await trio.lowlevel.checkpoint()
+    await scheduling.checkpoint()
     return batch
 
 
@@ -255,7 +256,7 @@ class ReplayBuffer:
     async def _wait_until(self, ready: Callable[[], bool], nonblocking: bool, what: str, writer: bool) -> None:
         """Return once `ready()`; EAGAIN at once under O_NONBLOCK, or after sample_timeout."""
         if ready():
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
             return
         if nonblocking:
             raise TryAgain(f"buffers/{self.name}: {what} would block")
@@ -528,7 +529,7 @@ class ReplayBuffer:
         `replay_priorities`)."""
         applied, before = self.set_priorities(indices, priorities)
         if not len(indices):
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
             return
         try:
             await self._blocks.append_note(self.owner, encode_priority_note(indices, priorities))

@@ -33,6 +33,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import trio
 
+from distorefs import scheduling
 from distorefs.errors import DistorefsError, InvalidArgument, PeerUnavailable, TryAgain
 from distorefs.stores.replay.buffer import ReplayBuffer
 from distorefs.stores.replay.config import BufferConfig
@@ -155,7 +156,7 @@ class ShardedBuffer:
     async def _state(self, shard: int) -> ShardState:
         node = self.layout.nodes[shard]
         if node == self.me and self.local is not None:
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
             return self.local.shard_state()
         return await self._peer.shard_state(node, self.name)
 
@@ -170,7 +171,7 @@ class ShardedBuffer:
         node = self.layout.nodes[shard]
         if node == self.me and self.local is not None:
             self.local.commit(indices)
-            await trio.lowlevel.checkpoint()
+            await scheduling.checkpoint()
             return
         try:
             await self._peer.commit(node, self.name, indices)

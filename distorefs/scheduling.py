@@ -1,0 +1,77 @@
+"""Checkpoints whose schedule point a FUSE request may defer to its end.
+
+Every async function of distorefs checkpoints (STYLE: a cancel point and a schedule
+point), also when it finished without waiting. Inside a FUSE request that costs the
+client: a schedule point hands the event loop to every other runnable task and to an
+I/O poll before the request goes on, and the reply waits for all of it. Measured
+through the mount (docs/benchmarks.md, "Thirteenth session"): one checkpoint fewer in
+an append's WRITE took 9 µs off an open-write-close append.
+
+So the request wrapper (fs/ops.py) marks the task that serves a request with
+`deferring`, and `checkpoint()` inside it is a cancel point only
+(`trio.lowlevel.checkpoint_if_cancelled`). The schedule point comes right after the
+reply: pyfuse3's request loop takes a `trio.Lock` and waits for /dev/fuse before it reads
+the next request, and both yield, whether or not a request is already queued. A request
+that runs longer than DEFER_S gets real schedule points again from then on, so that a
+handler looping over many awaits cannot hold the event loop. A function that really
+waits (a thread, a lock, an event) yields as before. Outside a marked task (the
+flusher, peers, sampling sessions, tests) `checkpoint()` is trio's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import trio
+
+DEFER_S = 0.001  # a request's schedule points are deferred for at most its first millisecond
+
+_deferring: dict[trio.lowlevel.Task, float] = {}  # task -> perf_counter() until which it defers
+
+
+def deferring_since(started: float) -> object:
+    """Mark the current task as serving a request that began at `started`
+    (time.perf_counter()); returns a token for `done`. Cheaper than a context manager
+    on the request path."""
+    task = trio.lowlevel.current_task()
+    _deferring[task] = started + DEFER_S
+    return task
+
+
+def done(token: object) -> None:
+    """The request of `deferring_since` has ended."""
+    _deferring.pop(token, None)  # type: ignore[call-overload]
+
+
+@contextmanager
+def deferring(started: float | None = None) -> Iterator[None]:
+    """`deferring_since` for a block (a sampling session's draw, tests); `started`
+    defaults to now."""
+    token = deferring_since(time.perf_counter() if started is None else started)
+    try:
+        yield
+    finally:
+        done(token)
+
+
+def _defers() -> bool:
+    until = _deferring.get(trio.lowlevel.current_task())
+    return until is not None and time.perf_counter() < until
+
+
+async def checkpoint() -> None:
+    """`trio.lowlevel.checkpoint()`, except in a task that serves a FUSE request (its
+    first DEFER_S): there a cancel point only, the schedule point following the reply."""
+    if _defers():
+        await trio.lowlevel.checkpoint_if_cancelled()
+    else:
+        await trio.lowlevel.checkpoint()
+
+
+async def cancel_shielded_checkpoint() -> None:
+    """`trio.lowlevel.cancel_shielded_checkpoint()` (a schedule point that cannot raise
+    Cancelled), deferred the same way: nothing at all inside a request."""
+    if not _defers():
+        await trio.lowlevel.cancel_shielded_checkpoint()
