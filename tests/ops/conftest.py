@@ -5,6 +5,7 @@ with the same fields stands in for it: the operations only read them."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from collections.abc import AsyncIterator
@@ -76,3 +77,21 @@ async def read_file(ops: pyfuse3.Operations, ino: int, size: int = 1 << 20) -> b
         out += chunk
     await ops.release(info.fh)
     return out
+
+
+async def write_whole(ops: pyfuse3.Operations, ino: int, data: bytes, flags: int = os.O_WRONLY) -> None:
+    """open, write, flush, release: one write of a control file, as `echo > file` would."""
+    info = await ops.open(ino, flags, CTX)
+    await ops.write(info.fh, 0, data)
+    await ops.flush(info.fh)
+    await ops.release(info.fh)
+
+
+async def new_buffer(ops: pyfuse3.Operations, name: bytes, config: dict[str, object], records: bytes) -> int:
+    """mkdir buffers/`name`, write its `config`, append `records`; returns its inode."""
+    buffers = await lookup(ops, "buffers")
+    made = await ops.mkdir(buffers.st_ino, name, DIR_MODE, CTX)
+    config_ino = (await ops.lookup(made.st_ino, b"config", CTX)).st_ino
+    await write_whole(ops, config_ino, json.dumps(config).encode(), os.O_WRONLY | os.O_TRUNC)
+    await write_whole(ops, (await ops.lookup(made.st_ino, b"append", CTX)).st_ino, records)
+    return int(made.st_ino)

@@ -17,7 +17,7 @@ import trio.testing
 from distorefs.daemon import Daemon
 from distorefs.stores.files import ROOT_INODE
 from tests.conftest import Ticker
-from tests.ops.conftest import CTX, DIR_MODE, lookup, read_file, write_file
+from tests.ops.conftest import CTX, DIR_MODE, lookup, new_buffer, read_file, write_file
 
 
 async def test_a_written_file_reads_back_and_has_its_size(daemon: Daemon) -> None:
@@ -59,20 +59,9 @@ async def test_status_renders_one_json_snapshot_per_open(daemon: Daemon) -> None
 
 async def test_a_buffer_made_appended_and_sampled_through_its_control_files(daemon: Daemon) -> None:
     ops = daemon.ops
-    buffers = await lookup(ops, "buffers")
-    made = await ops.mkdir(buffers.st_ino, b"b", DIR_MODE, CTX)
     config = {"schema": {"x": "int64"}, "batch_size": 4, "sampler": "fifo"}
-    config_ino = (await ops.lookup(made.st_ino, b"config", CTX)).st_ino
-    info = await ops.open(config_ino, os.O_WRONLY | os.O_TRUNC, CTX)
-    await ops.write(info.fh, 0, json.dumps(config).encode())
-    await ops.flush(info.fh)
-    await ops.release(info.fh)
-    append = (await ops.lookup(made.st_ino, b"append", CTX)).st_ino
-    info = await ops.open(append, os.O_WRONLY, CTX)
-    await ops.write(info.fh, 0, np.arange(10, dtype=np.int64).tobytes())
-    await ops.flush(info.fh)
-    await ops.release(info.fh)
-    sample = (await ops.lookup(made.st_ino, b"sample", CTX)).st_ino
+    made = await new_buffer(ops, b"b", config, np.arange(10, dtype=np.int64).tobytes())
+    sample = (await ops.lookup(made, b"sample", CTX)).st_ino
     batch = np.load(io.BytesIO(await read_file(ops, sample)))
     assert batch["x"].tolist() == [0, 1, 2, 3]
     assert batch["_index"].tolist() == [0, 1, 2, 3]
@@ -263,20 +252,9 @@ async def test_requests_that_need_not_wait_make_no_schedule_point_before_their_r
     ticker run. (A priority update or an append may wait for a log write in a thread
     here, where no background task makes the inline path ready: that yields.)"""
     ops = daemon.ops
-    buffers = await lookup(ops, "buffers")
-    made = await ops.mkdir(buffers.st_ino, b"b", DIR_MODE, CTX)
-    config_ino = (await ops.lookup(made.st_ino, b"config", CTX)).st_ino
-    info = await ops.open(config_ino, os.O_WRONLY | os.O_TRUNC, CTX)
-    await ops.write(info.fh, 0, json.dumps({"schema": {"x": "int64"}, "batch_size": 4}).encode())
-    await ops.flush(info.fh)
-    await ops.release(info.fh)
-    append = (await ops.lookup(made.st_ino, b"append", CTX)).st_ino
-    info = await ops.open(append, os.O_WRONLY, CTX)
-    await ops.write(info.fh, 0, np.arange(10, dtype=np.int64).tobytes())
-    await ops.flush(info.fh)
-    await ops.release(info.fh)
+    made = await new_buffer(ops, b"b", {"schema": {"x": "int64"}, "batch_size": 4}, np.arange(10).tobytes())
     names = ("config", "sample", "stats")
-    inos = {name: (await ops.lookup(made.st_ino, name.encode(), CTX)).st_ino for name in names}
+    inos = {name: (await ops.lookup(made, name.encode(), CTX)).st_ino for name in names}
     calls = {name: functools.partial(read_file, ops, ino) for name, ino in inos.items()}
     ticker = Ticker()
     async with trio.open_nursery() as nursery:
