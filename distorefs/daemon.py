@@ -36,7 +36,7 @@ from distorefs.fs.shm import SharedMemory, sweep_stale
 from distorefs.fs.shm_sessions import SampleSessions
 from distorefs.fs.virtual import MountInfo, VirtualTree
 from distorefs.fs.weights import WeightsDir
-from distorefs.memory import run_memory_trim
+from distorefs.memory import keep_freed_memory, run_memory_trim
 from distorefs.peers.buffers import BufferPeers, BufferSync
 from distorefs.peers.checkpoints import CheckpointReplicas, CheckpointSync
 from distorefs.peers.core import ClusterConfig, ClusterNode
@@ -426,6 +426,8 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
     """
     config.validate()
     data_dir = config.data_dir
+    if not keep_freed_memory():
+        log.info("memory: this libc has no mallopt; freed heap memory may go back to the system at once")
     with data_dir_lock(data_dir):
         started = time.monotonic()
         nvme_log = await trio.to_thread.run_sync(

@@ -53,6 +53,34 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * PAGE_BYTES
 
 
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 32 << 20  # allocations under this come from the heap (glibc's own dynamic maximum)
+TRIM_THRESHOLD_BYTES = 256 << 20  # free() gives the heap's top back only past this; the trim task does the rest
+
+
+def keep_freed_memory() -> bool:
+    """Have malloc keep the memory `free()` returns, for the next allocation: buffers
+    under MMAP_THRESHOLD_BYTES come from the heap, and free() trims the heap's top only
+    past TRIM_THRESHOLD_BYTES (docs/design.md, "Freed memory is kept for the next
+    request"). glibc's defaults adapt both after the first large free, to twice the
+    largest chunk freed, so a daemon whose requests each allocate and free a 1 MiB
+    buffer (pyfuse3 hands every WRITE over as a new bytes object) grew its heap and gave
+    it back again and again: two page faults per 4 KiB written into the tree, 1 s of
+    system time per GiB on this VM. Setting them turns the adaptation off. What the
+    heap keeps beyond the DRAM cache's accounting is still bounded: the memory trim
+    task returns it (`malloc_trim`, which ignores these thresholds) once it passes
+    SLACK_BYTES. False (and nothing changed) on a libc without mallopt."""
+    name = ctypes.util.find_library("c")
+    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name is not None else None
+    if mallopt is None:
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+
+
 def _malloc_trim() -> Callable[[int], int] | None:
     name = ctypes.util.find_library("c")
     if name is None:
