@@ -45,6 +45,7 @@ import os
 import struct
 import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -68,7 +69,7 @@ NOTE_NUMBERS = 1 << 62  # records with an index from here on are notes, not bloc
 READ_AHEAD_PARTS = 128  # read_ranges keeps this many small reads hinted ahead (measured: 64-512 alike)
 DIRECT_MIN_BYTES = 4 * 1024 * 1024  # appends of at least this much are written with O_DIRECT
 DIRECT_ALIGN = 4096  # offsets, lengths and memory of O_DIRECT writes are multiples of this
-STAGE_BYTES = 16 * 1024 * 1024  # the aligned staging buffer: one O_DIRECT write at most this big
+STAGE_BYTES = 16 * 1024 * 1024  # each of the two aligned staging buffers: one O_DIRECT write at most this big
 _SEGMENT_PREFIX = "seg-"
 _SEGMENT_SUFFIX = ".log"
 
@@ -187,7 +188,8 @@ class NvmeLog:
         self.dropped_tail_bytes = 0
         self.direct = hasattr(os, "O_DIRECT")  # False once the file system refuses it
         self.direct_bytes = 0  # bytes appended with O_DIRECT
-        self._stage: mmap.mmap | None = None
+        self._stages: list[mmap.mmap] = []  # two, made at the first direct write
+        self._direct_writer: ThreadPoolExecutor | None = None  # writes one staged buffer while the next fills
         # ((segment, end offset), the bytes of the last page up to the end) after a direct write
         self._direct_tail: tuple[tuple[int, int], bytes] | None = None
 
@@ -385,19 +387,30 @@ class NvmeLog:
             _drop_written(pending, written)
 
     def _write_direct(self, seg: _Segment, offset: int, pending: list[memoryview]) -> None:
-        """Write `pending` at `offset` with O_DIRECT through the staging buffer: from the
+        """Write `pending` at `offset` with O_DIRECT through the staging buffers: from the
         page boundary at or before `offset` (the bytes between it and `offset`, written
         before, are read back and written again unchanged) to the page boundary after the
         end (zeros past the end). Writes of a page either old or new leave those earlier
-        bytes as they were, so a torn write can only lose the new records."""
-        if self._stage is None:
-            self._stage = mmap.mmap(-1, STAGE_BYTES)  # page-aligned, reused for every direct write
-        stage = memoryview(self._stage)
-        staged = np.frombuffer(self._stage, dtype=np.uint8)  # numpy copies without the GIL
+        bytes as they were, so a torn write can only lose the new records.
+
+        Two staging buffers take turns: while one is written (by the log's writer thread),
+        the next STAGE_BYTES are copied into the other, so the disk is not idle during the
+        copies (docs/design.md, "Big log writes bypass the page cache"). Writes go out in
+        order, and this returns, or raises, only once none is in flight."""
+        if not self._stages:
+            self._stages = [mmap.mmap(-1, STAGE_BYTES) for _ in range(2)]  # page-aligned, reused
+            self._direct_writer = ThreadPoolExecutor(1, thread_name_prefix="log direct writes")
+        writer = self._direct_writer
+        assert writer is not None
+        views = [memoryview(stage) for stage in self._stages]
+        arrays = [np.frombuffer(stage, dtype=np.uint8) for stage in self._stages]  # numpy copies without the GIL
+        in_flight: list[Future[None] | None] = [None, None]
+        turn = 0
         file_at = offset - offset % DIRECT_ALIGN
         filled = offset - file_at
         tail, self._direct_tail = self._direct_tail, None
         try:
+            stage, staged = views[0], arrays[0]
             if tail is not None and tail[0] == (seg.segment, offset):  # nothing appended since the last one
                 stage[:filled] = tail[1]
             elif filled and os.preadv(seg.fd, [stage[:filled]], file_at) != filled:
@@ -410,19 +423,44 @@ class NvmeLog:
                     filled += step
                     source = source[step:]
                     if filled == STAGE_BYTES:
-                        self._pwrite_direct(seg, stage, file_at)
-                        file_at, filled = file_at + STAGE_BYTES, 0
+                        in_flight[turn] = writer.submit(self._pwrite_staged, seg, stage, STAGE_BYTES, file_at)
+                        file_at, filled, turn = file_at + STAGE_BYTES, 0, 1 - turn
+                        previous = in_flight[turn]
+                        if previous is not None:  # the other buffer's write must be done before it refills
+                            in_flight[turn] = None
+                            previous.result()
+                        stage, staged = views[turn], arrays[turn]
             if filled:
                 padded = -(-filled // DIRECT_ALIGN) * DIRECT_ALIGN
                 staged[filled:padded] = 0
-                self._pwrite_direct(seg, stage[:padded], file_at)
+                self._pwrite_staged(seg, stage, padded, file_at)  # while the one in flight ends
+            other = in_flight[1 - turn]
+            if other is not None:
+                in_flight[1 - turn] = None
+                other.result()
             # The page at the end, which the next direct write starts with: kept, so that
             # write need not read it back from the disk (it is not in the page cache)
             last = filled - filled % DIRECT_ALIGN
             self._direct_tail = ((seg.segment, file_at + filled), bytes(stage[last:filled]))
         finally:
-            del staged
-            stage.release()
+            for future in in_flight:  # failing: nothing may still write when the caller rolls back
+                if future is not None:
+                    with contextlib.suppress(BaseException):
+                        future.result()
+            del staged, arrays
+            for view in views:
+                view.release()
+
+    @classmethod
+    def _pwrite_staged(cls, seg: _Segment, stage: memoryview, length: int, at: int) -> None:
+        """`_pwrite_direct` of the first `length` bytes of a staging buffer, through a view
+        released afterwards, also when the write fails: a failed write's traceback (kept by
+        a log record, say) must not keep the staging buffer exported."""
+        part = stage[:length]
+        try:
+            cls._pwrite_direct(seg, part, at)
+        finally:
+            part.release()
 
     @staticmethod
     def _pwrite_direct(seg: _Segment, data: memoryview, at: int) -> None:
@@ -803,6 +841,9 @@ class NvmeLog:
                 os.close(seg.fd)
             self._segments.clear()
             self._active = None
-            if self._stage is not None:
-                self._stage.close()
-                self._stage = None
+            for stage in self._stages:
+                stage.close()
+            self._stages = []
+            if self._direct_writer is not None:
+                self._direct_writer.shutdown()
+                self._direct_writer = None

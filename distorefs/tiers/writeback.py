@@ -33,7 +33,11 @@ from distorefs.types import BlockKey, LogLocation
 
 log = logging.getLogger(__name__)
 
-FLUSH_BATCH_BYTES = 16 * 1024 * 1024
+# dirty blocks per trip to a worker thread (a flush, a close's big file, a write-behind pass):
+# 64 MiB, four of the log's 16 MiB direct writes per trip. With 16 MiB trips a 1 GiB close
+# took 0.45-0.56 s, with 64 MiB 0.34-0.44 s (docs/benchmarks.md, "Thirteenth session"):
+# each trip also pays the hop to the thread and back and its bookkeeping on the event loop.
+FLUSH_BATCH_BYTES = 64 * 1024 * 1024
 WRITE_BEHIND_BYTES = 8 * 1024 * 1024  # full dirty blocks that start a write-behind pass
 WRITE_BEHIND_RETRY_S = 1.0  # after a pass that failed (a full disk)
 INLINE_APPEND_BYTES = 256 * 1024  # log-only persists up to this size write on the event loop
