@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from distorefs.errors import Corrupted
+from distorefs.errors import Corrupted, StoreFull
 from distorefs.tiers import nvme_log
 from distorefs.tiers.nvme_log import HEADER, NvmeLog, segment_name
 from distorefs.types import BlockKey, LogLocation
@@ -376,3 +377,53 @@ def test_a_direct_write_the_device_refuses_is_written_through_the_page_cache(
     assert bytes(log.read(first, BlockKey(6, 0))) == b"a" * 20_000
     assert bytes(log.read(second, BlockKey(6, 1))) == b"b" * 20_000
     log.close()
+
+
+def test_a_direct_write_that_fails_in_the_writer_thread_fails_the_append_and_nothing_is_half_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The staging buffers take turns, one written by the log's writer thread while the
+    next fills. A write that fails there (a full disk, here on the second of five staged
+    writes) fails the whole append once every write in flight has ended: no write lands
+    after the append has returned, the log is cut back to where the append began, and
+    the next append and a restart see only the records before it."""
+    small_direct_writes(monkeypatch)
+    log = NvmeLog.open(str(tmp_path))
+    if not log.direct:
+        log.close()
+        pytest.skip("this file system refuses O_DIRECT")
+    before = log.append(BlockKey(1, 0), b"before")
+    real = NvmeLog._pwrite_direct
+    calls: list[int] = []
+    late: list[int] = []  # writes that began or ended after their append returned
+    returned = False
+
+    def second_fails(seg: object, data: memoryview, at: int) -> None:
+        if returned:
+            late.append(at)
+        calls.append(at)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        time.sleep(0.02)  # long enough for the append to get ahead of its writer thread
+        real(seg, data, at)  # type: ignore[arg-type]
+        if returned:
+            late.append(at)
+
+    monkeypatch.setattr(NvmeLog, "_pwrite_direct", staticmethod(second_fails))
+    size_before = log.position()
+    with pytest.raises(StoreFull):
+        log.append_many([(BlockKey(2, i), bytes([i + 1]) * 20_000) for i in range(4)])  # about 5 stages
+    returned = True
+    time.sleep(0.1)
+    assert not late
+    assert len(calls) >= 2
+    assert log.position() == size_before
+    monkeypatch.setattr(NvmeLog, "_pwrite_direct", staticmethod(real))
+    after = log.append_many([(BlockKey(3, i), bytes([i + 7]) * 20_000) for i in range(2)])
+    assert bytes(log.read(after[1], BlockKey(3, 1))) == bytes([8]) * 20_000
+    killed(log)
+
+    recovered = NvmeLog.open(str(tmp_path))
+    assert [r.key for r in recovered.scan()] == [BlockKey(1, 0), BlockKey(3, 0), BlockKey(3, 1)]
+    assert bytes(recovered.read(before, BlockKey(1, 0))) == b"before"
+    recovered.close()
