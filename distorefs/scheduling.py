@@ -14,8 +14,9 @@ reply: pyfuse3's request loop takes a `trio.Lock` and waits for /dev/fuse before
 the next request, and both yield, whether or not a request is already queued. A request
 that runs longer than DEFER_S gets real schedule points again from then on, so that a
 handler looping over many awaits cannot hold the event loop. A function that really
-waits (a thread, a lock, an event) yields as before. Outside a marked task (the
-flusher, peers, sampling sessions, tests) `checkpoint()` is trio's.
+waits (a thread, a lock, an event) yields as before. A sampling session marks its
+draws the same way (`deferring`) and yields once after each reply. Outside a marked
+task (the flusher, peers, a session between draws) `checkpoint()` is trio's.
 """
 
 from __future__ import annotations
