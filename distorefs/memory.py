@@ -72,25 +72,25 @@ def keep_freed_memory() -> bool:
     heap keeps beyond the DRAM cache's accounting is still bounded: the memory trim
     task returns it (`malloc_trim`, which ignores these thresholds) once it passes
     SLACK_BYTES. False (and nothing changed) on a libc without mallopt."""
-    name = ctypes.util.find_library("c")
-    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name is not None else None
+    mallopt = _libc_function("mallopt", [ctypes.c_int, ctypes.c_int])
     if mallopt is None:
         return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
 
 
+def _libc_function(name: str, argtypes: list[type]) -> Callable[..., int] | None:
+    """The C library's function `name` (returning an int), or None where it has none."""
+    library = ctypes.util.find_library("c")
+    function = getattr(ctypes.CDLL(library), name, None) if library is not None else None
+    if function is None:
+        return None
+    function.argtypes = argtypes
+    function.restype = ctypes.c_int
+    return function  # type: ignore[no-any-return]
+
+
 def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
-    if trim is None:
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim  # type: ignore[no-any-return]
+    return _libc_function("malloc_trim", [ctypes.c_size_t])
 
 
 async def run_memory_trim(accounted: Callable[[], int], shed: Callable[[], int], interval_s: float = 5.0) -> None:
