@@ -405,6 +405,12 @@ class NvmeLog:
         views = [memoryview(stage) for stage in self._stages]
         arrays = [np.frombuffer(stage, dtype=np.uint8) for stage in self._stages]  # numpy copies without the GIL
         in_flight: list[Future[None] | None] = [None, None]
+
+        def wait_for(buffer: int) -> None:  # that buffer's write, if one is in flight, has ended
+            future, in_flight[buffer] = in_flight[buffer], None
+            if future is not None:
+                future.result()
+
         turn = 0
         file_at = offset - offset % DIRECT_ALIGN
         filled = offset - file_at
@@ -425,28 +431,21 @@ class NvmeLog:
                     if filled == STAGE_BYTES:
                         in_flight[turn] = writer.submit(self._pwrite_staged, seg, stage, STAGE_BYTES, file_at)
                         file_at, filled, turn = file_at + STAGE_BYTES, 0, 1 - turn
-                        previous = in_flight[turn]
-                        if previous is not None:  # the other buffer's write must be done before it refills
-                            in_flight[turn] = None
-                            previous.result()
+                        wait_for(turn)  # before it refills
                         stage, staged = views[turn], arrays[turn]
             if filled:
                 padded = -(-filled // DIRECT_ALIGN) * DIRECT_ALIGN
                 staged[filled:padded] = 0
                 self._pwrite_staged(seg, stage, padded, file_at)  # while the one in flight ends
-            other = in_flight[1 - turn]
-            if other is not None:
-                in_flight[1 - turn] = None
-                other.result()
+            wait_for(1 - turn)
             # The page at the end, which the next direct write starts with: kept, so that
             # write need not read it back from the disk (it is not in the page cache)
             last = filled - filled % DIRECT_ALIGN
             self._direct_tail = ((seg.segment, file_at + filled), bytes(stage[last:filled]))
         finally:
-            for future in in_flight:  # failing: nothing may still write when the caller rolls back
-                if future is not None:
-                    with contextlib.suppress(BaseException):
-                        future.result()
+            for buffer in (0, 1):  # failing: nothing may still write when the caller rolls back
+                with contextlib.suppress(BaseException):
+                    wait_for(buffer)
             del staged, arrays
             for view in views:
                 view.release()
