@@ -262,15 +262,25 @@ def daemon_cpu_s(mount: Mount) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def getxattr_requests(mount: Mount) -> int:
-    """FUSE GETXATTR requests the daemon has answered so far, whatever their outcome (the
-    kernel asks one before each write() that goes through the page cache, none before a
-    direct one)."""
+def fuse_requests(mount: Mount, op: str) -> int:
+    """FUSE requests of kind `op` ("getxattr", "read", "release" ...) the daemon has
+    answered so far, whatever their outcome. The kernel asks a GETXATTR before each
+    write() that goes through the page cache, none before a direct one."""
     total = 0
     for line in (mount.path / ".distore" / "metrics").read_text().splitlines():
-        if line.startswith("distorefs_requests_total{") and 'op="getxattr"' in line:
+        if line.startswith("distorefs_requests_total{") and f'op="{op}"' in line:
             total += int(float(line.rsplit(" ", 1)[1]))
     return total
+
+
+def data_requests(mount: Mount, kind: str, op: str) -> int:
+    """READ (`op` "read") or WRITE requests of one kind of file ("buffers", "tree" ...)
+    the daemon has served so far."""
+    labels = (f'kind="{kind}"', f'op="{op}"')
+    for line in (mount.path / ".distore" / "metrics").read_text().splitlines():
+        if line.startswith("distorefs_data_request_seconds_count{") and all(label in line for label in labels):
+            return int(float(line.rsplit(" ", 1)[1]))
+    raise AssertionError(f"no data request metric for {kind} {op}")
 
 
 class Ticker:

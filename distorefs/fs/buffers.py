@@ -37,6 +37,7 @@ from distorefs.errors import (
     NotSupported,
     ReadOnly,
 )
+from distorefs.fs import kernel
 from distorefs.fs.shm import SLOTS as SHM_SLOTS
 from distorefs.fs.shm import Region, SharedMemory, no_room
 from distorefs.fs.virtual import (
@@ -250,9 +251,14 @@ def columnar_npz(batch: bytes) -> bytes:
     return out.getvalue()
 
 
+CACHED_BATCH_MAX_BYTES = 16 << 20  # a sample batch up to this size may be served from the page cache
+
+
 class SampleHandle(VirtualHandle):
-    """Draws its batch at the first read; the batch stays fixed for this open. With
-    `columnar`, a schema batch is served as an .npz of contiguous fields (`sample.npz`)."""
+    """Draws its batch at the first read, or at the open when the batch can be served
+    from the kernel's page cache (`draw_at_open`); the batch stays fixed for this open.
+    With `columnar`, a schema batch is served as an .npz of contiguous fields
+    (`sample.npz`)."""
 
     kind = "buffers"
 
@@ -265,20 +271,74 @@ class SampleHandle(VirtualHandle):
         self._pid = pid
         self._columnar = columnar
         self._data: bytearray | bytes | ScatteredBytes | None = None
+        self._node: BufferFile | None = None
+
+    async def draw_at_open(self, node: BufferFile) -> None:
+        """Draw now and put the batch into the kernel's page cache of `node`, so that the
+        client's reads cost no request (numpy reads a file it is given twice, through a
+        dup) and nothing drops the file's cached attributes (a read the daemon serves
+        does, and the next fstat asks again). design.md, "A sample's batch in the page
+        cache".
+
+        Only where that is safe: no other open of the node exists (the kernel keeps one
+        cache per inode, and with no other open no read of it can be waiting for this
+        daemon while the pages are filled from the event loop), the batch can be drawn
+        without waiting, and its length is the node's size (the kernel reads a cached
+        file up to its size). Otherwise the open stays direct and its first read draws
+        (and waits, interruptibly) as before."""
+        node.opens += 1  # released in `release`, or here if the open fails
+        self._node = node
+        try:
+            await self._fill_cache(node)
+        except BaseException:
+            node.opens -= 1
+            self._node = None
+            raise
+
+    async def _fill_cache(self, node: BufferFile) -> None:
+        size = node.size
+        if node.opens > 1 or not 0 < size <= CACHED_BATCH_MAX_BYTES or not self._buffer.can_sample(self._count):
+            await scheduling.checkpoint()
+            return
+        try:
+            await self._draw(nonblocking=True)
+        except DistorefsError:  # drawn again at the first read, which reports it
+            return
+        data = self._data.tobytes() if isinstance(self._data, ScatteredBytes) else self._data
+        if data is None or len(data) != size or node.opens > 1:
+            return
+        if size < node.widest:
+            # The kernel may hold pages past this batch's end (and a size that shows
+            # them) from a longer batch before a reconfigure: drop them first.
+            if not kernel.invalidate(node.ino, attr_only=False):
+                return
+            node.widest = size
+        if kernel.store(node.ino, data):
+            self.direct_io, self.keep_cache = False, True
+            if isinstance(node.governor, BufferDir):
+                node.governor.page_cache_batches += 1
+
+    async def _draw(self, nonblocking: bool) -> None:
+        buffer, count = self._buffer, self._count
+        ready = buffer.can_sample(count)
+        batch = await run_waiting(self._pid, nonblocking, ready, lambda nb: buffer.sample(count, nonblocking=nb))
+        self._data = batch.data
+        if self._columnar:
+            data = batch.data.tobytes() if isinstance(batch.data, ScatteredBytes) else bytes(batch.data)
+            self._data = await trio.to_thread.run_sync(columnar_npz, data)
+
+    async def release(self) -> None:
+        await scheduling.checkpoint()
+        if self._node is not None:
+            self._node.opens -= 1
+            self._node = None
 
     async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
         if self._data is None:
-            buffer, count = self._buffer, self._count
-            ready = buffer.can_sample(count)
-            batch = await run_waiting(
-                self._pid, self._nonblocking, ready, lambda nb: buffer.sample(count, nonblocking=nb)
-            )
-            self._data = batch.data
-            if self._columnar:
-                data = batch.data.tobytes() if isinstance(batch.data, ScatteredBytes) else bytes(batch.data)
-                self._data = await trio.to_thread.run_sync(columnar_npz, data)
+            await self._draw(self._nonblocking)
         else:
             await scheduling.checkpoint()
+        assert self._data is not None
         if isinstance(self._data, ScatteredBytes):
             return self._data.read(offset, size)
         return memoryview(self._data)[offset : offset + size]
@@ -575,6 +635,8 @@ class BufferFile(VirtualFile):
         self.writable = writable
         self.batch_of: int | None = None  # a sample file: records per batch (0: batch_size)
         self.columnar = False  # sample.npz: its batch is an .npz
+        self.opens = 0  # sample files: opens the kernel has not released yet
+        self.widest = 0  # sample files: the longest size stat has shown or a batch has had
 
     @property
     def size(self) -> int:
@@ -586,13 +648,18 @@ class BufferFile(VirtualFile):
         if self.batch_of is None or config.dtype is None:
             return super().size
         count = self.batch_of or config.batch_size
-        return npz_batch_bytes(config.dtype, count) if self.columnar else npy_batch_bytes(config.dtype, count)
+        size = npz_batch_bytes(config.dtype, count) if self.columnar else npy_batch_bytes(config.dtype, count)
+        self.widest = max(self.widest, size)  # every size stat shows passes here
+        return size
 
     async def open(self, flags: int, pid: int) -> VirtualHandle:
         await scheduling.checkpoint()
         if not self.writable and flags & os.O_ACCMODE != os.O_RDONLY:
             raise ReadOnly(f"buffers/{self.buffer.name}/{self.name.decode()} is read-only")
-        return self._make(flags, pid)
+        handle = self._make(flags, pid)
+        if isinstance(handle, SampleHandle):
+            await handle.draw_at_open(self)
+        return handle
 
 
 ITEM_CACHE_S = 5.0
@@ -691,11 +758,16 @@ class BufferDir(NamedDir):
             if name != b"config":
                 node.cache_s = CONTROL_CACHE_S
             self._add(node)
-        stats = ControlFile(tree.new_ino(), b"stats", lambda: (json.dumps(b.stats(), indent=2) + "\n").encode())
+        self.page_cache_batches = 0  # batches of its sample files served from the page cache
+        stats = ControlFile(tree.new_ino(), b"stats", self._stats_text)
         self._add(stats.govern(self, Access.READ))
         self._add(ItemsDir(tree.new_ino(), buffer).govern(self, Access.DIRECTORY))
         self._unlisted: dict[bytes, BufferFile] = {}  # sample.N, sample.npz, sample.stream, sample.shm ...
         self._shared = shared
+
+    def _stats_text(self) -> bytes:
+        counts = {**self.buffer.stats(), "page_cache_batches": self.page_cache_batches}
+        return (json.dumps(counts, indent=2) + "\n").encode()
 
     def _add(self, node: VirtualNode) -> None:
         self.children[node.name] = node

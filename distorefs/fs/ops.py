@@ -33,6 +33,7 @@ import trio
 
 from distorefs import scheduling
 from distorefs.errors import Busy, CrossDevice, DistorefsError, Exists, NameTooLong, NotPermitted, ReadOnly
+from distorefs.fs import kernel
 from distorefs.fs.metrics import Metrics
 from distorefs.fs.polling import PollWindow
 from distorefs.fs.shm import ADOPT_XATTR, borrow_sealed, parse_fd
@@ -248,10 +249,7 @@ class FsOperations(pyfuse3.Operations):
 
         def drop() -> None:
             for ino in inos:
-                try:
-                    pyfuse3.invalidate_inode(ino, True)
-                except OSError as exc:  # the kernel forgot it meanwhile
-                    log.debug("invalidate_inode(%d): %s", ino, exc)
+                kernel.invalidate(ino, attr_only=True)
 
         await trio.to_thread.run_sync(drop)
 
@@ -715,13 +713,8 @@ class FsOperations(pyfuse3.Operations):
         await self.tree.adopt(ino, view)
         self.metrics.transferred(self.tree.kind_of(ino), "adopt", len(view), started)
 
-        def drop() -> None:  # the kernel's size and pages of the file are stale now
-            try:
-                pyfuse3.invalidate_inode(ino, False)
-            except OSError as exc:
-                log.debug("invalidate_inode(%d): %s", ino, exc)
-
-        await trio.to_thread.run_sync(drop)
+        # the kernel's size and pages of the file are stale now
+        await trio.to_thread.run_sync(kernel.invalidate, ino, False)
 
     @_translate(mutates=False)
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from distorefs import client
-from tests.conftest import Mount, blocked_read, daemon_cpu_s
+from tests.conftest import Mount, blocked_read, daemon_cpu_s, data_requests, fuse_requests
 
 pytestmark = pytest.mark.mount
 
@@ -277,6 +277,108 @@ def test_a_schema_buffers_sample_files_are_as_long_as_their_batch(buffer: Path) 
         assert len(batch["_index"]) == count
         assert set(batch["_index"].tolist()) <= set(range(40))
     assert stats(buffer)["samples"] == 16 + 5 + 64 + 16  # a stat draws nothing
+
+
+def own_records(batch: np.ndarray) -> np.ndarray:
+    """A batch of `records` items whose every field belongs to the item its `_index`
+    names (no record of another batch mixed in); returns the indices."""
+    index = batch["_index"]
+    assert (batch["obs"] == (index % 256)[:, None]).all()
+    assert (batch["reward"] == index * np.float32(0.5)).all()
+    return np.asarray(index)
+
+
+def test_a_sample_opened_alone_is_read_from_the_page_cache(mounted: Mount, buffer: Path) -> None:
+    """The batch goes into the kernel's page cache at the open (design.md, "A sample's
+    batch in the page cache"): `np.load` of an open file, which reads it twice (once
+    through a dup), makes no READ request, and nothing drops the cached attributes
+    (before, each `np.load` here made five READs and two GETATTRs)."""
+    configure(buffer, schema=SCHEMA, batch_size=16)
+    client.append(buffer, records(200))
+    with open(buffer / "sample", "rb") as f:  # looks it up and caches its attributes
+        own_records(np.load(f))
+    reads = data_requests(mounted, "buffers", "read")
+    noise = -fuse_requests(mounted, "getattr") + fuse_requests(mounted, "getattr")  # reading the metrics' own
+    getattrs, started = fuse_requests(mounted, "getattr"), time.monotonic()
+    drawn = []
+    for _ in range(6):
+        with open(buffer / "sample", "rb") as f:
+            drawn.append(tuple(own_records(np.load(f))))
+        with open(buffer / "sample.5", "rb") as f:
+            assert len(own_records(np.load(io.BytesIO(f.read())))) == 5
+    # (the attributes stay cached for a second: at most one GETATTR per second elapsed)
+    assert fuse_requests(mounted, "getattr") - getattrs <= noise + 1 + int(time.monotonic() - started)
+    assert data_requests(mounted, "buffers", "read") == reads
+    assert len(set(drawn)) == 6  # each open drew its own batch
+    counts = stats(buffer)
+    assert counts["samples"] == 16 * 7 + 5 * 6
+    assert counts["page_cache_batches"] == 13
+
+
+def test_opens_of_a_sample_at_once_each_read_their_own_batch(mounted: Mount, buffer: Path) -> None:
+    """Only an open with no other open of the file beside it reads from the page cache
+    (the kernel keeps one cache per file); the others read from the daemon, and each
+    open keeps reading its own batch whatever the others do."""
+    configure(buffer, schema=SCHEMA, batch_size=16)
+    client.append(buffer, records(200))
+    sample = buffer / "sample"
+    size = sample.stat().st_size
+    reads = data_requests(mounted, "buffers", "read")
+    with contextlib.ExitStack() as opened:
+
+        def open_sample() -> int:
+            fd = os.open(sample, os.O_RDONLY)
+            opened.callback(os.close, fd)
+            return fd
+
+        a = open_sample()
+        first_a = os.pread(a, size, 0)
+        assert data_requests(mounted, "buffers", "read") == reads  # alone: from the page cache
+        b = open_sample()  # its open drops a's pages
+        first_b = os.pread(b, size, 0)
+        assert data_requests(mounted, "buffers", "read") > reads  # not alone: from the daemon
+        assert os.pread(a, size, 0) == first_a  # a's batch, read again from the daemon
+        os.close(os.dup(a))  # (a dup's close is no release)
+        c = open_sample()  # a and b are still open
+        first_c = os.pread(c, size, 0)
+        assert os.pread(a, size, 0) == first_a
+        assert os.pread(b, size, 0) == first_b
+        assert os.pread(c, size, 0) == first_c
+    batches = [own_records(np.load(io.BytesIO(data))) for data in (first_a, first_b, first_c)]
+    assert len({tuple(batch) for batch in batches}) == 3
+    # Alone again once the kernel has sent the three RELEASEs (after the close()s returned):
+    # from the page cache.
+    deadline = time.monotonic() + 10
+    while True:
+        cached = stats(buffer)["page_cache_batches"]
+        with open(sample, "rb") as f:
+            own_records(np.load(f))
+        if stats(buffer)["page_cache_batches"] == cached + 1:
+            break
+        assert time.monotonic() < deadline, "no open of the sample was served from the page cache again"
+
+
+def test_a_sample_after_its_batch_shrinks_reads_only_the_new_batch(mounted: Mount, buffer: Path) -> None:
+    """The kernel may still cache the longer batch's size and pages when the config
+    shrinks it: a read of the new batch ends at its end, with nothing of the old one."""
+    configure(buffer, schema=SCHEMA, batch_size=64)
+    client.append(buffer, records(200))
+    for _ in range(2):
+        with open(buffer / "sample", "rb") as f:
+            assert len(own_records(np.load(f))) == 64
+    configure(buffer, batch_size=8)
+    fd = os.open(buffer / "sample", os.O_RDONLY)  # no fstat first: the read sizes nothing
+    try:
+        whole = b""
+        while chunk := os.read(fd, 1 << 20):
+            whole += chunk
+    finally:
+        os.close(fd)
+    batch = np.load(io.BytesIO(whole))
+    assert len(own_records(batch)) == 8
+    expected = io.BytesIO()
+    np.save(expected, batch)
+    assert len(whole) == len(expected.getvalue()) == (buffer / "sample").stat().st_size
 
 
 def test_sample_stream_draws_one_batch_per_read_through_one_open(buffer: Path) -> None:

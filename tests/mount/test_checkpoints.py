@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import Mount, dir_for_test, getxattr_requests
+from tests.conftest import Mount, dir_for_test, fuse_requests
 
 pytestmark = pytest.mark.mount
 
@@ -349,10 +349,10 @@ def test_an_exclusive_create_in_checkpoints_skips_the_page_cache(mounted: Mount,
     data = os.urandom(3 << 20)
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        before = getxattr_requests(mounted)
+        before = fuse_requests(mounted, "getxattr")
         for at in range(0, len(data), 1 << 20):
             os.pwrite(fd, data[at : at + (1 << 20)], at)
-        assert getxattr_requests(mounted) == before
+        assert fuse_requests(mounted, "getxattr") == before
         assert os.pread(fd, len(data), 0) == data
         with pytest.raises(OSError) as refused:
             mmap.mmap(fd, len(data))
@@ -368,9 +368,9 @@ def test_an_exclusive_create_in_checkpoints_skips_the_page_cache(mounted: Mount,
     elsewhere = mounted.path / f"excl-{os.getpid()}"
     fd = os.open(elsewhere, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        before = getxattr_requests(mounted)
+        before = fuse_requests(mounted, "getxattr")
         os.pwrite(fd, b"x" * 4096, 0)
-        assert getxattr_requests(mounted) > before  # buffered: the kernel asked
+        assert fuse_requests(mounted, "getxattr") > before  # buffered: the kernel asked
         with mmap.mmap(fd, 4096) as mapped:
             assert mapped[:] == b"x" * 4096
     finally:

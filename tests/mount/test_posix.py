@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import Mount, getxattr_requests
+from tests.conftest import Mount, fuse_requests
 
 pytestmark = pytest.mark.mount
 
@@ -355,12 +355,12 @@ def test_a_write_only_open_writes_past_the_page_cache_and_every_reader_sees_it(m
         assert os.pread(reader, 8192, 0) == b"A" * 8192  # cached by the kernel now
         assert mapped[:8192] == b"A" * 8192
 
-        before = getxattr_requests(mounted)
+        before = fuse_requests(mounted, "getxattr")
         writer = os.open(path, os.O_WRONLY)
         for i in range(20):
             os.pwrite(writer, b"B" * 100, i * 100)
         os.close(writer)
-        assert getxattr_requests(mounted) == before  # none asked before the writes
+        assert fuse_requests(mounted, "getxattr") == before  # none asked before the writes
 
         expected = b"B" * 2000 + b"A" * 6192
         assert os.pread(reader, 8192, 0) == expected
@@ -373,9 +373,9 @@ def test_a_write_only_open_writes_past_the_page_cache_and_every_reader_sees_it(m
         assert os.stat(path).st_size == 8292
         assert os.pread(reader, 200, 8192) == b"C" * 100
 
-        before = getxattr_requests(mounted)
+        before = fuse_requests(mounted, "getxattr")
         os.pwrite(both, b"D", 0)  # a read-write open stays buffered: the kernel asks again
-        assert getxattr_requests(mounted) > before
+        assert fuse_requests(mounted, "getxattr") > before
     finally:
         mapped.close()
         os.close(both)
