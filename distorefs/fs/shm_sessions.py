@@ -84,6 +84,7 @@ class CopyTicket:
 class _Held:
     mirror: Mirror
     arena_slots: np.ndarray
+    repeated: bool
 
 
 class SampleSessions:
@@ -215,7 +216,7 @@ class SampleSessions:
             log.exception("shm sampling session failed")
         finally:
             for h in held.values():
-                h.mirror.release(h.arena_slots)
+                h.mirror.release(h.arena_slots, h.repeated)
             held.clear()
             if ticket is not None and ticket.used:
                 self.sessions -= 1
@@ -347,7 +348,7 @@ class _Session:
                 return
             for batch_id in [b for b in self._held if b < release_before]:
                 held = self._held.pop(batch_id)
-                held.mirror.release(held.arena_slots)
+                held.mirror.release(held.arena_slots, held.repeated)
             wanted = count or self._ticket.count or buffer.config.batch_size
             if wanted > MAX_BATCH:
                 await _send_error(self._conn, errno.EMSGSIZE, f"a session's batch is at most {MAX_BATCH} items")
@@ -385,7 +386,7 @@ class _Session:
         """Lease the items, then send where they are (and the arena, the first time)."""
         mirror = batch.mirror
         batch_id = self._next_id
-        self._held[batch_id] = _Held(mirror, mirror.lease(batch.arena_slots))
+        self._held[batch_id] = _Held(mirror, mirror.lease(batch.arena_slots, batch.repeated), batch.repeated)
         self._next_id += 1
         if mirror is not self._sent_mirror:
             self._mirror_number += 1

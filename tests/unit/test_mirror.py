@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from distorefs.errors import NotSupported, OutOfMemory
 from distorefs.stores.replay.buffer import MirroredBatch, ReplayBuffer
 from distorefs.stores.replay.config import BufferConfig
-from distorefs.stores.replay.mirror import ArenaBudget, Mirror, add_at, stride_for
+from distorefs.stores.replay.mirror import ArenaBudget, Mirror, add_at, repeats, stride_for
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.dram import DramCache
 from distorefs.tiers.metadb import MetaDb
@@ -166,8 +166,36 @@ async def test_a_buffers_mirrored_draws_count_like_plain_samples(tiers: tuple[Bl
 
 @given(st.lists(st.integers(0, 20), max_size=40), st.integers(-3, 3))
 def test_add_at_counts_a_repeated_position_each_time(positions: list[int], delta: int) -> None:
-    target = np.arange(21, dtype=np.int64)
-    expected = target.copy()
-    np.add.at(expected, np.array(positions, dtype=np.int64), delta)
-    add_at(target, np.array(positions, dtype=np.int64), delta)
-    assert (target == expected).all()
+    named = np.array(positions, dtype=np.int64)
+    expected = np.arange(21, dtype=np.int64)
+    np.add.at(expected, named, delta)
+    assert repeats(named) == (len(set(positions)) < len(positions))
+    for told in (None, repeats(named)):  # looked up, or told by the caller (a batch's one look)
+        target = np.arange(21, dtype=np.int64)
+        add_at(target, named, delta, told)
+        assert (target == expected).all()
+
+
+async def test_a_batch_with_an_item_drawn_twice_holds_and_counts_it_twice(tiers: tuple[BlockStore, MetaDb]) -> None:
+    blocks, _meta = tiers
+    buf = make(tiers, "twice", 1 << 48, capacity=8, batch_size=64)
+    await buf.append([item(i) for i in range(3)])  # 64 draws of 3 items: repeats for sure
+    mirror = buf.open_mirror(blocks.reserve, blocks.unreserve)
+    await buf.fill_mirror(mirror)
+    got: list[MirroredBatch] = []
+
+    async def place(batch: MirroredBatch) -> None:
+        mirror.lease(batch.arena_slots, batch.repeated)
+        got.append(batch)
+
+    await buf.draw_mirrored(mirror, None, False, place)
+    [batch] = got
+    assert batch.repeated
+    slots, held = np.unique(batch.arena_slots, return_counts=True)
+    assert (mirror.refs[slots] == held).all()
+    assert buf.stats()["shared_memory"]["held_slots"] == len(slots)
+    drawn, times = np.unique(batch.indices, return_counts=True)
+    assert (buf._times[drawn % 8] == times).all()  # each draw counted (max_times_sampled)
+    mirror.release(batch.arena_slots, batch.repeated)
+    assert (mirror.refs[slots] == 0).all()
+    assert buf.samples == 64

@@ -58,7 +58,7 @@ from distorefs.stores.replay.draws import (
     importance_weights,
 )
 from distorefs.stores.replay.formats import MAX_ITEM_BYTES
-from distorefs.stores.replay.mirror import INLINE_BYTES, Mirror, add_at, stride_for
+from distorefs.stores.replay.mirror import INLINE_BYTES, Mirror, add_at, repeats, stride_for
 from distorefs.stores.replay.rate_limiter import RateLimiter
 from distorefs.stores.replay.removers import make_remover
 from distorefs.stores.replay.rows import RecordRows, rows_bytes_for
@@ -83,6 +83,7 @@ class MirroredBatch:
     weights: np.ndarray  # float32
     arena_slots: np.ndarray  # int64
     lengths: np.ndarray  # int64, each item's bytes
+    repeated: bool = True  # whether an item was drawn twice (True: not known)
 
 
 async def _as_is(batch: Batch) -> Batch:
@@ -746,7 +747,7 @@ class ReplayBuffer:
             raise NotSupported(f"buffers/{self.name}: a buffer spread over nodes has no shared-memory copy")
         for _attempt in range(3):
             slots, probabilities = await self._pick_slots(count, nonblocking)
-            indices = self._slot_index[slots].copy()
+            indices = self._slot_index[slots]  # (fancy indexing copies)
             arena_slots = mirror.ring[slots]
             if (arena_slots < 0).any():
                 await self._fill_mirror(mirror, np.unique(indices[arena_slots < 0]))
@@ -760,11 +761,17 @@ class ReplayBuffer:
                         f"buffers/{self.name}: a drawn item does not fit the shared-memory copy (its slots are"
                         f" {mirror.stride} bytes, its share of the DRAM budget is used)"
                     )
+            repeated = repeats(slots)  # one look for the batch's lease, count and release
             batch = MirroredBatch(
-                mirror, indices, self._weights(probabilities, len(indices)), arena_slots, self._size[slots].copy()
+                mirror,
+                indices,
+                self._weights(probabilities, len(indices)),
+                arena_slots,
+                self._size[slots],
+                repeated,
             )
             placed = await place(batch)
-            self.commit(indices)
+            self.commit(indices, repeated)
             return placed
         raise TryAgain(f"buffers/{self.name}: items kept leaving while a batch was drawn; try again")
 
@@ -801,13 +808,14 @@ class ReplayBuffer:
         owner = self.owner
         await self._blocks.get_many([BlockKey(owner, i) for i in indices.tolist()])
 
-    def commit(self, indices: np.ndarray) -> None:
+    def commit(self, indices: np.ndarray, repeated: bool | None = None) -> None:
         """Count these picked items of this shard as sampled (they were handed out); the
-        remover then takes what must leave. Items that left since the pick are skipped."""
+        remover then takes what must leave. Items that left since the pick are skipped.
+        `repeated`: whether an item was picked twice, where the caller knows."""
         self.samples += len(indices)
         slots = indices % self.config.capacity
         still = self._slot_index[slots] == indices  # not left while the batch was read
-        add_at(self._times, slots[still], 1)  # an item drawn twice counts twice
+        add_at(self._times, slots[still], 1, repeated)  # an item drawn twice counts twice
         done = self._remover.after_sampled(slots[still], self._times[slots[still]])
         if len(done):
             self._remove_slots(done, self._slot_index[done].tolist())
