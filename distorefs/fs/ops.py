@@ -165,6 +165,27 @@ def _created_direct(flags: int, kind: str) -> bool:
     return _write_only(flags) or (kind == "checkpoints" and flags & os.O_EXCL != 0)
 
 
+# pyfuse3 built with scripts/pyfuse3-noflush.patch (scripts/setup.sh does) can reply
+# FOPEN_NOFLUSH; stock pyfuse3 3.5 cannot, and then every close sends its FLUSH as before.
+NOFLUSH = hasattr(pyfuse3.FileInfo(), "noflush")
+
+
+def _file_info(fh: FileHandle, direct_io: bool, keep_cache: bool, reads_only: bool) -> pyfuse3.FileInfo:
+    """The reply to an OPEN. An open that can only read (O_RDONLY, no O_TRUNC) has
+    nothing for a close to finish (every flush here acts on what an open wrote), so
+    its closes send no FLUSH request where pyfuse3 can say so (FOPEN_NOFLUSH; Linux >=
+    5.15): a read-only close costs no round trip (docs/design.md, "Read-only closes send
+    no FLUSH")."""
+    info = pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache)
+    if NOFLUSH and reads_only:
+        setattr(info, "noflush", True)  # noqa: B010 (stock pyfuse3's stubs lack it)
+    return info
+
+
+def _reads_only(flags: int) -> bool:
+    return flags & os.O_ACCMODE == os.O_RDONLY and not flags & os.O_TRUNC
+
+
 class FsOperations(pyfuse3.Operations):
     """Routes kernel requests to the POSIX tree and the virtual nodes."""
 
@@ -536,14 +557,14 @@ class FsOperations(pyfuse3.Operations):
             vhandle = await node.open(flags, ctx.pid)
             vhandle.opened_by(ctx.uid, ctx.gid)
             fh = self._new_fh(Handle(inode, virtual=True, vhandle=vhandle, kind=vhandle.kind))
-            return pyfuse3.FileInfo(fh=fh, direct_io=vhandle.direct_io, keep_cache=vhandle.keep_cache)
+            return _file_info(fh, vhandle.direct_io, vhandle.keep_cache, _reads_only(flags))
         if flags & os.O_TRUNC and self.degraded:
             raise ReadOnly("the mount is degraded (read-only) after an internal error")
         writable = await self.tree.open(inode, flags)
         fh = self._new_fh(Handle(inode, virtual=False, writable=writable, kind=self.tree.kind_of(inode)))
         # The kernel page cache stays valid across opens: every change to a tree file
         # passes through this kernel, which updates or drops its pages itself.
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=_write_only(flags))
+        return _file_info(fh, _write_only(flags), True, _reads_only(flags) and not writable)
 
     @_translate(mutates=True)
     async def create(

@@ -297,7 +297,7 @@ def test_a_sample_opened_alone_is_read_from_the_page_cache(mounted: Mount, buffe
     client.append(buffer, records(200))
     with open(buffer / "sample", "rb") as f:  # looks it up and caches its attributes
         own_records(np.load(f))
-    reads = data_requests(mounted, "buffers", "read")
+    reads, flushes = data_requests(mounted, "buffers", "read"), fuse_requests(mounted, "flush")
     noise = -fuse_requests(mounted, "getattr") + fuse_requests(mounted, "getattr")  # reading the metrics' own
     getattrs, started = fuse_requests(mounted, "getattr"), time.monotonic()
     drawn = []
@@ -309,6 +309,7 @@ def test_a_sample_opened_alone_is_read_from_the_page_cache(mounted: Mount, buffe
     # (the attributes stay cached for a second: at most one GETATTR per second elapsed)
     assert fuse_requests(mounted, "getattr") - getattrs <= noise + 1 + int(time.monotonic() - started)
     assert data_requests(mounted, "buffers", "read") == reads
+    assert fuse_requests(mounted, "flush") == flushes  # read-only closes: no FLUSH either
     assert len(set(drawn)) == 6  # each open drew its own batch
     counts = stats(buffer)
     assert counts["samples"] == 16 * 7 + 5 * 6

@@ -7,6 +7,7 @@ import json
 import mmap
 import os
 import stat
+import subprocess
 import time
 from pathlib import Path
 
@@ -339,6 +340,29 @@ def test_create_list_remove_5000_entries(scratch: Path) -> None:
     for name in names:
         os.unlink(directory / name)
     assert os.listdir(directory) == []
+
+
+def test_a_read_only_close_sends_no_flush_and_a_writing_one_does(mounted: Mount, scratch: Path) -> None:
+    """A read-only open replies FOPEN_NOFLUSH (pyfuse3 built with
+    scripts/pyfuse3-noflush.patch, docs/design.md "Read-only closes send no FLUSH"):
+    its closes, a dup's included, cost no round trip. A close of an open that could
+    write still sends its FLUSH, which is what puts the file in the log."""
+    path = scratch / "f"
+    path.write_bytes(b"x" * 10_000)
+    flushes = fuse_requests(mounted, "flush")
+    for _ in range(3):
+        with open(path, "rb") as f:
+            os.close(os.dup(f.fileno()))
+            assert f.read() == b"x" * 10_000
+    assert subprocess.run(["cat", str(path)], capture_output=True, check=True).stdout == b"x" * 10_000
+    assert fuse_requests(mounted, "flush") == flushes, "a read-only close sent FLUSH: is pyfuse3 patched (setup.sh)?"
+    with open(path, "r+b") as f:  # could write: its close flushes, even with nothing written
+        assert f.read(1) == b"x"
+    assert fuse_requests(mounted, "flush") == flushes + 1
+    with open(path, "ab") as f:
+        f.write(b"y")
+    assert fuse_requests(mounted, "flush") == flushes + 2
+    assert path.read_bytes() == b"x" * 10_000 + b"y"
 
 
 def test_a_write_only_open_writes_past_the_page_cache_and_every_reader_sees_it(mounted: Mount, scratch: Path) -> None:
