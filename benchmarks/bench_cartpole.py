@@ -9,8 +9,10 @@ step also trains once: a prioritized batch of 64 (`np.load` of the bytes of
 `sample.64`), a double-DQN loss with importance weights, and the 64 new priorities
 (`np.save` to `priority`). The numpy loop does the same with a ring of records and the
 same sum tree in process. A third loop keeps the three descriptors open (a write to
-`append`, a read of `sample.64.stream`, a write to `priority`: one round trip each). No
-distorefs import in the timed code. Both use the same
+`append`, a read of `sample.64.stream`, a write to `priority`: one round trip each), and
+a fourth does the same with each `.npy` header made once (the first batch parsed by
+`np.load`, the rest `np.frombuffer` past the same header). No distorefs import in the
+timed code. All use the same
 seeds, network and step count; the report gives wall seconds, the ratio, where the
 file loop's extra time went (append, sample, priority), and the mean return of the last
 20 episodes of each (learning is not the point here, but it shows the loops are alike).
@@ -153,6 +155,41 @@ class OpenFileBuffer(FileBuffer):
         self.seconds["priority"] += time.perf_counter() - started
 
 
+class HeaderOnceBuffer(OpenFileBuffer):
+    """Descriptors kept open, and each .npy header made once (docs/namespace.md, "The
+    fastest plain-file recipes"): every batch a stream of a schema buffer serves has the
+    same header, so only the first is parsed with `np.load` (numpy's header parser, an
+    `ast.literal_eval`, took 55 of a 142 µs sample of 64 in `bench_latency`) and the rest
+    are `np.frombuffer` past it; every update of 64 pairs has the same header too."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._batch: tuple[np.dtype[Any], int] | None = None  # (dtype, offset of the records)
+        self._pair_headers: dict[int, bytes] = {}
+
+    def sample(self) -> np.ndarray:
+        started = time.perf_counter()
+        data = os.read(self.stream_fd, self.batch_bytes)
+        if self._batch is None:
+            batch = np.load(io.BytesIO(data))
+            self._batch = (batch.dtype, len(data) - batch.nbytes)
+        else:
+            batch = np.frombuffer(data, self._batch[0], offset=self._batch[1])
+        self.seconds["sample"] += time.perf_counter() - started
+        return batch
+
+    def update(self, indices: np.ndarray, priorities: np.ndarray) -> None:
+        started = time.perf_counter()
+        pairs = np.empty((len(indices), 2))
+        pairs[:, 0], pairs[:, 1] = indices, priorities
+        header = self._pair_headers.get(len(indices))
+        if header is None:
+            whole = priority_npy(indices, priorities)
+            header = self._pair_headers[len(indices)] = whole[: len(whole) - pairs.nbytes]
+        os.write(self.priority_fd, header + pairs.tobytes())
+        self.seconds["priority"] += time.perf_counter() - started
+
+
 def columns(batch: np.ndarray) -> Any:
     """A batch's fields as tensors (packed records have strided fields: made contiguous)."""
     import torch
@@ -245,7 +282,15 @@ def main() -> int:
             finally:
                 kept.close()
             open_files["buffer_s"] = {k: round(v, 2) for k, v in kept.seconds.items()}
-        runs.append({"numpy": in_memory, "files": through_files, "open_files": open_files})
+            once = HeaderOnceBuffer(mnt / "buffers" / "cartpole-once")
+            try:
+                headers_once = run_loop(once, args.steps, args.learning_starts)
+            finally:
+                once.close()
+            headers_once["buffer_s"] = {k: round(v, 2) for k, v in once.seconds.items()}
+        runs.append(
+            {"numpy": in_memory, "files": through_files, "open_files": open_files, "headers_once": headers_once}
+        )
 
     def median(path: str, key: str = "wall_s") -> float:
         return round(statistics.median(r[path][key] for r in runs), 2)
@@ -257,9 +302,13 @@ def main() -> int:
         "median_numpy_wall_s": median("numpy"),
         "median_files_wall_s": median("files"),
         "median_open_files_wall_s": median("open_files"),
+        "median_headers_once_wall_s": median("headers_once"),
         "median_ratio": round(statistics.median(r["files"]["wall_s"] / r["numpy"]["wall_s"] for r in runs), 2),
         "median_ratio_open_files": round(
             statistics.median(r["open_files"]["wall_s"] / r["numpy"]["wall_s"] for r in runs), 2
+        ),
+        "median_ratio_headers_once": round(
+            statistics.median(r["headers_once"]["wall_s"] / r["numpy"]["wall_s"] for r in runs), 2
         ),
     }
     print(json.dumps(report, indent=2))

@@ -243,6 +243,40 @@ def test_the_shell_recipes_of_the_namespace_reference_work(buffer: Path, tmp_pat
     assert (buffer / "items" / "9").read_bytes() == records(1, start=9).tobytes()
 
 
+def test_the_headers_once_recipe_reads_every_batch_and_applies_every_update(buffer: Path) -> None:
+    """docs/namespace.md's fastest recipe: a stream's batches all carry the first one's
+    .npy header, so `np.frombuffer` past it reads each; an update of pairs written as
+    one prebuilt header and the pairs' bytes applies like `np.save`'s."""
+    configure(buffer, schema=SCHEMA, sampler="prioritized", alpha=1.0, epsilon=0.0, batch_size=8)
+    client.append(buffer, records(50))
+    stream_fd = os.open(buffer / "sample.8.stream", os.O_RDONLY)
+    priority_fd = os.open(buffer / "priority", os.O_WRONLY)
+    try:
+        size = os.fstat(stream_fd).st_size
+        first = np.load(io.BytesIO(os.read(stream_fd, size)))
+        dtype, offset = first.dtype, size - first.nbytes
+        pairs = np.empty((8, 2))
+        head_out = io.BytesIO()
+        np.save(head_out, pairs)
+        head = head_out.getvalue()[: -pairs.nbytes]
+        for _ in range(20):
+            data = os.read(stream_fd, size)
+            batch = np.frombuffer(data, dtype, offset=offset)
+            assert (batch == np.load(io.BytesIO(data))).all()  # the same header every time
+            pairs[:, 0], pairs[:, 1] = batch["_index"], 0.0
+            os.write(priority_fd, head + pairs.tobytes())  # applied when complete
+        pairs[:, 0], pairs[:, 1] = np.arange(8), [0.0] * 7 + [1.0]
+        os.write(priority_fd, head + pairs.tobytes())
+    finally:
+        os.close(priority_fd)
+        os.close(stream_fd)
+    for index in range(8, 50):  # the rest to 0 too: only item 7 keeps mass
+        pairs[:, 0], pairs[:, 1] = index, 0.0
+        (buffer / "priority").write_bytes(head + pairs.tobytes())
+    with open(buffer / "sample.16", "rb") as f:
+        assert set(own_records(np.load(f)).tolist()) == {7}
+
+
 def test_a_priority_write_with_an_unknown_index_or_nan_applies_none(buffer: Path) -> None:
     configure(buffer, sampler="prioritized", alpha=1.0, epsilon=0.0, batch_size=32)
     client.append(buffer, [b"a", b"b"])
