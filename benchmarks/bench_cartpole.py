@@ -97,6 +97,9 @@ class FileBuffer:
         self.priority_path = str(path / "priority")
         self.seconds = {"append": 0.0, "sample": 0.0, "priority": 0.0}
 
+    def close(self) -> None:
+        """Nothing stays open between calls here."""
+
     def append(self, record: np.ndarray) -> None:
         started = time.perf_counter()
         fd = os.open(self.append_path, os.O_WRONLY)
@@ -273,27 +276,22 @@ def main() -> int:
             tempfile.TemporaryDirectory(prefix="distorefs-cartpole-") as tmp,
             mounted(Path(tmp), "--busy-poll-us", str(args.busy_poll_us)) as mnt,
         ):
-            files = FileBuffer(mnt / "buffers" / "cartpole")
-            through_files = run_loop(files, args.steps, args.learning_starts)
-            through_files["buffer_s"] = {k: round(v, 2) for k, v in files.seconds.items()}
-            kept = OpenFileBuffer(mnt / "buffers" / "cartpole-open")
-            try:
-                open_files = run_loop(kept, args.steps, args.learning_starts)
-            finally:
-                kept.close()
-            open_files["buffer_s"] = {k: round(v, 2) for k, v in kept.seconds.items()}
-            once = HeaderOnceBuffer(mnt / "buffers" / "cartpole-once")
-            try:
-                headers_once = run_loop(once, args.steps, args.learning_starts)
-            finally:
-                once.close()
-            headers_once["buffer_s"] = {k: round(v, 2) for k, v in once.seconds.items()}
-        runs.append(
-            {"numpy": in_memory, "files": through_files, "open_files": open_files, "headers_once": headers_once}
-        )
+            loops = {"files": FileBuffer, "open_files": OpenFileBuffer, "headers_once": HeaderOnceBuffer}
+            run: dict[str, Any] = {"numpy": in_memory}
+            for name, kind in loops.items():
+                buffer = kind(mnt / "buffers" / f"cartpole-{name}")
+                try:
+                    run[name] = run_loop(buffer, args.steps, args.learning_starts)
+                finally:
+                    buffer.close()
+                run[name]["buffer_s"] = {k: round(v, 2) for k, v in buffer.seconds.items()}
+        runs.append(run)
 
     def median(path: str, key: str = "wall_s") -> float:
         return round(statistics.median(r[path][key] for r in runs), 2)
+
+    def ratio(path: str) -> float:
+        return round(statistics.median(r[path]["wall_s"] / r["numpy"]["wall_s"] for r in runs), 2)
 
     report = {
         "steps": args.steps,
@@ -303,13 +301,9 @@ def main() -> int:
         "median_files_wall_s": median("files"),
         "median_open_files_wall_s": median("open_files"),
         "median_headers_once_wall_s": median("headers_once"),
-        "median_ratio": round(statistics.median(r["files"]["wall_s"] / r["numpy"]["wall_s"] for r in runs), 2),
-        "median_ratio_open_files": round(
-            statistics.median(r["open_files"]["wall_s"] / r["numpy"]["wall_s"] for r in runs), 2
-        ),
-        "median_ratio_headers_once": round(
-            statistics.median(r["headers_once"]["wall_s"] / r["numpy"]["wall_s"] for r in runs), 2
-        ),
+        "median_ratio": ratio("files"),
+        "median_ratio_open_files": ratio("open_files"),
+        "median_ratio_headers_once": ratio("headers_once"),
     }
     print(json.dumps(report, indent=2))
     return 0
