@@ -130,6 +130,33 @@ async def test_a_restarted_buffer_fills_its_rows_from_draws(tmp_path: Path) -> N
         meta.close()
 
 
+async def test_the_start_up_warm_up_fills_the_rows_so_draws_never_miss(tmp_path: Path) -> None:
+    """`BufferStore.warm_up` reads a restored buffer's items into DRAM and, for a buffer
+    with rows, into its rows: every draw after it is served whole from the rows."""
+    blocks, meta = open_tiers(tmp_path, 1 << 20, 64)
+    buf = make(blocks, meta, capacity=64, batch_size=32)
+    await buf.append([record(i, version=3) for i in range(80)])  # 16..79 live: FIFO past 64
+    await buf.persist()
+    await blocks.close()
+    meta.close()
+    blocks, meta = open_tiers(tmp_path, 1 << 20, 64)
+    try:
+        store = BufferStore.load(blocks, meta)
+        buf = store.get("r")
+        assert await store.warm_up(1 << 20) == 64
+        assert buf._rows is not None
+        assert (buf._rows.held[np.arange(16, 80) % 64] == np.arange(16, 80)).all()
+        for _ in range(10):
+            batch = drawn((await buf.sample()).data)
+            assert (batch["step"] == batch["_index"]).all()
+            assert (batch["obs"] == 3).all()
+        assert buf.stats()["record_rows"]["misses"] == 0
+        assert buf.stats()["record_rows"]["hits"] == 10
+    finally:
+        await blocks.close()
+        meta.close()
+
+
 async def test_a_replacement_during_a_draw_that_reads_the_block_tier_is_not_undone(
     tiers: tuple[BlockStore, MetaDb],
 ) -> None:

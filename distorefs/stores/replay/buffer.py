@@ -804,9 +804,27 @@ class ReplayBuffer:
 
     async def warm(self, indices: np.ndarray) -> None:
         """Read these items into DRAM (cold ones from the log in one trip to a thread);
-        items that left meanwhile are skipped."""
+        items that left meanwhile are skipped. A buffer with record rows gets the records
+        into its rows too, so that its draws after a restart are served from the rows
+        from the start instead of reading the block tier until each item was drawn once
+        (a million-item buffer sampled at 0.71x of a 20,000-item one that way)."""
         owner = self.owner
-        await self._blocks.get_many([BlockKey(owner, i) for i in indices.tolist()])
+        blocks = await self._blocks.get_many([BlockKey(owner, i) for i in indices.tolist()])
+        rows = self._rows
+        if rows is None:
+            return
+        found = [
+            (index, memoryview(block.buf)[: block.length])
+            for index, block in zip(indices.tolist(), blocks, strict=True)
+            if block is not None and block.length == rows.itemsize
+        ]
+        if found:
+            # Only live items whose rows do not hold them yet: a row that a replacement
+            # (items/N) or a newer item filled while the blocks were read keeps its record.
+            wanted = np.fromiter((index for index, _ in found), np.int64, len(found))
+            slots = wanted % rows.capacity
+            fill = (rows.held[slots] != wanted) & (self._slot_index[slots] == wanted)
+            rows.put(wanted[fill], [view for (_, view), ok in zip(found, fill.tolist(), strict=True) if ok])
 
     def commit(self, indices: np.ndarray, repeated: bool | None = None) -> None:
         """Count these picked items of this shard as sampled (they were handed out); the
