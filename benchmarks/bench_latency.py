@@ -7,7 +7,9 @@ Through the mount (no distorefs import in the timed code): append one ~1 KB tran
 (open `append`, write one record, close), sample a batch of 64 (`np.load` of
 `sample.64`, straight from the file and through one `read()`), update 64 priorities
 (`np.save` to `priority`); then the same three on descriptors kept open (a write to
-`append`, a read of `sample.64.stream`, a write to `priority`). In process: a numpy ring
+`append`, a read of `sample.64.stream`, a write to `priority`), and the last two with
+each `.npy` header parsed or built once (`np.frombuffer` past the stream's constant
+header, a prebuilt header before the pairs' bytes). In process: a numpy ring
 with a sum of priorities doing the same. Prints p50 and p99 in microseconds as JSON;
 docs/benchmarks.md keeps the results (issue 16's aims: append p50 <= 200 us, sample
 <= 300 us, priority <= 150 us).
@@ -139,6 +141,24 @@ def main() -> int:
                     os.write(priority_fd, out.getvalue())
 
                 results["mount"]["priority_64_open_fd"] = timed(priority_open_fd, args.calls)
+
+                # the same, each .npy header parsed or built once (docs/namespace.md, "The
+                # fastest plain-file recipes"): every batch of the stream has the first
+                # one's header, every update of 64 pairs the same one
+                first = np.load(io.BytesIO(os.read(stream_fd, size)))
+                dtype, offset = first.dtype, size - first.nbytes
+                results["mount"]["sample_64_stream_header_once"] = timed(
+                    lambda: np.frombuffer(os.read(stream_fd, size), dtype, offset=offset), args.calls
+                )
+                out = io.BytesIO()
+                np.save(out, pairs)
+                head = out.getvalue()[: -pairs.nbytes]
+
+                def priority_header_once() -> None:
+                    pairs[:, 1] = rng.random(64) + 0.1
+                    os.write(priority_fd, head + pairs.tobytes())
+
+                results["mount"]["priority_64_open_fd_header_once"] = timed(priority_header_once, args.calls)
             finally:
                 for fd in (stream_fd, append_fd, priority_fd):
                     os.close(fd)
