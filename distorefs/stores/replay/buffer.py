@@ -83,7 +83,7 @@ class MirroredBatch:
     weights: np.ndarray  # float32
     arena_slots: np.ndarray  # int64
     lengths: np.ndarray  # int64, each item's bytes
-    repeated: bool = True  # whether an item was drawn twice (True: not known)
+    repeated: bool  # whether an item was drawn twice
 
 
 async def _as_is(batch: Batch) -> Batch:
@@ -645,9 +645,8 @@ class ReplayBuffer:
             wanted = indices[missing]
             payloads = await self._payloads(wanted)
             records[missing] = np.frombuffer(b"".join(payloads), dtype=np.uint8).reshape(len(wanted), rows.itemsize)
-            if rows is self._rows:  # (a row filled meanwhile, by a replacement through items/N, keeps it)
-                unfilled = rows.held[wanted % rows.capacity] != wanted
-                rows.put(wanted[unfilled], [p for p, ok in zip(payloads, unfilled.tolist(), strict=True) if ok])
+            if rows is self._rows:
+                rows.put_missing(wanted, payloads)
         return indices, probabilities, records
 
     # --- the shared-memory mirror (mirror.py) -------------------------------------------
@@ -819,12 +818,9 @@ class ReplayBuffer:
             if block is not None and block.length == rows.itemsize
         ]
         if found:
-            # Only live items whose rows do not hold them yet: a row that a replacement
-            # (items/N) or a newer item filled while the blocks were read keeps its record.
-            wanted = np.fromiter((index for index, _ in found), np.int64, len(found))
-            slots = wanted % rows.capacity
-            fill = (rows.held[slots] != wanted) & (self._slot_index[slots] == wanted)
-            rows.put(wanted[fill], [view for (_, view), ok in zip(found, fill.tolist(), strict=True) if ok])
+            warmed = np.fromiter((index for index, _ in found), np.int64, len(found))
+            live = self._slot_index[warmed % self.config.capacity] == warmed  # not a newer item's slot
+            rows.put_missing(warmed, [view for _, view in found], live)
 
     def commit(self, indices: np.ndarray, repeated: bool | None = None) -> None:
         """Count these picked items of this shard as sampled (they were handed out); the

@@ -97,6 +97,20 @@ class RecordRows:
             self.rows[slots] = np.frombuffer(b"".join(records), dtype=np.uint8).reshape(len(records), self.itemsize)
         self.held[slots] = indices
 
+    def put_missing(
+        self,
+        indices: np.ndarray,
+        records: Sequence[bytes | bytearray | memoryview],
+        wanted: np.ndarray | None = None,
+    ) -> None:
+        """`put` of those of these items (read from the block tier) whose rows do not hold
+        them yet, and only where `wanted` (a mask) says so: a row that a replacement
+        through items/N filled while the records were read keeps the new record."""
+        fill = self.held[indices % self.capacity] != indices
+        if wanted is not None:
+            fill &= wanted
+        self.put(indices[fill], [record for record, ok in zip(records, fill.tolist(), strict=True) if ok])
+
     def gather(self, slots: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """The records of the drawn items (in `slots`, with `indices`), copied out as a
         (len(slots), itemsize) uint8 array, and a mask of those whose rows do not hold
