@@ -115,8 +115,9 @@ def test_compiled_walks_give_the_numpy_walks_tree_and_draws(capacity: int, seed:
             assert np.array_equal(mine, theirs)
         assert np.array_equal(ones._sum, plain_ones._sum)
         if compiled.total > 0:  # edges too: 0, the total itself (rounds onto an empty leaf), just under it
+            # (shuffled: the edges land among the descents `find` walks eight side by side)
             edges = [0.0, compiled.total, np.nextafter(compiled.total, 0)]
-            prefixes = np.concatenate([rng.random(64) * compiled.total, edges])
+            prefixes = rng.permutation(np.concatenate([rng.random(64) * compiled.total, edges]))
             found = compiled.find(prefixes)
             assert np.array_equal(found, plain.find(prefixes))
             assert (plain.leaves()[found] > 0).all()
