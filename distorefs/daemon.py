@@ -47,7 +47,7 @@ from distorefs.stores.datasets.dataset import MIN_WINDOW_BYTES
 from distorefs.stores.datasets.store import DatasetStore
 from distorefs.stores.files import FileStore
 from distorefs.stores.owners import OwnerTable
-from distorefs.stores.replay import sumtree
+from distorefs.stores.replay import mirror, sumtree
 from distorefs.stores.replay.mirror import ArenaBudget
 from distorefs.stores.replay.store import BufferStore
 from distorefs.stores.tree import PosixTree
@@ -215,15 +215,23 @@ class Degradable(Protocol):
 
 
 def load_kernels() -> None:
-    """Load the compiled kernels (compiled.py): the sum tree's walks and the gather's copy."""
+    """Load the compiled kernels (compiled.py): the sum tree's walks, a batch's counts and
+    the gather's copy."""
     sumtree.load_compiled()
+    mirror.load_compiled()
     copy_ranges.load_compiled()
 
 
 def kernels_status() -> dict[str, Any]:
     """`kernels` in `.distore/status`: which compiled kernels run yet (false: their plain
     versions, until the start-up's thread has loaded them, or for good without numba)."""
-    return {"kernels": {"sum_tree": sumtree.KERNELS.loaded, "gather_copy": copy_ranges.KERNELS.loaded}}
+    return {
+        "kernels": {
+            "sum_tree": sumtree.KERNELS.loaded,
+            "counts": mirror.COUNTS.loaded,
+            "gather_copy": copy_ranges.KERNELS.loaded,
+        }
+    }
 
 
 async def supervised(name: str, task: Callable[[], Awaitable[object]], ops: Degradable) -> None:

@@ -84,7 +84,7 @@ class CopyTicket:
 class _Held:
     mirror: Mirror
     arena_slots: np.ndarray
-    repeated: bool
+    repeated: bool | None
 
 
 class SampleSessions:

@@ -8,6 +8,7 @@ import mmap
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from distorefs.errors import NotSupported, OutOfMemory
+from distorefs.stores.replay import mirror as mirror_module
 from distorefs.stores.replay.buffer import MirroredBatch, ReplayBuffer
 from distorefs.stores.replay.config import BufferConfig
 from distorefs.stores.replay.mirror import ArenaBudget, Mirror, add_at, repeats, stride_for
@@ -71,7 +73,18 @@ def test_items_land_in_slots_a_reader_maps_read_only_and_leave_with_forget() -> 
     assert budget.used == 0
 
 
-def test_a_held_slot_keeps_its_bytes_while_the_item_is_replaced_and_frees_at_release() -> None:
+@pytest.fixture(params=["compiled", "numpy"])
+def counts(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """The test runs with a batch's counts compiled (counts_jit.py: add_at and release)
+    and with numpy's; True for the compiled run."""
+    if request.param == "compiled":
+        assert mirror_module.load_compiled(), "numba is a dependency: the compiled counts must load"
+        return True
+    monkeypatch.setattr(mirror_module.COUNTS, "module", None)
+    return False
+
+
+def test_a_held_slot_keeps_its_bytes_while_the_item_is_replaced_and_frees_at_release(counts: bool) -> None:
     budget = Budget(1 << 30)
     mirror = Mirror(capacity=4, stride=128, reserve=budget.reserve, unreserve=budget.unreserve)
     mirror.place(np.arange(4), [item(i) for i in range(4)])
@@ -122,7 +135,9 @@ def make(tiers: tuple[BlockStore, MetaDb], name: str, owner: int, **config: obje
     return ReplayBuffer(name, owner, BufferConfig().updated(name, config, has_items=False), blocks, meta)
 
 
-async def test_a_buffers_mirrored_draws_count_like_plain_samples(tiers: tuple[BlockStore, MetaDb]) -> None:
+async def test_a_buffers_mirrored_draws_count_like_plain_samples(
+    tiers: tuple[BlockStore, MetaDb], counts: bool
+) -> None:
     blocks, _meta = tiers
     buf = make(tiers, "m", 1 << 48, capacity=8, batch_size=4)
     await buf.append([item(i) for i in range(6)])
@@ -166,17 +181,30 @@ async def test_a_buffers_mirrored_draws_count_like_plain_samples(tiers: tuple[Bl
 
 @given(st.lists(st.integers(0, 20), max_size=40), st.integers(-3, 3))
 def test_add_at_counts_a_repeated_position_each_time(positions: list[int], delta: int) -> None:
+    assert mirror_module.load_compiled(), "numba is a dependency: the compiled counts must load"
     named = np.array(positions, dtype=np.int64)
     expected = np.arange(21, dtype=np.int64)
     np.add.at(expected, named, delta)
     assert repeats(named) == (len(set(positions)) < len(positions))
-    for told in (None, repeats(named)):  # looked up, or told by the caller (a batch's one look)
-        target = np.arange(21, dtype=np.int64)
-        add_at(target, named, delta, told)
-        assert (target == expected).all()
+    for compiled in (True, False):
+        with mock.patch.object(mirror_module.COUNTS, "module", mirror_module.COUNTS.module if compiled else None):
+            for told in (None, repeats(named)):  # looked up, or told by the caller (a batch's one look)
+                for dtype in (np.int64, np.int32):  # a buffer's counts, an arena's references
+                    target = np.arange(21, dtype=dtype)
+                    add_at(target, named, delta, told)
+                    assert (target == expected).all()
 
 
-async def test_a_batch_with_an_item_drawn_twice_holds_and_counts_it_twice(tiers: tuple[BlockStore, MetaDb]) -> None:
+def test_compiled_add_at_refuses_a_position_outside_the_array() -> None:
+    assert mirror_module.load_compiled()
+    target = np.zeros(4, dtype=np.int64)
+    with pytest.raises(IndexError):
+        add_at(target, np.array([1, 4], dtype=np.int64), 1)
+
+
+async def test_a_batch_with_an_item_drawn_twice_holds_and_counts_it_twice(
+    tiers: tuple[BlockStore, MetaDb], counts: bool
+) -> None:
     blocks, _meta = tiers
     buf = make(tiers, "twice", 1 << 48, capacity=8, batch_size=64)
     await buf.append([item(i) for i in range(3)])  # 64 draws of 3 items: repeats for sure
@@ -190,7 +218,7 @@ async def test_a_batch_with_an_item_drawn_twice_holds_and_counts_it_twice(tiers:
 
     await buf.draw_mirrored(mirror, None, False, place)
     [batch] = got
-    assert batch.repeated
+    assert batch.repeated is (None if counts else True)  # compiled counts need no look for repeats
     slots, held = np.unique(batch.arena_slots, return_counts=True)
     assert (mirror.refs[slots] == held).all()
     assert buf.stats()["shared_memory"]["held_slots"] == len(slots)

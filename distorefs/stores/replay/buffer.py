@@ -58,7 +58,7 @@ from distorefs.stores.replay.draws import (
     importance_weights,
 )
 from distorefs.stores.replay.formats import MAX_ITEM_BYTES
-from distorefs.stores.replay.mirror import INLINE_BYTES, Mirror, add_at, repeats, stride_for
+from distorefs.stores.replay.mirror import INLINE_BYTES, Mirror, add_at, batch_repeats, stride_for
 from distorefs.stores.replay.rate_limiter import RateLimiter
 from distorefs.stores.replay.removers import make_remover
 from distorefs.stores.replay.rows import RecordRows, rows_bytes_for
@@ -83,7 +83,7 @@ class MirroredBatch:
     weights: np.ndarray  # float32
     arena_slots: np.ndarray  # int64
     lengths: np.ndarray  # int64, each item's bytes
-    repeated: bool  # whether an item was drawn twice
+    repeated: bool | None  # whether an item was drawn twice (None: not looked, mirror.batch_repeats)
 
 
 async def _as_is(batch: Batch) -> Batch:
@@ -760,7 +760,7 @@ class ReplayBuffer:
                         f"buffers/{self.name}: a drawn item does not fit the shared-memory copy (its slots are"
                         f" {mirror.stride} bytes, its share of the DRAM budget is used)"
                     )
-            repeated = repeats(slots)  # one look for the batch's lease, count and release
+            repeated = batch_repeats(slots)  # one look for the batch's lease, count and release
             batch = MirroredBatch(
                 mirror,
                 indices,
@@ -770,7 +770,7 @@ class ReplayBuffer:
                 repeated,
             )
             placed = await place(batch)
-            self.commit(indices, repeated)
+            self.commit(indices, repeated, slots)
             return placed
         raise TryAgain(f"buffers/{self.name}: items kept leaving while a batch was drawn; try again")
 
@@ -822,17 +822,23 @@ class ReplayBuffer:
             live = self._slot_index[warmed % self.config.capacity] == warmed  # not a newer item's slot
             rows.put_missing(warmed, [view for _, view in found], live)
 
-    def commit(self, indices: np.ndarray, repeated: bool | None = None) -> None:
+    def commit(self, indices: np.ndarray, repeated: bool | None = None, slots: np.ndarray | None = None) -> None:
         """Count these picked items of this shard as sampled (they were handed out); the
         remover then takes what must leave. Items that left since the pick are skipped.
-        `repeated`: whether an item was picked twice, where the caller knows."""
+        `repeated`: whether an item was picked twice, and `slots`: the ring slots they
+        were picked from, where the caller knows (each saves a pass over the batch)."""
         self.samples += len(indices)
-        slots = indices % self.config.capacity
+        if slots is None:
+            slots = indices % self.config.capacity
         still = self._slot_index[slots] == indices  # not left while the batch was read
-        add_at(self._times, slots[still], 1, repeated)  # an item drawn twice counts twice
-        done = self._remover.after_sampled(slots[still], self._times[slots[still]])
-        if len(done):
-            self._remove_slots(done, self._slot_index[done].tolist())
+        if not still.all():
+            slots = slots[still]
+            repeated = None if repeated else False  # (fewer of a batch without repeats have none)
+        add_at(self._times, slots, 1, repeated)  # an item drawn twice counts twice
+        if self._remover.removes:
+            done = self._remover.after_sampled(slots, self._times[slots])
+            if len(done):
+                self._remove_slots(done, self._slot_index[done].tolist())
         self._snapshot_dirty = True
         self._notify()
 

@@ -14,6 +14,8 @@ import numpy as np
 
 
 class Remover(Protocol):
+    removes: bool  # False: after_sampled never removes anything (a draw skips asking)
+
     def after_sampled(self, slots: np.ndarray, times_sampled: np.ndarray) -> np.ndarray:
         """Of the live `slots` just counted as sampled (with their counts after this draw),
         the slots to remove now (unique)."""

@@ -6,6 +6,8 @@ import numpy as np
 
 
 class MaxTimesSampledRemover:
+    removes = True
+
     def __init__(self, limit: int) -> None:
         assert limit > 0
         self.limit = limit
