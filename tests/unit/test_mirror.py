@@ -179,6 +179,33 @@ async def test_a_buffers_mirrored_draws_count_like_plain_samples(
         compressed.open_mirror(blocks.reserve, blocks.unreserve)
 
 
+async def test_items_that_leave_while_a_batch_is_placed_are_not_counted(
+    tiers: tuple[BlockStore, MetaDb], counts: bool
+) -> None:
+    blocks, _meta = tiers
+    buf = make(tiers, "gone", 1 << 48, capacity=8, batch_size=32)
+    await buf.append([item(i) for i in range(8)])
+    mirror = buf.open_mirror(blocks.reserve, blocks.unreserve)
+    await buf.fill_mirror(mirror)
+    got: list[MirroredBatch] = []
+
+    async def place(batch: MirroredBatch) -> None:
+        batch.mirror.lease(batch.arena_slots, batch.repeated)
+        got.append(batch)
+        await buf.append([item(i) for i in range(8, 12)])  # items 0-3 leave (FIFO) before the count
+
+    await buf.draw_mirrored(mirror, None, False, place)
+    [batch] = got
+    drawn, times = np.unique(batch.indices, return_counts=True)
+    assert drawn.min() < 4 < drawn.max()  # 32 draws of 8 items: both kinds for sure
+    assert buf.samples == 32  # every item handed out counts as a sample
+    for index, count in zip(drawn.tolist(), times.tolist(), strict=True):
+        # an item still here counts each draw; one that left counts none, nor its successor
+        assert buf._times[index % 8] == (count if index >= 4 else 0)
+    mirror.release(batch.arena_slots, batch.repeated)
+    assert mirror.held_slots() == 0
+
+
 @given(st.lists(st.integers(0, 20), max_size=40), st.integers(-3, 3))
 def test_add_at_counts_a_repeated_position_each_time(positions: list[int], delta: int) -> None:
     assert mirror_module.load_compiled(), "numba is a dependency: the compiled counts must load"

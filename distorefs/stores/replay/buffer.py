@@ -56,9 +56,10 @@ from distorefs.stores.replay.draws import (
     check_priorities,
     encode_batch,
     importance_weights,
+    uniform_weights,
 )
 from distorefs.stores.replay.formats import MAX_ITEM_BYTES
-from distorefs.stores.replay.mirror import INLINE_BYTES, Mirror, add_at, batch_repeats, stride_for
+from distorefs.stores.replay.mirror import COUNTS, INLINE_BYTES, Mirror, add_at, batch_repeats, stride_for
 from distorefs.stores.replay.rate_limiter import RateLimiter
 from distorefs.stores.replay.removers import make_remover
 from distorefs.stores.replay.rows import RecordRows, rows_bytes_for
@@ -606,6 +607,8 @@ class ReplayBuffer:
         return placed
 
     def _weights(self, probabilities: np.ndarray | None, count: int) -> np.ndarray:
+        if probabilities is None:  # (the tree's min and total are not needed)
+            return uniform_weights(count)
         return importance_weights(
             probabilities, count, self.size, self._tree.min / max(self._tree.total, 1e-300), self.config.beta
         )
@@ -613,12 +616,15 @@ class ReplayBuffer:
     async def _pick_slots(self, count: int, nonblocking: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """Wait for the rate limiter, then pick `count` ring slots (and their
         probabilities: None where the sampler is not prioritized). Nothing is counted."""
-        await self._wait_until(
-            lambda: self.limiter.can_sample(self.size, self.inserts, self.samples, count),
-            nonblocking,
-            f"sample of {count}",
-            writer=False,
-        )
+        if self.limiter.can_sample(self.size, self.inserts, self.samples, count):
+            await scheduling.checkpoint()  # (the usual case, without the wait's closure)
+        else:
+            await self._wait_until(
+                lambda: self.limiter.can_sample(self.size, self.inserts, self.samples, count),
+                nonblocking,
+                f"sample of {count}",
+                writer=False,
+            )
         return self._sampler.pick(self, count, self._rng)
 
     async def pick(self, count: int, nonblocking: bool = False) -> Drawn:
@@ -830,6 +836,13 @@ class ReplayBuffer:
         self.samples += len(indices)
         if slots is None:
             slots = indices % self.config.capacity
+        counts = COUNTS.module
+        if counts is not None and not self._remover.removes and slots.dtype == indices.dtype == np.int64:
+            # one compiled pass: count each item still here (counts_jit.py)
+            counts.count_live(self._times, self._slot_index, np.ascontiguousarray(slots), np.ascontiguousarray(indices))
+            self._snapshot_dirty = True
+            self._notify()
+            return
         still = self._slot_index[slots] == indices  # not left while the batch was read
         if not still.all():
             slots = slots[still]

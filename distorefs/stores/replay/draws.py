@@ -7,6 +7,7 @@ state lives here.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,13 +50,22 @@ class ShardState:
     can_sample: bool
 
 
+@functools.lru_cache(maxsize=64)
+def uniform_weights(count: int) -> np.ndarray:
+    """The weights of a draw that was not prioritized: `count` ones, made once per batch
+    size and read-only (a batch's weights are only read: encoded, sent, copied)."""
+    ones = np.ones(count, dtype=np.float32)
+    ones.setflags(write=False)
+    return ones
+
+
 def importance_weights(
     probabilities: np.ndarray | None, count: int, size: int, min_probability: float, beta: float
 ) -> np.ndarray:
     """(N * P)^-beta normalised by the largest possible weight, (N * P_min)^-beta, over a
     buffer of N items; all ones where the draw was not prioritized."""
     if probabilities is None:
-        return np.ones(count, dtype=np.float32)
+        return uniform_weights(count)
     weights: np.ndarray = np.power(size * probabilities, -beta) / math.pow(size * min_probability, -beta)
     return weights.astype(np.float32)
 

@@ -60,7 +60,7 @@ COUNTS = Kernels("distorefs.stores.replay.counts_jit", "DISTOREFS_COUNTS", "nump
 
 
 def load_compiled() -> bool:
-    """Load the compiled `add_at` (counts_jit.py); until then, or without numba, numpy's."""
+    """Load the compiled counts (counts_jit.py); until then, or without numba, numpy's."""
     return COUNTS.load()
 
 
@@ -78,7 +78,8 @@ def add_at(target: np.ndarray, positions: np.ndarray, delta: int, repeated: bool
     lease, its count and its release), saves looking again."""
     jit = COUNTS.module
     if jit is not None and positions.dtype == np.int64 and target.dtype in _COMPILED_TARGETS:
-        jit.add_at(target, np.ascontiguousarray(positions), delta)
+        if not jit.add_at(target, np.ascontiguousarray(positions), delta):
+            raise IndexError(f"a position outside 0..{len(target) - 1}; none added")
         return
     if repeated is None:
         repeated = repeats(positions)
@@ -222,6 +223,11 @@ class Mirror:
     def lease(self, arena_slots: np.ndarray, repeated: bool | None = None) -> np.ndarray:
         """A batch holds these slots (an item drawn twice is held twice) until `release`
         (`repeated`: whether a slot is named twice, where the caller knows)."""
+        jit = COUNTS.module
+        if jit is not None and arena_slots.dtype == np.int64:  # checks every slot, then holds them
+            if not jit.add_at(self.refs, np.ascontiguousarray(arena_slots), 1):
+                raise OutOfMemory("a drawn item is not in the shared-memory arena")
+            return arena_slots
         if (arena_slots < 0).any():
             raise OutOfMemory("a drawn item is not in the shared-memory arena")
         add_at(self.refs, arena_slots, 1, repeated)

@@ -8,6 +8,7 @@ sampled is the buffer's commit step, after the batch is handed out.
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import numpy as np
@@ -47,5 +48,17 @@ class Sampler(Protocol):
 
 
 def stratified_prefixes(total: float, count: int, rng: np.random.Generator) -> np.ndarray:
-    """One point in each of `count` equal segments of [0, total)."""
-    return (np.arange(count) + rng.random(count)) * (total / count)
+    """One point in each of `count` equal segments of [0, total): (k + u_k) * total / count,
+    in place on the draw's random numbers (the same floats as the plain expression)."""
+    prefixes = rng.random(count)
+    prefixes += _segments(count)
+    prefixes *= total / count
+    return prefixes
+
+
+@functools.lru_cache(maxsize=64)
+def _segments(count: int) -> np.ndarray:
+    """0, 1, ..., count - 1 as floats, made once per batch size (read-only)."""
+    segments = np.arange(count, dtype=np.float64)
+    segments.setflags(write=False)
+    return segments

@@ -16,7 +16,7 @@ class UniformSampler:
         if size == min(ring.next_index, ring.capacity):
             # no holes: the live slots are exactly 0..size-1, where the tree walk would land
             # a prefix in [k, k+1) on slot k; so take k without the walk (a third of a draw)
-            prefixes = stratified_prefixes(float(size), count, rng)
-            return np.minimum(prefixes.astype(np.int64), size - 1), None
+            slots = stratified_prefixes(float(size), count, rng).astype(np.int64)
+            return np.minimum(slots, size - 1, out=slots), None
         slots = ring.live_tree.find(stratified_prefixes(ring.live_tree.total, count, rng))
         return slots, None
