@@ -206,6 +206,31 @@ async def test_items_that_leave_while_a_batch_is_placed_are_not_counted(
     assert mirror.held_slots() == 0
 
 
+async def test_a_ring_remade_while_a_batch_is_placed_counts_it_in_the_new_ring(
+    tiers: tuple[BlockStore, MetaDb], counts: bool
+) -> None:
+    blocks, _meta = tiers
+    buf = make(tiers, "grown", 1 << 48, capacity=8, batch_size=32)
+    await buf.append([item(i) for i in range(12)])  # 4..11 live; 8..11 in ring slots 0..3, then 8..11 of 16
+    mirror = buf.open_mirror(blocks.reserve, blocks.unreserve)
+    await buf.fill_mirror(mirror)
+    got: list[MirroredBatch] = []
+
+    async def place(batch: MirroredBatch) -> None:
+        batch.mirror.lease(batch.arena_slots, batch.repeated)
+        got.append(batch)
+        buf.reconfigure({"capacity": 16})  # the batch's ring slots no longer name its items
+
+    await buf.draw_mirrored(mirror, None, False, place)
+    [batch] = got
+    assert buf.samples == 32
+    drawn, times = np.unique(batch.indices, return_counts=True)
+    assert drawn.max() >= 8  # 32 draws of 8 items: some moved to another slot, for sure
+    for index, count in zip(drawn.tolist(), times.tolist(), strict=True):
+        assert buf._times[index % 16] == count
+    assert int(buf._times.sum()) == 32
+
+
 @given(st.lists(st.integers(0, 20), max_size=40), st.integers(-3, 3))
 def test_add_at_counts_a_repeated_position_each_time(positions: list[int], delta: int) -> None:
     assert mirror_module.load_compiled(), "numba is a dependency: the compiled counts must load"

@@ -775,8 +775,9 @@ class ReplayBuffer:
                 self._size[slots],
                 repeated,
             )
+            layout = self._slot_index  # (a reconfigure while `place` waits makes a new ring)
             placed = await place(batch)
-            self.commit(indices, repeated, slots)
+            self.commit(indices, repeated, slots if self._slot_index is layout else None)
             return placed
         raise TryAgain(f"buffers/{self.name}: items kept leaving while a batch was drawn; try again")
 
@@ -832,7 +833,8 @@ class ReplayBuffer:
         """Count these picked items of this shard as sampled (they were handed out); the
         remover then takes what must leave. Items that left since the pick are skipped.
         `repeated`: whether an item was picked twice, and `slots`: the ring slots they
-        were picked from, where the caller knows (each saves a pass over the batch)."""
+        were picked from in the ring as it is now, where the caller knows (each saves a
+        pass over the batch)."""
         self.samples += len(indices)
         if slots is None:
             slots = indices % self.config.capacity
