@@ -231,6 +231,16 @@ async def test_a_ring_remade_while_a_batch_is_placed_counts_it_in_the_new_ring(
     assert int(buf._times.sum()) == 32
 
 
+async def test_a_count_takes_read_only_indices(tiers: tuple[BlockStore, MetaDb], counts: bool) -> None:
+    buf = make(tiers, "ro", 1 << 48, capacity=8)
+    await buf.append([item(i) for i in range(4)])
+    indices = np.frombuffer(np.array([1, 1, 3], dtype=np.int64).tobytes(), dtype=np.int64)  # as a peer's commit comes
+    assert not indices.flags.writeable
+    buf.commit(indices)
+    assert buf._times[:4].tolist() == [0, 2, 0, 1]
+    assert buf.samples == 3
+
+
 @given(st.lists(st.integers(0, 20), max_size=40), st.integers(-3, 3))
 def test_add_at_counts_a_repeated_position_each_time(positions: list[int], delta: int) -> None:
     assert mirror_module.load_compiled(), "numba is a dependency: the compiled counts must load"
@@ -240,11 +250,14 @@ def test_add_at_counts_a_repeated_position_each_time(positions: list[int], delta
     assert repeats(named) == (len(set(positions)) < len(positions))
     for compiled in (True, False):
         with mock.patch.object(mirror_module.COUNTS, "module", mirror_module.COUNTS.module if compiled else None):
+            read_only = named.copy()
+            read_only.setflags(write=False)  # (numba types a read-only array apart)
             for told in (None, repeats(named)):  # looked up, or told by the caller (a batch's one look)
                 for dtype in (np.int64, np.int32):  # a buffer's counts, an arena's references
-                    target = np.arange(21, dtype=dtype)
-                    add_at(target, named, delta, told)
-                    assert (target == expected).all()
+                    for positions in (named, read_only):
+                        target = np.arange(21, dtype=dtype)
+                        add_at(target, positions, delta, told)
+                        assert (target == expected).all()
 
 
 def test_compiled_add_at_refuses_a_position_outside_the_array() -> None:

@@ -59,7 +59,15 @@ from distorefs.stores.replay.draws import (
     uniform_weights,
 )
 from distorefs.stores.replay.formats import MAX_ITEM_BYTES
-from distorefs.stores.replay.mirror import COUNTS, INLINE_BYTES, Mirror, add_at, batch_repeats, stride_for
+from distorefs.stores.replay.mirror import (
+    COUNTS,
+    INLINE_BYTES,
+    Mirror,
+    add_at,
+    batch_repeats,
+    compiled_positions,
+    stride_for,
+)
 from distorefs.stores.replay.rate_limiter import RateLimiter
 from distorefs.stores.replay.removers import make_remover
 from distorefs.stores.replay.rows import RecordRows, rows_bytes_for
@@ -841,7 +849,7 @@ class ReplayBuffer:
         counts = COUNTS.module
         if counts is not None and not self._remover.removes and slots.dtype == indices.dtype == np.int64:
             # one compiled pass: count each item still here (counts_jit.py)
-            counts.count_live(self._times, self._slot_index, np.ascontiguousarray(slots), np.ascontiguousarray(indices))
+            counts.count_live(self._times, self._slot_index, compiled_positions(slots), compiled_positions(indices))
             self._snapshot_dirty = True
             self._notify()
             return

@@ -64,6 +64,15 @@ def load_compiled() -> bool:
     return COUNTS.load()
 
 
+def compiled_positions(positions: np.ndarray) -> np.ndarray:
+    """An int64 array as the compiled counts take it: contiguous and writable (numba
+    types a read-only array apart, such as one `np.frombuffer` made of a peer's bytes,
+    and would refuse it); a copy only where it is not."""
+    if positions.flags.c_contiguous and positions.flags.writeable:
+        return positions
+    return np.array(positions, dtype=np.int64, order="C")
+
+
 def batch_repeats(positions: np.ndarray) -> bool | None:
     """`repeats` for a drawn batch's one look, or None (not looked) where the compiled
     counts run, which need no look; `add_at` looks itself if it must."""
@@ -78,7 +87,7 @@ def add_at(target: np.ndarray, positions: np.ndarray, delta: int, repeated: bool
     lease, its count and its release), saves looking again."""
     jit = COUNTS.module
     if jit is not None and positions.dtype == np.int64 and target.dtype in _COMPILED_TARGETS:
-        if not jit.add_at(target, np.ascontiguousarray(positions), delta):
+        if not jit.add_at(target, compiled_positions(positions), delta):
             raise IndexError(f"a position outside 0..{len(target) - 1}; none added")
         return
     if repeated is None:
@@ -225,7 +234,7 @@ class Mirror:
         (`repeated`: whether a slot is named twice, where the caller knows)."""
         jit = COUNTS.module
         if jit is not None and arena_slots.dtype == np.int64:  # checks every slot, then holds them
-            if not jit.add_at(self.refs, np.ascontiguousarray(arena_slots), 1):
+            if not jit.add_at(self.refs, compiled_positions(arena_slots), 1):
                 raise OutOfMemory("a drawn item is not in the shared-memory arena")
             return arena_slots
         if (arena_slots < 0).any():
@@ -239,7 +248,7 @@ class Mirror:
         jit = COUNTS.module
         if jit is not None and arena_slots.dtype == np.int64:
             idle = np.empty(len(arena_slots), dtype=np.int64)
-            found = jit.release(self.refs, self.index, np.ascontiguousarray(arena_slots), idle)
+            found = jit.release(self.refs, self.index, compiled_positions(arena_slots), idle)
             if found:  # (rare: an item left while a batch held it)
                 self._free.extend(np.unique(idle[:found]).tolist())
             return
