@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from unittest import mock
 
 import numpy as np
 import pytest
+import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -135,6 +136,27 @@ def make(tiers: tuple[BlockStore, MetaDb], name: str, owner: int, **config: obje
     return ReplayBuffer(name, owner, BufferConfig().updated(name, config, has_items=False), blocks, meta)
 
 
+async def draw_one(
+    tiers: tuple[BlockStore, MetaDb], buf: ReplayBuffer, meanwhile: Callable[[], Awaitable[None]] | None = None
+) -> tuple[Mirror, MirroredBatch]:
+    """Open and fill `buf`'s arena and draw one batch of its batch size; the batch's
+    place leases it, then runs `meanwhile` (what happens while the reply is sent)."""
+    blocks, _meta = tiers
+    mirror = buf.open_mirror(blocks.reserve, blocks.unreserve)
+    await buf.fill_mirror(mirror)
+    got: list[MirroredBatch] = []
+
+    async def place(batch: MirroredBatch) -> None:
+        batch.mirror.lease(batch.arena_slots, batch.repeated)
+        got.append(batch)
+        if meanwhile is not None:
+            await meanwhile()
+
+    await buf.draw_mirrored(mirror, None, False, place)
+    [batch] = got
+    return mirror, batch
+
+
 async def test_a_buffers_mirrored_draws_count_like_plain_samples(
     tiers: tuple[BlockStore, MetaDb], counts: bool
 ) -> None:
@@ -182,20 +204,13 @@ async def test_a_buffers_mirrored_draws_count_like_plain_samples(
 async def test_items_that_leave_while_a_batch_is_placed_are_not_counted(
     tiers: tuple[BlockStore, MetaDb], counts: bool
 ) -> None:
-    blocks, _meta = tiers
     buf = make(tiers, "gone", 1 << 48, capacity=8, batch_size=32)
     await buf.append([item(i) for i in range(8)])
-    mirror = buf.open_mirror(blocks.reserve, blocks.unreserve)
-    await buf.fill_mirror(mirror)
-    got: list[MirroredBatch] = []
 
-    async def place(batch: MirroredBatch) -> None:
-        batch.mirror.lease(batch.arena_slots, batch.repeated)
-        got.append(batch)
+    async def four_more() -> None:
         await buf.append([item(i) for i in range(8, 12)])  # items 0-3 leave (FIFO) before the count
 
-    await buf.draw_mirrored(mirror, None, False, place)
-    [batch] = got
+    mirror, batch = await draw_one(tiers, buf, four_more)
     drawn, times = np.unique(batch.indices, return_counts=True)
     assert drawn.min() < 4 < drawn.max()  # 32 draws of 8 items: both kinds for sure
     assert buf.samples == 32  # every item handed out counts as a sample
@@ -209,20 +224,14 @@ async def test_items_that_leave_while_a_batch_is_placed_are_not_counted(
 async def test_a_ring_remade_while_a_batch_is_placed_counts_it_in_the_new_ring(
     tiers: tuple[BlockStore, MetaDb], counts: bool
 ) -> None:
-    blocks, _meta = tiers
     buf = make(tiers, "grown", 1 << 48, capacity=8, batch_size=32)
     await buf.append([item(i) for i in range(12)])  # 4..11 live; 8..11 in ring slots 0..3, then 8..11 of 16
-    mirror = buf.open_mirror(blocks.reserve, blocks.unreserve)
-    await buf.fill_mirror(mirror)
-    got: list[MirroredBatch] = []
 
-    async def place(batch: MirroredBatch) -> None:
-        batch.mirror.lease(batch.arena_slots, batch.repeated)
-        got.append(batch)
+    async def grow() -> None:
         buf.reconfigure({"capacity": 16})  # the batch's ring slots no longer name its items
+        await trio.lowlevel.checkpoint()
 
-    await buf.draw_mirrored(mirror, None, False, place)
-    [batch] = got
+    _mirror, batch = await draw_one(tiers, buf, grow)
     assert buf.samples == 32
     drawn, times = np.unique(batch.indices, return_counts=True)
     assert drawn.max() >= 8  # 32 draws of 8 items: some moved to another slot, for sure
@@ -270,19 +279,9 @@ def test_compiled_add_at_refuses_a_position_outside_the_array() -> None:
 async def test_a_batch_with_an_item_drawn_twice_holds_and_counts_it_twice(
     tiers: tuple[BlockStore, MetaDb], counts: bool
 ) -> None:
-    blocks, _meta = tiers
     buf = make(tiers, "twice", 1 << 48, capacity=8, batch_size=64)
     await buf.append([item(i) for i in range(3)])  # 64 draws of 3 items: repeats for sure
-    mirror = buf.open_mirror(blocks.reserve, blocks.unreserve)
-    await buf.fill_mirror(mirror)
-    got: list[MirroredBatch] = []
-
-    async def place(batch: MirroredBatch) -> None:
-        mirror.lease(batch.arena_slots, batch.repeated)
-        got.append(batch)
-
-    await buf.draw_mirrored(mirror, None, False, place)
-    [batch] = got
+    mirror, batch = await draw_one(tiers, buf)
     assert batch.repeated is (None if counts else True)  # compiled counts need no look for repeats
     slots, held = np.unique(batch.arena_slots, return_counts=True)
     assert (mirror.refs[slots] == held).all()
