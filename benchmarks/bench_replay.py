@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,10 +148,10 @@ def bench_mount(mnt: Path, w: Workload, seconds: float, payloads: list[bytes]) -
 
 
 def bench_plain(mnt: Path, w: Workload, seconds: float, payloads: list[bytes]) -> dict[str, float]:
-    """The plain-file recipe of docs/namespace.md on a schema buffer (one uint8 field of
+    """The plain-file recipes of docs/namespace.md on a schema buffer (one uint8 field of
     the item's size), no distorefs import: `np.save` of a chunk of records per open of
-    `append`, `np.load` of `sample` straight from the file and through one `read()`,
-    and `client.Sampler` on the same buffer for the ratio."""
+    `append`, then the batches of `plain_recipes`, and `client.Sampler` on the same
+    buffer for the ratio; in this process and in a learner process of its own."""
     path = mnt / "buffers" / f"{w.name.lower()}-plain"
     path.mkdir()
     (path / "config").write_text(
@@ -171,27 +172,20 @@ def bench_plain(mnt: Path, w: Workload, seconds: float, payloads: list[bytes]) -
             np.save(f, records)
         appended += len(records)
     adds = rate(appended, time.perf_counter() - started)
-    sample_file = str(path / "sample")
-
-    def from_file() -> int:
-        with open(sample_file, "rb") as f:
-            return len(np.load(f))
-
-    def from_bytes() -> int:
-        with open(sample_file, "rb") as f:
-            return len(np.load(io.BytesIO(f.read())))
-
-    sampler = client.Sampler(path)
     out = {"adds_per_s": adds}
-    for name, step in (("np_load_file", from_file), ("np_load_bytes", from_bytes), ("client", sampler.sample)):
-        items, elapsed = timed_loop(seconds, step if name != "client" else lambda: len(sampler.sample()))
-        out[f"{name}_per_s"] = rate(items, elapsed)
-    # The same three in a process of their own, as a learner is: this one holds the
+    recipes, close = plain_recipes(path)
+    try:
+        for name, step in recipes.items():
+            items, elapsed = timed_loop(seconds, step)
+            out[f"{name}_per_s"] = rate(items, elapsed)
+    finally:
+        close()
+    # The same in a process of their own, as a learner is: this one holds the
     # benchmark's payloads (hundreds of MB), and its allocator's state changes what a
     # fresh batch buffer costs (docs/benchmarks.md).
     for prefix, extra in (("fresh", {}), ("kept", KEEP_FREED_MEMORY)):
         fresh = subprocess.run(
-            [sys.executable, "-c", FRESH_LEARNER, sample_file, str(path), str(seconds)],
+            [sys.executable, __file__, "--learner", str(path), "--seconds", str(seconds)],
             capture_output=True, text=True, timeout=600, check=True,
             env={**os.environ, "OMP_NUM_THREADS": "1", **extra},
         )  # fmt: skip
@@ -206,25 +200,66 @@ def bench_plain(mnt: Path, w: Workload, seconds: float, payloads: list[bytes]) -
 # (docs/namespace.md, "The fastest plain-file recipes"): these keep it.
 KEEP_FREED_MEMORY = {"MALLOC_TRIM_THRESHOLD_": str(256 << 20), "MALLOC_MMAP_THRESHOLD_": str(256 << 20)}
 
-FRESH_LEARNER = """
-import io, json, sys, time
-import numpy as np
-from distorefs import client
-sample_file, path, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
-sampler = client.Sampler(path)
-recipes = {
-    "np_load_file": lambda: len(np.load(open(sample_file, "rb"))),
-    "np_load_bytes": lambda: len(np.load(io.BytesIO(open(sample_file, "rb").read()))),
-    "client": lambda: len(sampler.sample()),
-}
-out = {}
-for name, step in recipes.items():
-    items, started = 0, time.perf_counter()
-    while time.perf_counter() - started < seconds:
-        items += step()
-    out[name] = round(items / (time.perf_counter() - started))
-print(json.dumps(out))
-"""
+PLAIN_RECIPES = ("np_load_file", "np_load_bytes", "kept_buffer", "kept_stream")  # no distorefs import
+
+
+def plain_recipes(path: Path) -> tuple[dict[str, Callable[[], int]], Callable[[], None]]:
+    """The plain-file recipes of docs/namespace.md for a schema buffer's batches, each a
+    step that returns the items it read, then `client.Sampler` for the ratio; and a
+    function that closes what they keep open. `kept_buffer` and `kept_stream` read into
+    one buffer made once (a batch is `st_size` bytes): an open of `sample` per batch, or
+    one kept descriptor of `sample.stream`."""
+    sample_file = str(path / "sample")
+    with open(sample_file, "rb") as f:
+        first = np.load(f)
+    size = os.stat(sample_file).st_size
+    dtype, count, offset = first.dtype, len(first), size - first.nbytes  # the header, parsed once
+    buf = bytearray(size)
+    stream_fd = os.open(path / "sample.stream", os.O_RDONLY)
+    sampler = client.Sampler(path)
+
+    def read_into(fd: int) -> int:
+        got = 0
+        while got < size:  # (one readv nearly always: a read ends at the batch's end)
+            n = os.readv(fd, [memoryview(buf)[got:]])
+            if not n:
+                raise OSError(f"{path}: a batch ended at {got} of {size} bytes")
+            got += n
+        return len(np.frombuffer(buf, dtype, count, offset))  # valid until the next read
+
+    def kept_buffer() -> int:
+        fd = os.open(sample_file, os.O_RDONLY)
+        try:
+            return read_into(fd)
+        finally:
+            os.close(fd)
+
+    def close() -> None:
+        os.close(stream_fd)
+        sampler.close()
+
+    recipes: dict[str, Callable[[], int]] = {
+        "np_load_file": lambda: len(np.load(open(sample_file, "rb"))),
+        "np_load_bytes": lambda: len(np.load(io.BytesIO(open(sample_file, "rb").read()))),
+        "kept_buffer": kept_buffer,
+        "kept_stream": lambda: read_into(stream_fd),
+        "client": lambda: len(sampler.sample()),
+    }
+    return recipes, close
+
+
+def learner(path: Path, seconds: float) -> int:
+    """`--learner`: each recipe of `plain_recipes` for `seconds`, as JSON rates."""
+    recipes, close = plain_recipes(path)
+    try:
+        out = {}
+        for name, step in recipes.items():
+            items, elapsed = timed_loop(seconds, step)
+            out[name] = rate(items, elapsed)
+    finally:
+        close()
+    print(json.dumps(out))
+    return 0
 
 
 def bench_numpy(w: Workload, seconds: float, payloads: list[bytes]) -> dict[str, float]:
@@ -275,7 +310,10 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--json", default=None)
     parser.add_argument("--reverb-python", help="a Python with dm-reverb installed (optional)")
+    parser.add_argument("--learner", help=argparse.SUPPRESS)  # a buffer dir: plain_recipes in this process
     args = parser.parse_args()
+    if args.learner:
+        return learner(Path(args.learner), args.seconds)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     base = Path(tempfile.mkdtemp(prefix="distorefs-bench-replay-", dir="/var/tmp"))
     mnt = base / "mnt"
@@ -330,22 +368,28 @@ def main() -> int:
             f" | {m['samples_per_s'] / w.aim_samples:.2f}x | {m['adds_per_s'] / w.need_adds:.1f}x |"
         )
     print()
-    print("| workload (schema buffer) | np.save adds/s | np.load(file) samples/s | np.load(BytesIO(read())) |"
-          " client.Sampler | plain vs client (worse recipe) |")  # fmt: skip
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    columns = (
+        " np.load(file) | np.load(BytesIO(read())) | kept buffer | kept stream | client.Sampler"
+        " | np.load recipes vs client (worse) | best plain vs client |"
+    )
+    print("| workload (schema buffer) | np.save adds/s |" + columns)
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, r in plain.items():
-        worse = min(r["np_load_file_per_s"], r["np_load_bytes_per_s"])
+        rates = [r[f"{k}_per_s"] for k in PLAIN_RECIPES]
         print(
-            f"| {name} | {r['adds_per_s']:,.0f} | {r['np_load_file_per_s']:,.0f} | {r['np_load_bytes_per_s']:,.0f} |"
-            f" {r['client_per_s']:,.0f} | {worse / r['client_per_s']:.2f}x |"
+            f"| {name} | {r['adds_per_s']:,.0f} | {' | '.join(f'{x:,.0f}' for x in rates)} | {r['client_per_s']:,.0f} |"
+            f" {min(rates[:2]) / r['client_per_s']:.2f}x | {max(rates) / r['client_per_s']:.2f}x |"
         )
-    print("\n| workload (schema buffer), a learner process of its own | np.load(file) | np.load(BytesIO(read())) |"
-          " client.Sampler | plain vs client (worse recipe) |")  # fmt: skip
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("\n| workload (schema buffer), a learner process of its own |" + columns)
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for prefix, label in (("fresh", ""), ("kept", ", MALLOC_* keep freed memory")):
         for name, r in plain.items():
-            f, b, c = (r[f"{prefix}_{k}_per_s"] for k in ("np_load_file", "np_load_bytes", "client"))
-            print(f"| {name}{label} | {f:,.0f} | {b:,.0f} | {c:,.0f} | {min(f, b) / c:.2f}x |")
+            rates = [r[f"{prefix}_{k}_per_s"] for k in PLAIN_RECIPES]
+            c = r[f"{prefix}_client_per_s"]
+            print(
+                f"| {name}{label} | {' | '.join(f'{x:,.0f}' for x in rates)} | {c:,.0f} |"
+                f" {min(rates[:2]) / c:.2f}x | {max(rates) / c:.2f}x |"
+            )
     hot, cold = results["DQN"]["mount"]["samples_per_s"], results["DQN-3x-DRAM"]["mount"]["samples_per_s"]
     print(f"\nDQN sampling with the buffer 3x the DRAM budget: {cold:,.0f}/s ({cold / hot:.2f}x of in-DRAM)")
     print(f"priority update of 256 indices inside the store: {update_ms:.3f} ms (median of 200)")
@@ -356,7 +400,7 @@ def main() -> int:
         print("| --- | ---: | ---: | ---: | ---: | ---: |")
         for w in WORKLOADS:
             r, m, p = reverb[w.name], results[w.name]["mount"], plain[w.name]
-            best = max(p["np_load_file_per_s"], p["np_load_bytes_per_s"])
+            best = max(p[f"{k}_per_s"] for k in PLAIN_RECIPES)
             print(
                 f"| {w.name} | {r['inserts_per_s']:,} | {r['samples_per_s']:,} |"
                 f" {m['samples_per_s'] / r['samples_per_s']:.2f}x | {p['client_per_s'] / r['samples_per_s']:.2f}x |"

@@ -277,6 +277,39 @@ def test_the_headers_once_recipe_reads_every_batch_and_applies_every_update(buff
         assert set(own_records(np.load(f)).tolist()) == {7}
 
 
+@pytest.mark.parametrize("source", ["sample", "sample.stream"])
+def test_the_kept_buffer_recipe_reads_whole_batches_into_one_buffer(buffer: Path, source: str) -> None:
+    """docs/namespace.md's recipe for big batches: `st_size` of `sample` is a schema
+    buffer's batch size, one readv of an open of `sample` (or of a kept `sample.stream`)
+    fills a buffer made once, and `np.frombuffer` past the first batch's header reads
+    each batch in it."""
+    configure(buffer, schema=SCHEMA, batch_size=16)
+    client.append(buffer, records(40))
+    with open(buffer / "sample", "rb") as f:
+        first = np.load(f)
+    size = os.stat(buffer / "sample").st_size
+    dtype, count, offset = first.dtype, len(first), size - first.nbytes
+    assert count == 16
+    buf = bytearray(size)
+    stream_fd = os.open(buffer / "sample.stream", os.O_RDONLY)
+    try:
+        seen: set[int] = set()
+        for _ in range(30):
+            fd = stream_fd if source == "sample.stream" else os.open(buffer / source, os.O_RDONLY)
+            try:
+                assert os.readv(fd, [buf]) == size  # the whole batch in one read
+            finally:
+                if fd != stream_fd:
+                    os.close(fd)
+            batch = np.frombuffer(buf, dtype, count, offset)
+            assert (batch == np.load(io.BytesIO(bytes(buf)))).all()  # the same header every time
+            seen |= set(own_records(batch).tolist())
+    finally:
+        os.close(stream_fd)
+    assert seen <= set(range(40))
+    assert len(seen) > 16  # new batches, not the first one again
+
+
 def test_a_priority_write_with_an_unknown_index_or_nan_applies_none(buffer: Path) -> None:
     configure(buffer, sampler="prioritized", alpha=1.0, epsilon=0.0, batch_size=32)
     client.append(buffer, [b"a", b"b"])
