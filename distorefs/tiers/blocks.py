@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -166,6 +166,15 @@ class BlockStore(ByteRanges, Compaction):
     def dram_reserved_bytes(self) -> int:
         """Bytes that stores hold outside the block cache now (`reserve`)."""
         return self._dram.reserved_bytes
+
+    def watch(self, owner: int, left: Callable[[int], None] | None) -> None:
+        """DramCache.watch: `left(number)` for each of `owner`'s blocks that leaves DRAM."""
+        self._dram.watch(owner, left)
+
+    def resident(self, key: BlockKey, block: Block) -> bool:
+        """Whether `block` is the one DRAM holds for `key` (a block that `get_many` read
+        but found no room to keep is not)."""
+        return self._dram.peek(key) is block
 
     def spill(self, owner: int) -> None:
         """Let `owner`'s blocks go to the remote memory tier (buffer items: small and read

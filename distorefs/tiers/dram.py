@@ -131,6 +131,7 @@ class DramCache:
         # Told of each clean block that make_room evicts (the remote memory tier's chance
         # to keep a copy); it must not touch the cache.
         self.evicted: Callable[[BlockKey, Block], None] | None = None
+        self._watchers: dict[int, Callable[[int], None]] = {}  # owner -> told of each block that leaves
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -264,9 +265,23 @@ class DramCache:
         self.used_bytes -= dropped * self.spare_size
         return dropped * self.spare_size
 
+    def watch(self, owner: int, left: Callable[[int], None] | None) -> None:
+        """Tell `left(number)` of every block of `owner` that leaves the cache, however it
+        goes (evicted, deleted, dropped), before anything reuses its buffer: for an owner
+        that keeps references to its cached blocks (a replay buffer's table of them by
+        ring slot) and must let go of one as soon as the cache does. None stops it. It
+        must not touch the cache."""
+        if left is None:
+            self._watchers.pop(owner, None)
+        else:
+            self._watchers[owner] = left
+
     def remove(self, key: BlockKey) -> Block | None:
         block = self._blocks.pop(key, None)
         if block is not None:
+            watcher = self._watchers.get(key.owner)
+            if watcher is not None:
+                watcher(key.number)
             if block.transient:
                 del self._transient[key]
                 self.transient_bytes -= block.capacity_bytes

@@ -941,3 +941,107 @@ async def test_the_periodic_snapshot_encodes_in_a_thread_and_restores_the_same(t
     assert buf.live_indices().tolist() == list(range(2, 10))
     assert (buf._priority[2 % 8], buf._priority[9 % 8]) == (3.0, 7.0)
     await blocks.close()
+
+
+# --- a draw's blocks by ring slot -----------------------------------------------------------
+
+
+def held_blocks_are_resident(buf: ReplayBuffer, blocks: BlockStore) -> int:
+    """Every block a buffer keeps by ring slot is the one DRAM holds for the item in that
+    slot now; returns how many it keeps."""
+    held = buf._held
+    assert held is not None
+    kept = 0
+    for slot, block in enumerate(held.tolist()):
+        if block is not None:
+            index = int(buf._slot_index[slot])
+            assert index >= 0, slot
+            assert blocks.resident(BlockKey(buf.owner, index), block), slot
+            kept += 1
+    return kept
+
+
+def numbered(index: int) -> bytes:
+    return index.to_bytes(8, "little") * 8192  # 64 KiB naming its index
+
+
+async def draw_and_check(buf: ReplayBuffer) -> None:
+    for index, _weight, data in decode_blob_batch((await buf.sample()).data.tobytes()):  # type: ignore[union-attr]
+        assert bytes(data) == numbered(index)
+
+
+async def test_draws_by_ring_slot_stay_right_while_dram_evicts_and_the_ring_turns(tmp_path: Path) -> None:
+    """A buffer whose items are not in record rows keeps each drawn item's block by ring
+    slot; DRAM tells it of every block that leaves (evicted to make room, deleted when
+    the ring turns past it), so a draw never serves bytes of another item or a block
+    DRAM let go (whose buffer it may reuse)."""
+    _log, blocks, meta = open_tiers(tmp_path, budget=4 << 20)  # room for about 60 items of 64 KiB
+    config = BufferConfig().updated("held", {"capacity": 128, "batch_size": 16}, has_items=False)
+    buf = ReplayBuffer("held", 1 << 44, config, blocks, meta)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(blocks.run_flusher, 0.01)  # cleans what appends dirty, so DRAM can evict
+        appended = 0
+        for step in range(120):
+            if step % 3 == 0:  # the ring turns past 128: FIFO evictions delete the oldest items' blocks
+                await buf.append([numbered(appended + k) for k in range(8)])
+                appended += 8
+            await draw_and_check(buf)
+            held_blocks_are_resident(buf, blocks)
+        nursery.cancel_scope.cancel()
+    assert appended > 128
+    assert blocks.statistics().dram_evictions > 0  # DRAM did evict under the draws
+    await blocks.close()
+    meta.close()
+
+
+async def test_draws_come_from_the_ring_slot_table_once_each_item_was_drawn(tiers: tuple[BlockStore, MetaDb]) -> None:
+    blocks, meta = tiers
+    config = BufferConfig().updated("roomy", {"capacity": 64, "batch_size": 16}, has_items=False)
+    buf = ReplayBuffer("roomy", 1 << 45, config, blocks, meta)
+    await buf.append([numbered(k) for k in range(64)])
+    for _ in range(40):
+        await draw_and_check(buf)
+    assert held_blocks_are_resident(buf, blocks) > 48
+    hits = blocks.statistics().dram_hits
+    for _ in range(5):
+        await draw_and_check(buf)
+    assert blocks.statistics().dram_hits < hits + 5 * 16  # (items found in the table ask DRAM nothing)
+    buf.delete_all()
+    assert buf._held is None
+
+
+async def test_the_ring_slot_table_takes_no_block_whose_item_left_or_that_dram_let_go(
+    tiers: tuple[BlockStore, MetaDb], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a draw reads from the block tier while its items leave the ring (an append
+    during the read's await) or without DRAM keeping it (no room) is served, but never
+    kept by ring slot: the next draws would serve it for another item."""
+    blocks, meta = tiers
+    config = BufferConfig().updated("racy", {"capacity": 8, "batch_size": 16}, has_items=False)
+    buf = ReplayBuffer("racy", 1 << 46, config, blocks, meta)
+    await buf.append([numbered(k) for k in range(8)])
+    get_many = blocks.get_many
+
+    async def ring_turns_meanwhile(keys: list[BlockKey]) -> list[object]:
+        found = await get_many(keys)
+        monkeypatch.setattr(blocks, "get_many", get_many)
+        await buf.append([numbered(8 + k) for k in range(8)])  # every item drawn leaves
+        return found
+
+    monkeypatch.setattr(blocks, "get_many", ring_turns_meanwhile)
+    batch = decode_blob_batch((await buf.sample()).data.tobytes())  # type: ignore[union-attr]
+    assert all(bytes(data) == numbered(index) and index < 8 for index, _w, data in batch)
+    assert held_blocks_are_resident(buf, blocks) == 0
+    for _ in range(5):
+        await draw_and_check(buf)
+
+    async def not_kept(keys: list[BlockKey]) -> list[object]:
+        found = await get_many(keys)
+        for key in keys:
+            blocks._dram.remove(key)  # as a read that found no room in DRAM leaves it
+        return found
+
+    monkeypatch.setattr(blocks, "get_many", not_kept)
+    buf._held[:] = None  # type: ignore[index]
+    await draw_and_check(buf)
+    assert held_blocks_are_resident(buf, blocks) == 0
