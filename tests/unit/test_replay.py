@@ -1008,6 +1008,12 @@ async def test_draws_come_from_the_ring_slot_table_once_each_item_was_drawn(tier
     assert blocks.statistics().dram_hits < hits + 5 * 16  # (items found in the table ask DRAM nothing)
     buf.delete_all()
     assert buf._held is None
+    # a ring whose table would take more than its share of the DRAM budget (64 MiB / 64 here) has none
+    config = BufferConfig().updated("wide", {"capacity": 200_000, "batch_size": 16}, has_items=False)
+    wide = ReplayBuffer("wide", 1 << 47, config, blocks, meta)
+    assert wide._held is None
+    await wide.append([numbered(k) for k in range(64)])
+    await draw_and_check(wide)
 
 
 async def test_the_ring_slot_table_takes_no_block_whose_item_left_or_that_dram_let_go(

@@ -104,6 +104,10 @@ DEFAULT_PRIORITY = 1.0
 RECENT_ERRORS = 5
 
 
+HELD_SLOT_BYTES = 8  # a ring slot's entry in the table of drawn blocks (an object reference)
+HELD_BUDGET_SHARE = 64  # that table takes at most this share of the DRAM budget
+
+
 class ReplayBuffer:
     """A replay buffer: FIFO ring of items with priorities, samplers and a rate limiter.
 
@@ -193,7 +197,8 @@ class ReplayBuffer:
         self._tree.update(slots, self._scaled(priorities))
         self._live.update(slots, np.ones(len(slots)))
         self._make_rows()
-        self._held = np.full(cap, None, dtype=object) if self._rows is None and not self.deleted else None
+        keep_blocks = self._rows is None and not self.deleted and cap * HELD_SLOT_BYTES <= self._held_limit()
+        self._held = np.full(cap, None, dtype=object) if keep_blocks else None
 
     def _make_rows(self) -> None:
         """Rows for this config's ring where its records are small and it fits their
@@ -805,6 +810,12 @@ class ReplayBuffer:
             min_mass=self._tree.min if prioritized else 1.0,
             can_sample=self.can_sample_local(1),
         )
+
+    def _held_limit(self) -> int:
+        """The most the table of blocks by ring slot may take: a small share of the DRAM
+        budget (8 bytes a slot: 12 MiB for a million-item ring of a 6 GiB budget). A
+        bigger ring draws through the block tier's lookups, as before the table."""
+        return self._blocks.dram_budget_bytes // HELD_BUDGET_SHARE
 
     def _block_left(self, number: int) -> None:
         """DRAM let go of item `number`'s block (DramCache.watch): forget it, so that a
