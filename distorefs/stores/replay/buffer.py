@@ -813,8 +813,8 @@ class ReplayBuffer:
 
     def _held_limit(self) -> int:
         """The most the table of blocks by ring slot may take: a small share of the DRAM
-        budget (8 bytes a slot: 12 MiB for a million-item ring of a 6 GiB budget). A
-        bigger ring draws through the block tier's lookups, as before the table."""
+        budget (8 bytes a slot: 8 MB for a million slots; a 6 GiB budget allows 96 MiB,
+        12 million slots). A bigger ring draws through the block tier's lookups."""
         return self._blocks.dram_budget_bytes // HELD_BUDGET_SHARE
 
     def _block_left(self, number: int) -> None:
