@@ -56,7 +56,7 @@ def repeats(positions: np.ndarray) -> bool:
     return bool((ordered[1:] == ordered[:-1]).any())
 
 
-COUNTS = Kernels("distorefs.stores.replay.counts_jit", "DISTOREFS_COUNTS", "numpy")  # counts_jit's add_at
+X
 
 
 def load_compiled() -> bool:
