@@ -56,7 +56,7 @@ def repeats(positions: np.ndarray) -> bool:
     return bool((ordered[1:] == ordered[:-1]).any())
 
 
-X
+COUNTS = Kernels("distorefs.stores.replay.counts_jit", "DISTOREFS_COUNTS", "numpy")  # add_at, count_live, release
 
 
 def load_compiled() -> bool:
