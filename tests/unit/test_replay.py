@@ -947,16 +947,19 @@ async def test_the_periodic_snapshot_encodes_in_a_thread_and_restores_the_same(t
 
 
 def held_blocks_are_resident(buf: ReplayBuffer, blocks: BlockStore) -> int:
-    """Every block a buffer keeps by ring slot is the one DRAM holds for the item in that
-    slot now; returns how many it keeps."""
+    """Every item view a buffer keeps by ring slot is of the buffer of the block DRAM
+    holds for the item in that slot now; returns how many it keeps."""
     held = buf._held
     assert held is not None
     kept = 0
-    for slot, block in enumerate(held.tolist()):
-        if block is not None:
+    for slot, view in enumerate(held.tolist()):
+        if view is not None:
             index = int(buf._slot_index[slot])
             assert index >= 0, slot
-            assert blocks.resident(BlockKey(buf.owner, index), block), slot
+            block = blocks._dram.peek(BlockKey(buf.owner, index))
+            assert block is not None, slot
+            assert view.obj is block.buf, slot
+            assert len(view) == block.length, slot
             kept += 1
     return kept
 

@@ -75,6 +75,7 @@ from distorefs.stores.replay.samplers import make_sampler
 from distorefs.stores.replay.snapshot import encode_state, match_snapshot
 from distorefs.stores.replay.sumtree import SegmentTree
 from distorefs.tiers.blocks import BlockStore
+from distorefs.tiers.dram import Block
 from distorefs.tiers.metadb import MetaDb
 from distorefs.types import BlockKey
 
@@ -156,9 +157,9 @@ class ReplayBuffer:
         self._snapshot: bytes | None = None  # the last staged snapshot (its own row, see stage_snapshot)
         self.mirror: Mirror | None = None  # the items in shared memory, once a sampler asked (mirror.py)
         self._rows: RecordRows | None = None  # small records by ring slot, for draws (rows.py)
-        # Without rows: each ring slot's item's block while DRAM holds it (None: unknown), so
-        # a draw finds its items without a lookup in the block tier per item (`_payloads`).
-        # DRAM tells `_block_left` of every block of this owner that leaves it.
+        # Without rows: a view of each ring slot's item's bytes while DRAM holds its block
+        # (None: unknown), so a draw finds its items without a lookup in the block tier per
+        # item (`_payloads`). DRAM tells `_block_left` of every block of this owner that leaves it.
         self._held: np.ndarray | None = None
         blocks.watch(owner, self._block_left)
         self._row_mark: int | None = None  # MetaDb mark of the row's first staging (0: read from it)
@@ -830,43 +831,46 @@ class ReplayBuffer:
         Views, not copies: the block tier never changes a buffer item's bytes in place
         (put replaces the whole block), so a view stays valid while the batch lives.
 
-        Blocks come from `_held` where it has them (one object index for the batch); the
+        Views come from `_held` where it has them (one object index for the batch); the
         rest from the block tier, which looks each up in DRAM's LRU (0.4-1 µs a key when
         the daemon's other work has left the CPU caches cold: 280 of 760 µs of a SAC
-        batch of 256, docs/design.md "A draw's blocks by ring slot"), and go into `_held`
-        while DRAM keeps them and their slots still hold their items. A draw served from
-        `_held` does not touch the LRU order of its items.
+        batch of 256, docs/design.md "A draw's blocks by ring slot"), and their views go
+        into `_held` while DRAM keeps the blocks and their slots still hold their items
+        (a view holds its block's buffer: DRAM's watch drops it before the buffer could be
+        reused). A draw served from `_held` does not touch the LRU order of its items.
         """
         owner = self.owner
         held = self._held
         if held is None:
-            blocks = await self._blocks.get_many([BlockKey(owner, i) for i in indices.tolist()])
+            keys = [BlockKey(owner, i) for i in indices.tolist()]
+            found = await self._blocks.get_many(keys)
+            out: list[bytes | memoryview] = [self._item_view(k, b) for k, b in zip(keys, found, strict=True)]
         else:
             slots = indices % len(held)
-            blocks = held[slots].tolist()
-            missing = [k for k, block in enumerate(blocks) if block is None]
+            out = held[slots].tolist()
+            missing = [k for k, view in enumerate(out) if view is None]
             if not missing:
                 await scheduling.checkpoint()
             else:
                 keys = [BlockKey(owner, int(indices[k])) for k in missing]
                 for k, key, block in zip(missing, keys, await self._blocks.get_many(keys), strict=True):
-                    blocks[k] = block
+                    view = out[k] = self._item_view(key, block)
                     slot = int(slots[k])
                     if (
-                        block is not None
-                        and self._held is held  # (the ring was not laid out again meanwhile)
+                        self._held is held  # (the ring was not laid out again meanwhile)
                         and self._slot_index[slot] == key.number
+                        and block is not None
                         and self._blocks.resident(key, block)
                     ):
-                        held[slot] = block
-        out: list[bytes | memoryview] = []
-        for index, block in zip(indices.tolist(), blocks, strict=True):
-            if block is None:
-                raise NotFound(f"buffers/{self.name}: item {index} has no data")
-            out.append(memoryview(block.buf)[: block.length])
+                        held[slot] = view
         if self._zstd_level is not None:  # CPU work: off the event loop, one trip per batch
             return await trio.to_thread.run_sync(lambda: [zstandard.decompress(view) for view in out])
         return out
+
+    def _item_view(self, key: BlockKey, block: Block | None) -> memoryview:
+        if block is None:
+            raise NotFound(f"buffers/{self.name}: item {key.number} has no data")
+        return memoryview(block.buf)[: block.length]
 
     async def warm(self, indices: np.ndarray) -> None:
         """Read these items into DRAM (cold ones from the log in one trip to a thread);
