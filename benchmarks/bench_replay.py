@@ -173,13 +173,8 @@ def bench_plain(mnt: Path, w: Workload, seconds: float, payloads: list[bytes]) -
         appended += len(records)
     adds = rate(appended, time.perf_counter() - started)
     out = {"adds_per_s": adds}
-    recipes, close = plain_recipes(path)
-    try:
-        for name, step in recipes.items():
-            items, elapsed = timed_loop(seconds, step)
-            out[f"{name}_per_s"] = rate(items, elapsed)
-    finally:
-        close()
+    for name, value in recipe_rates(path, seconds).items():
+        out[f"{name}_per_s"] = value
     # The same in a process of their own, as a learner is: this one holds the
     # benchmark's payloads (hundreds of MB), and its allocator's state changes what a
     # fresh batch buffer costs (docs/benchmarks.md).
@@ -250,16 +245,27 @@ def plain_recipes(path: Path) -> tuple[dict[str, Callable[[], int]], Callable[[]
 
 def learner(path: Path, seconds: float) -> int:
     """`--learner`: each recipe of `plain_recipes` for `seconds`, as JSON rates."""
+    print(json.dumps(recipe_rates(path, seconds)))
+    return 0
+
+
+RECIPE_ROUNDS = 3
+
+
+def recipe_rates(path: Path, seconds: float) -> dict[str, float]:
+    """Samples/s of each recipe of `plain_recipes`: RECIPE_ROUNDS rounds of
+    seconds / RECIPE_ROUNDS each, the recipes interleaved, the median round of each (one
+    recipe's churn of new memory does not weigh on the next one alone)."""
     recipes, close = plain_recipes(path)
+    rounds: dict[str, list[float]] = {name: [] for name in recipes}
     try:
-        out = {}
-        for name, step in recipes.items():
-            items, elapsed = timed_loop(seconds, step)
-            out[name] = rate(items, elapsed)
+        for _ in range(RECIPE_ROUNDS):
+            for name, step in recipes.items():
+                items, elapsed = timed_loop(seconds / RECIPE_ROUNDS, step)
+                rounds[name].append(rate(items, elapsed))
     finally:
         close()
-    print(json.dumps(out))
-    return 0
+    return {name: float(np.median(values)) for name, values in rounds.items()}
 
 
 def bench_numpy(w: Workload, seconds: float, payloads: list[bytes]) -> dict[str, float]:
