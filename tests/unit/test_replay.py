@@ -1009,6 +1009,15 @@ async def test_draws_come_from_the_ring_slot_table_once_each_item_was_drawn(tier
     for _ in range(5):
         await draw_and_check(buf)
     assert blocks.statistics().dram_hits < hits + 5 * 16  # (items found in the table ask DRAM nothing)
+    buf._held[:] = None  # type: ignore[index]  # as after a start-up: the warm-up fills the table
+    await buf.warm(np.arange(64))
+    assert held_blocks_are_resident(buf, blocks) == 64
+    await buf.append([numbered(k) for k in range(64, 128)])  # the ring turns: 0..63 leave
+    await buf.warm(np.arange(64))  # items that left: nothing kept for their slots
+    assert held_blocks_are_resident(buf, blocks) == 0
+    await buf.warm(np.arange(64, 128))
+    assert held_blocks_are_resident(buf, blocks) == 64
+    await draw_and_check(buf)
     buf.delete_all()
     assert buf._held is None
     # a ring whose table would take more than its share of the DRAM budget (64 MiB / 64 here) has none

@@ -855,17 +855,23 @@ class ReplayBuffer:
                 keys = [BlockKey(owner, int(indices[k])) for k in missing]
                 for k, key, block in zip(missing, keys, await self._blocks.get_many(keys), strict=True):
                     view = out[k] = self._item_view(key, block)
-                    slot = int(slots[k])
-                    if (
-                        self._held is held  # (the ring was not laid out again meanwhile)
-                        and self._slot_index[slot] == key.number
-                        and block is not None
-                        and self._blocks.resident(key, block)
-                    ):
-                        held[slot] = view
+                    self._hold(held, key, block, view)
         if self._zstd_level is not None:  # CPU work: off the event loop, one trip per batch
             return await trio.to_thread.run_sync(lambda: [zstandard.decompress(view) for view in out])
         return out
+
+    def _hold(self, held: np.ndarray, key: BlockKey, block: Block | None, view: memoryview) -> None:
+        """Keep `view` of `key`'s `block`, just read from the block tier, in `held`, where
+        the ring was not laid out again meanwhile (`held` is still the table), the item's
+        slot still holds it, and DRAM holds the block (a read that found no room is not)."""
+        slot = key.number % len(held)
+        if (
+            self._held is held
+            and self._slot_index[slot] == key.number
+            and block is not None
+            and self._blocks.resident(key, block)
+        ):
+            held[slot] = view
 
     def _item_view(self, key: BlockKey, block: Block | None) -> memoryview:
         if block is None:
@@ -877,9 +883,16 @@ class ReplayBuffer:
         items that left meanwhile are skipped. A buffer with record rows gets the records
         into its rows too, so that its draws after a restart are served from the rows
         from the start instead of reading the block tier until each item was drawn once
-        (a million-item buffer sampled at 0.71x of a 20,000-item one that way)."""
+        (a million-item buffer sampled at 0.71x of a 20,000-item one that way); one
+        without rows gets their views into its table by ring slot, for the same reason."""
         owner = self.owner
-        blocks = await self._blocks.get_many([BlockKey(owner, i) for i in indices.tolist()])
+        keys = [BlockKey(owner, i) for i in indices.tolist()]
+        blocks = await self._blocks.get_many(keys)
+        held = self._held
+        if held is not None:
+            for key, block in zip(keys, blocks, strict=True):
+                if block is not None:
+                    self._hold(held, key, block, memoryview(block.buf)[: block.length])
         rows = self._rows
         if rows is None:
             return
