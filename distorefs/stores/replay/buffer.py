@@ -887,24 +887,22 @@ class ReplayBuffer:
         without rows gets their views into its table by ring slot, for the same reason."""
         owner = self.owner
         keys = [BlockKey(owner, i) for i in indices.tolist()]
-        blocks = await self._blocks.get_many(keys)
-        held = self._held
+        found = [
+            (key, block, memoryview(block.buf)[: block.length])
+            for key, block in zip(keys, await self._blocks.get_many(keys), strict=True)
+            if block is not None
+        ]
+        held, rows = self._held, self._rows
         if held is not None:
-            for key, block in zip(keys, blocks, strict=True):
-                if block is not None:
-                    self._hold(held, key, block, memoryview(block.buf)[: block.length])
-        rows = self._rows
+            for key, block, view in found:
+                self._hold(held, key, block, view)
         if rows is None:
             return
-        found = [
-            (index, memoryview(block.buf)[: block.length])
-            for index, block in zip(indices.tolist(), blocks, strict=True)
-            if block is not None and block.length == rows.itemsize
-        ]
-        if found:
-            warmed = np.fromiter((index for index, _ in found), np.int64, len(found))
+        fits = [(key.number, view) for key, _block, view in found if len(view) == rows.itemsize]
+        if fits:
+            warmed = np.fromiter((index for index, _ in fits), np.int64, len(fits))
             live = self._slot_index[warmed % self.config.capacity] == warmed  # not a newer item's slot
-            rows.put_missing(warmed, [view for _, view in found], live)
+            rows.put_missing(warmed, [view for _, view in fits], live)
 
     def commit(self, indices: np.ndarray, repeated: bool | None = None, slots: np.ndarray | None = None) -> None:
         """Count these picked items of this shard as sampled (they were handed out); the
@@ -919,18 +917,16 @@ class ReplayBuffer:
         if counts is not None and not self._remover.removes and slots.dtype == indices.dtype == np.int64:
             # one compiled pass: count each item still here (counts_jit.py)
             counts.count_live(self._times, self._slot_index, compiled_positions(slots), compiled_positions(indices))
-            self._snapshot_dirty = True
-            self._notify()
-            return
-        still = self._slot_index[slots] == indices  # not left while the batch was read
-        if not still.all():
-            slots = slots[still]
-            repeated = None if repeated else False  # (fewer of a batch without repeats have none)
-        add_at(self._times, slots, 1, repeated)  # an item drawn twice counts twice
-        if self._remover.removes:
-            done = self._remover.after_sampled(slots, self._times[slots])
-            if len(done):
-                self._remove_slots(done, self._slot_index[done].tolist())
+        else:
+            still = self._slot_index[slots] == indices  # not left while the batch was read
+            if not still.all():
+                slots = slots[still]
+                repeated = None if repeated else False  # (fewer of a batch without repeats have none)
+            add_at(self._times, slots, 1, repeated)  # an item drawn twice counts twice
+            if self._remover.removes:
+                done = self._remover.after_sampled(slots, self._times[slots])
+                if len(done):
+                    self._remove_slots(done, self._slot_index[done].tolist())
         self._snapshot_dirty = True
         self._notify()
 

@@ -80,16 +80,20 @@ def batch_repeats(positions: np.ndarray) -> bool | None:
 
 
 def add_at(target: np.ndarray, positions: np.ndarray, delta: int, repeated: bool | None = None) -> None:
-    """`np.add.at(target, positions, delta)`, a position named twice counted twice.
-    Compiled (counts_jit.py) where loaded: a loop, 0.4 µs for 256 positions. Else with
-    no repeats (the usual batch) one fancy-indexed add, a tenth of ufunc.at's 25 µs for
-    256 positions; `repeated`, where the caller knows it (a drawn batch's slots, for its
-    lease, its count and its release), saves looking again."""
+    """`np.add.at(target, positions, delta)`, a position named twice counted twice;
+    IndexError, with nothing added, for a position outside 0..len(target)-1 (numpy's
+    indexing alone would take a negative one from the end). Compiled (counts_jit.py)
+    where loaded: a loop, 0.4 µs for 256 positions. Else with no repeats (the usual
+    batch) one fancy-indexed add, a tenth of ufunc.at's 25 µs for 256 positions;
+    `repeated`, where the caller knows it (a drawn batch's slots, for its lease, its
+    count and its release), saves looking again."""
     jit = COUNTS.module
     if jit is not None and positions.dtype == np.int64 and target.dtype in _COMPILED_TARGETS:
         if not jit.add_at(target, compiled_positions(positions), delta):
             raise IndexError(f"a position outside 0..{len(target) - 1}; none added")
         return
+    if len(positions) and (positions.min() < 0 or positions.max() >= len(target)):
+        raise IndexError(f"a position outside 0..{len(target) - 1}; none added")
     if repeated is None:
         repeated = repeats(positions)
     if repeated:
@@ -232,14 +236,10 @@ class Mirror:
     def lease(self, arena_slots: np.ndarray, repeated: bool | None = None) -> np.ndarray:
         """A batch holds these slots (an item drawn twice is held twice) until `release`
         (`repeated`: whether a slot is named twice, where the caller knows)."""
-        jit = COUNTS.module
-        if jit is not None and arena_slots.dtype == np.int64:  # checks every slot, then holds them
-            if not jit.add_at(self.refs, compiled_positions(arena_slots), 1):
-                raise OutOfMemory("a drawn item is not in the shared-memory arena")
-            return arena_slots
-        if (arena_slots < 0).any():
-            raise OutOfMemory("a drawn item is not in the shared-memory arena")
-        add_at(self.refs, arena_slots, 1, repeated)
+        try:
+            add_at(self.refs, arena_slots, 1, repeated)  # checks every slot, then holds them
+        except IndexError:  # (-1: the item has no arena slot)
+            raise OutOfMemory("a drawn item is not in the shared-memory arena") from None
         return arena_slots
 
     def release(self, arena_slots: np.ndarray, repeated: bool | None = None) -> None:
