@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import msgpack
@@ -74,15 +74,19 @@ def no_changes() -> Changes:
     return {t: {} for t in TABLES}
 
 
-def encode_row_note(seq: int, delta: Changes) -> bytes:
+_packers = threading.local()  # a msgpack.Packer per thread for row notes (a Packer is not thread-safe)
+
+
+def encode_row_note(seq: int, delta: Changes, more: Iterable[tuple[str, Any, Any]] = ()) -> bytes:
     """A row note's payload: "DSR1", then msgpack [seq, [[table, key, values or nil], ...]]
-    in staging order per table (docs/formats.md, "Row notes")."""
-    rows = [
-        [table, list(key), None if values is None else list(values)]
-        for table, changes in delta.items()
-        for key, values in changes.items()
-    ]
-    packed: bytes = msgpack.packb([seq, rows], use_bin_type=True)
+    in staging order per table (docs/formats.md, "Row notes"), then the rows of `more`
+    (table, key, values) staged after them."""
+    rows = [(table, key, values) for table, changes in delta.items() for key, values in changes.items()]
+    rows.extend(more)
+    packer = getattr(_packers, "packer", None)
+    if packer is None:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+    packed: bytes = packer.pack((seq, rows))  # tuples pack as msgpack arrays, as lists do
     return ROW_NOTE_MAGIC + packed
 
 
@@ -191,6 +195,13 @@ class MetaDb:
         The caller writes it as a row note at once, or gives it back (`restore_delta`)."""
         delta, self._delta = self._delta, no_changes()
         return self.take_seq, delta
+
+    def noted(self, table: str, keys: Iterable[tuple[Any, ...]]) -> None:
+        """Changes of `table` staged since the last take are in a row note already (it
+        carried them with the take's delta): the next take leaves them out."""
+        changes = self._delta[table]
+        for key in keys:
+            changes.pop(key, None)
 
     def restore_delta(self, delta: Changes) -> None:
         """`delta` was not written: merge it back under anything staged since."""

@@ -44,7 +44,7 @@ import mmap
 import os
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -76,6 +76,10 @@ _SEGMENT_SUFFIX = ".log"
 
 def segment_name(segment: int) -> str:
     return f"{_SEGMENT_PREFIX}{segment:010d}{_SEGMENT_SUFFIX}"
+
+
+def _no_note(_locations: list[LogLocation]) -> None:
+    return None
 
 
 def encode_header(key: BlockKey, seq: int, payload: bytes | bytearray | memoryview) -> bytes:
@@ -288,15 +292,41 @@ class NvmeLog:
         segment: a few microseconds for a small record, which is why the block tier may
         call it on the event loop (docs/design.md, "Log-only appends").
         """
+        appended = self.try_append_noted(records, _no_note)
+        return None if appended is None else appended[0]
+
+    def try_append_noted(
+        self,
+        records: Sequence[tuple[BlockKey, bytes | bytearray | memoryview]],
+        note: Callable[[list[LogLocation]], tuple[BlockKey, bytes] | None],
+    ) -> tuple[list[LogLocation], bool] | None:
+        """`try_append_now` of `records` followed by a note made from where they land, in
+        the same pwritev: `note(locations)` runs under the append lock, before anything is
+        written, and returns the note's record, or None for none. Returns the records'
+        locations and whether the note went with them (not when `note` gave None or it
+        did not fit in the segment); None when nothing was written (another append in
+        progress, or the records do not fit)."""
         self._check_sizes(records)
         if not self._append_lock.acquire(blocking=False):
             return None
         try:
             seg = self._active
             assert seg is not None
-            if seg.size_bytes + sum(HEADER.size + len(p) for _k, p in records) > self.segment_bytes:
+            at = seg.size_bytes
+            locations: list[LogLocation] = []
+            for _key, payload in records:
+                locations.append(LogLocation(seg.segment, at, len(payload)))
+                at += HEADER.size + len(payload)
+            if at > self.segment_bytes:
                 return None
-            return self._append_locked(records)
+            made = note(locations)
+            if made is not None and (
+                len(made[1]) > MAX_PAYLOAD_BYTES or at + HEADER.size + len(made[1]) > self.segment_bytes
+            ):
+                made = None
+            written = self._append_locked([*records, made] if made is not None else records)
+            assert written[: len(locations)] == locations, "the records landed where the note says"
+            return locations, made is not None
         finally:
             self._append_lock.release()
 

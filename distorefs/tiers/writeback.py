@@ -320,23 +320,49 @@ class WriteBack(BlockTierBase):
 
     def _persist_noted(self, owner: int) -> bool:
         """Persist `owner` without a commit, on the event loop, when it is small: its dirty
-        blocks and then a row note of every change staged since the last take go to the
-        log with one pwritev each. A start-up replays the notes after the last commit,
-        so the result survives a killed daemon as a commit's would (docs/design.md,
-        "Closes acknowledged by row notes"); the flusher commits the rows within its
-        interval. False when it cannot (a commit or another append in flight, too much
-        staged, the kernel's dirty pages high, a new segment due): then commit."""
+        blocks and then a row note of every change staged since the last take, their own
+        rows included, go to the log with one pwritev. A start-up replays the notes after
+        the last commit, so the result survives a killed daemon as a commit's would
+        (docs/design.md, "Closes acknowledged by row notes"); the flusher commits the rows
+        within its interval. False when it cannot (a commit or another append in flight,
+        too much staged, the kernel's dirty pages high, a new segment due): then commit."""
         meta = self._meta
-        if meta.committing or not meta.delta_fits(ROW_NOTE_CHANGES) or not self._append_inline(owner):
+        if meta.committing or not meta.delta_fits(ROW_NOTE_CHANGES):
             return False
+        blocks = self._inline_blocks(owner)
+        if blocks is None:
+            return False
+        records = [(key, memoryview(block.buf)[: block.length]) for key, block, _version in blocks]
         seq, delta = meta.take_delta()
-        payload = encode_row_note(seq, delta)
-        note = (BlockKey(ROW_NOTES_OWNER, NOTE_NUMBERS + self.row_notes), payload)
-        if len(payload) > ROW_NOTE_BYTES or self._log.try_append_now([note]) is None:
-            meta.restore_delta(delta)  # the blocks are logged, their rows staged: a commit carries them
+
+        def note(locations: list[LogLocation]) -> tuple[BlockKey, bytes] | None:
+            rows = [("blocks", tuple(key), tuple(at)) for (key, _view), at in zip(records, locations, strict=True)]
+            payload = encode_row_note(seq, delta, rows)
+            if len(payload) > ROW_NOTE_BYTES:
+                return None
+            return BlockKey(ROW_NOTES_OWNER, NOTE_NUMBERS + self.row_notes), payload
+
+        try:
+            appended = self._log.try_append_noted(records, note)
+        except BaseException:
+            meta.restore_delta(delta)
+            raise
+        finally:
+            for _key, view in records:
+                view.release()
+        if appended is None:
+            meta.restore_delta(delta)
             return False
-        self.row_notes += 1
+        locations, noted = appended
+        if not noted:
+            meta.restore_delta(delta)  # the blocks are logged, their rows staged below: a commit carries them
         self._logged()
+        if blocks:
+            self._apply_flushed(blocks, locations, staged=True)
+        if not noted:
+            return False
+        meta.noted("blocks", [tuple(key) for key, _block, _version in blocks])
+        self.row_notes += 1
         self._flush_wanted_for_rows()
         return True
 
@@ -347,25 +373,41 @@ class WriteBack(BlockTierBase):
         loop"). The log itself may still refuse (another append, a new segment due)."""
         return self._inline_ok and not self._flush_lock.locked() and nbytes <= INLINE_APPEND_BYTES
 
+    def _inline_blocks(self, owner: int) -> list[tuple[BlockKey, Block, int]] | None:
+        """`owner`'s dirty blocks with their versions, in block order, if they may be
+        written on the event loop now (`_inline_room`); else None. Such a write runs with
+        no await, so nothing can change a block under it: no freeze."""
+        blocks: list[tuple[BlockKey, Block, int]] = []
+        total = 0
+        for number in sorted(self._dirty.get(owner, ())):
+            key = BlockKey(owner, number)
+            block = self._dram.peek(key)
+            if block is not None and block.dirty:
+                blocks.append((key, block, block.version))
+                total += block.length
+        return blocks if self._inline_room(total) else None
+
     def _append_inline(self, owner: int) -> bool:
         """Write `owner`'s dirty blocks to the log now, on the event loop, and stage their
         rows: only while the kernel has room for dirty pages, no flush is in flight and
         they are at most INLINE_APPEND_BYTES (docs/design.md, "Small appends are written
         on the event loop"). False when it cannot (then nothing was written), or when the
         records do not fit in the active segment."""
-        if not self._inline_room(self.owner_dirty_bytes(owner)):
+        blocks = self._inline_blocks(owner)
+        if blocks is None:
             return False
-        snapshots, records = self._freeze(BlockKey(owner, i) for i in sorted(self._dirty.get(owner, ())))
-        if not records:
+        if not blocks:
             return True
+        records = [(key, memoryview(block.buf)[: block.length]) for key, block, _version in blocks]
         try:
             locations = self._log.try_append_now(records)
         finally:
-            self._thaw(snapshots, records)
+            for _key, view in records:
+                view.release()
         if locations is None:
             return False
         self._logged()
-        self._apply_flushed(snapshots, locations, staged=True)
+        self._apply_flushed(blocks, locations, staged=True)
         return True
 
     async def _log_only(self, owner: int) -> None:

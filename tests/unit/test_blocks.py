@@ -12,7 +12,7 @@ import trio
 
 from distorefs.errors import OutOfMemory, StoreFull
 from distorefs.tiers import blocks as blocks_module
-from distorefs.tiers import copy_ranges, writeback
+from distorefs.tiers import copy_ranges, nvme_log, writeback
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.dram import DramCache
 from distorefs.tiers.metadb import MetaDb
@@ -341,6 +341,46 @@ async def test_a_small_persist_is_acknowledged_by_a_row_note_and_comes_back_afte
     meta = MetaDb.open(str(tmp_path / "meta.sqlite"))  # the start-up committed what it replayed
     assert ("name", "one") in list(meta.rows("kv"))
     assert (5, 0) in [row[:2] for row in meta.rows("blocks")]
+
+
+async def test_a_small_persist_writes_its_blocks_and_its_note_in_one_write_and_leaves_nothing_staged_to_note(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = inline(open_store(tmp_path))
+    await store.commit()
+    writes = []
+    real = os.pwritev
+    monkeypatch.setattr(nvme_log.os, "pwritev", lambda fd, bufs, off: writes.append(len(bufs)) or real(fd, bufs, off))
+    await store.write(BlockKey(5, 0), 0, b"closed data")
+    await store.persist(5)
+    assert store.row_notes == 1
+    assert writes == [4]  # a header and a payload for the block, and for its note
+    assert not any(store._meta.take_delta()[1].values())  # the block's row went with the note
+    assert store._meta.pending_changes  # and waits for the flusher's commit
+    killed(store)
+
+    store = open_store(tmp_path)
+    await store.read_tail()
+    assert await read_all(store, BlockKey(5, 0)) == b"closed data"
+    await store.close()
+
+
+async def test_a_note_too_big_to_go_with_the_blocks_leaves_them_logged_for_a_commit(tmp_path: Path) -> None:
+    store = inline(open_store(tmp_path))
+    await store.commit()
+    commits = store._meta.commits
+    store._meta.put("kv", ("big",), ("v" * (writeback.ROW_NOTE_BYTES + 1),))
+    await store.write(BlockKey(5, 0), 0, b"closed data")
+    await store.persist(5)
+    assert store.row_notes == 0
+    assert store._meta.commits == commits + 1
+    killed(store)
+
+    store = open_store(tmp_path)
+    await store.read_tail()
+    assert await read_all(store, BlockKey(5, 0)) == b"closed data"
+    assert len(store._meta.get_kv("big")) == writeback.ROW_NOTE_BYTES + 1
+    await store.close()
 
 
 async def test_put_logged_items_are_clean_at_once_and_come_back_from_the_tail_after_a_kill(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from distorefs.errors import Corrupted, StoreFull
 from distorefs.tiers import nvme_log
-from distorefs.tiers.nvme_log import HEADER, NvmeLog, segment_name
+from distorefs.tiers.nvme_log import HEADER, LogPosition, NvmeLog, segment_name
 from distorefs.types import BlockKey, LogLocation
 
 
@@ -162,6 +162,46 @@ def test_try_append_now_writes_while_the_log_is_free_and_never_starts_a_segment(
     assert log.active_segment == segment
     with log._append_lock:  # another append in progress (a worker thread)
         assert log.try_append_now([(BlockKey(1, 3), b"d")]) is None
+    log.close()
+
+
+def test_a_note_made_from_where_the_records_land_goes_with_them_in_one_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = NvmeLog.open(str(tmp_path), segment_bytes=8192)
+    writes = []
+    real = os.pwritev
+    monkeypatch.setattr(nvme_log.os, "pwritev", lambda fd, bufs, off: writes.append(off) or real(fd, bufs, off))
+    records = [(BlockKey(2, 0), b"a" * 100), (BlockKey(2, 1), b"b" * 200)]
+    seen: list[list[LogLocation]] = []
+
+    def note(locations: list[LogLocation]) -> tuple[BlockKey, bytes]:
+        seen.append(locations)
+        return BlockKey(3, 0), repr([tuple(at) for at in locations]).encode()
+
+    appended = log.try_append_noted(records, note)
+    assert appended is not None
+    locations, noted = appended
+    assert noted
+    assert seen == [locations]
+    assert len(writes) == 1
+    read = [bytes(log.read(at, key)) for (key, _p), at in zip(records, locations, strict=True)]
+    assert read == [b"a" * 100, b"b" * 200]
+    (_at, key, _seq, payload), *_ = log.walk(LogPosition(log.active_segment, locations[-1].offset + HEADER.size + 200))
+    assert key == BlockKey(3, 0)
+    assert bytes(payload) == repr([tuple(at) for at in locations]).encode()
+
+    # A note that would not fit in the segment stays out; the records go alone.
+    appended = log.try_append_noted([(BlockKey(2, 2), b"c" * 100)], lambda _at: (BlockKey(3, 1), b"n" * 8000))
+    assert appended is not None
+    assert appended[1] is False
+    assert bytes(log.read(appended[0][0], BlockKey(2, 2))) == b"c" * 100
+    # Records that do not fit, or a log busy with another append: nothing is written, no note made.
+    assert log.try_append_noted([(BlockKey(2, 3), b"d" * 8000)], note) is None
+    with log._append_lock:
+        assert log.try_append_noted([(BlockKey(2, 3), b"d")], note) is None
+    assert len(seen) == 1
+    assert len(writes) == 2
     log.close()
 
 
