@@ -47,7 +47,7 @@ from distorefs.stores.datasets.dataset import MIN_WINDOW_BYTES
 from distorefs.stores.datasets.store import DatasetStore
 from distorefs.stores.files import FileStore
 from distorefs.stores.owners import OwnerTable
-from distorefs.stores.replay import mirror, sumtree
+from distorefs.stores.replay import formats, mirror, sumtree
 from distorefs.stores.replay.mirror import ArenaBudget
 from distorefs.stores.replay.store import BufferStore
 from distorefs.stores.tree import PosixTree
@@ -215,10 +215,11 @@ class Degradable(Protocol):
 
 
 def load_kernels() -> None:
-    """Load the compiled kernels (compiled.py): the sum tree's walks, a batch's counts and
-    the gather's copy."""
+    """Load the compiled kernels (compiled.py): the sum tree's walks, a batch's counts,
+    a priority update's pairs and the gather's copy."""
     sumtree.load_compiled()
     mirror.load_compiled()
+    formats.load_compiled()
     copy_ranges.load_compiled()
 
 
@@ -229,6 +230,7 @@ def kernels_status() -> dict[str, Any]:
         "kernels": {
             "sum_tree": sumtree.KERNELS.loaded,
             "counts": mirror.COUNTS.loaded,
+            "priority_pairs": formats.PAIRS.loaded,
             "gather_copy": copy_ranges.KERNELS.loaded,
         }
     }

@@ -42,7 +42,7 @@ def test_status_is_json_with_the_daemon_facts(mounted: Mount) -> None:
     while not all(status["kernels"].values()) and time.monotonic() < deadline:
         time.sleep(0.1)
         status = json.loads((mounted.path / ".distore" / "status").read_text())
-    assert status["kernels"] == {"sum_tree": True, "counts": True, "gather_copy": True}
+    assert status["kernels"] == {"sum_tree": True, "counts": True, "priority_pairs": True, "gather_copy": True}
 
 
 def test_distore_dir_is_read_only(mounted: Mount) -> None:

@@ -278,7 +278,18 @@ def test_streams_take_whole_npy_files_and_dsitems1_streams_one_after_another(cut
         assert stream.finish() == []
 
 
-def test_priorities_parse_from_text_and_npy() -> None:
+@pytest.fixture(params=["compiled", "numpy"])
+def pairs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """The test runs with a priority update's pairs compiled (pairs_jit.py) and with
+    numpy's; True for the compiled run."""
+    if request.param == "compiled":
+        assert formats.load_compiled(), "numba is a dependency: the compiled pairs must load"
+        return True
+    monkeypatch.setattr(formats.PAIRS, "module", None)
+    return False
+
+
+def test_priorities_parse_from_text_and_npy(pairs: bool) -> None:
     assert parse_priorities(b"1 0.5\n2 3") is None  # no final newline yet
     indices, priorities = parse_priorities(b"1 0.5\n\n2 3\n")  # type: ignore[misc]
     assert indices.tolist() == [1, 2]
@@ -289,6 +300,18 @@ def test_priorities_parse_from_text_and_npy() -> None:
     assert (indices.tolist(), priorities.tolist()) == ([4], [1.25])
     with pytest.raises(InvalidArgument, match="line 1: expected 'index priority'"):
         parse_priorities(b"oops\n")
+    floats = np.array([[3.0, 0.5], [-2.0, 2.0], [9.0e15, 1.0]])  # np.save of float pairs: the usual update
+    out = io.BytesIO()
+    np.save(out, floats)
+    indices, priorities = parse_priorities(out.getvalue())  # type: ignore[misc]
+    assert indices.dtype == np.int64
+    assert (indices.tolist(), priorities.tolist()) == ([3, -2, 9_000_000_000_000_000], [0.5, 2.0, 1.0])
+    for bad in (2.5, np.nan, np.inf, 2.0**63, -(2.0**63)):
+        floats[1, 0] = bad
+        out = io.BytesIO()
+        np.save(out, floats)
+        with pytest.raises(InvalidArgument, match="indices must be whole numbers in the int64 range"):
+            parse_priorities(out.getvalue())
 
 
 # --- the buffer ------------------------------------------------------------------------
@@ -414,7 +437,7 @@ async def test_importance_weights_are_normalised_to_the_rarest_item(tiers: tuple
         assert weight == pytest.approx(1.0 if index == 0 else 1 / 3, rel=1e-6)
 
 
-async def test_priority_update_with_one_bad_pair_applies_none(tiers: tuple[BlockStore, MetaDb]) -> None:
+async def test_priority_update_with_one_bad_pair_applies_none(tiers: tuple[BlockStore, MetaDb], pairs: bool) -> None:
     buf = make(tiers, sampler="prioritized")
     await buf.append([b"a", b"b"])
     before = buf._priority.copy()
@@ -425,7 +448,9 @@ async def test_priority_update_with_one_bad_pair_applies_none(tiers: tuple[Block
     assert (buf._priority == before).all()
 
 
-async def test_priority_of_an_item_that_left_is_skipped_and_the_rest_applied(tiers: tuple[BlockStore, MetaDb]) -> None:
+async def test_priority_of_an_item_that_left_is_skipped_and_the_rest_applied(
+    tiers: tuple[BlockStore, MetaDb], pairs: bool
+) -> None:
     buf = make(tiers, sampler="prioritized", capacity=2)
     await buf.append([b"a", b"b", b"c"])  # item 0 left (FIFO) after a learner could have sampled it
     await buf.update_priorities(np.array([0, 1, 2]), np.array([5.0, 6.0, 7.0]))
@@ -435,6 +460,58 @@ async def test_priority_of_an_item_that_left_is_skipped_and_the_rest_applied(tie
     with pytest.raises(InvalidArgument, match="no live item 3; none applied"):  # never appended
         await buf.update_priorities(np.array([1, 3]), np.array([1.0, 1.0]))
     assert buf._priority[1 % 2] == 6.0
+
+
+async def test_compiled_and_numpy_priority_updates_give_the_same_result_or_the_same_error(
+    tiers: tuple[BlockStore, MetaDb], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random updates (pairs named twice, items that left, indices never appended,
+    priorities below 0 or not finite) applied from the same state by both paths: the same
+    priorities, sums, skip count and rollback arrays, or the same error with nothing
+    changed."""
+    assert formats.load_compiled(), "numba is a dependency: the compiled pairs must load"
+    compiled = formats.PAIRS.module
+    buf = make(tiers, sampler="prioritized", capacity=8, alpha=0.6)
+    await buf.append([b"x%d" % i for i in range(13)])  # items 0-4 left (FIFO)
+    tree = buf._tree
+    rng = np.random.default_rng(7)
+
+    def arrays() -> list[np.ndarray]:
+        return [a for a in (buf._priority, tree._sum, tree._min, tree._max) if a is not None]
+
+    def state() -> list[np.ndarray]:
+        return [a.copy() for a in arrays()]
+
+    def restore(saved: list[np.ndarray], skipped: int) -> None:
+        for target, value in zip(arrays(), saved, strict=True):
+            target[:] = value
+        buf.priority_updates_skipped = skipped
+
+    for case in range(300):
+        count = int(rng.integers(1, 12))
+        indices = rng.integers(-1 if case % 10 == 0 else 0, 14 if case % 7 == 0 else 13, count)
+        priorities = rng.random(count) * 5
+        if case % 11 == 0:
+            priorities[int(rng.integers(count))] = rng.choice([-1.0, np.nan, np.inf])
+        start, skipped = state(), buf.priority_updates_skipped
+        outcomes = []
+        for module in (None, compiled):
+            monkeypatch.setattr(formats.PAIRS, "module", module)
+            restore(start, skipped)
+            try:
+                applied, before = buf.set_priorities(indices.copy(), priorities.copy())
+                outcomes.append((applied.tolist(), before.tolist(), state(), buf.priority_updates_skipped))
+            except InvalidArgument as exc:
+                outcomes.append((str(exc), state()))
+        numpy_outcome, compiled_outcome = outcomes
+        assert len(numpy_outcome) == len(compiled_outcome), (case, indices, priorities)
+        for a, b in zip(numpy_outcome, compiled_outcome, strict=True):
+            if isinstance(a, list) and a and isinstance(a[0], np.ndarray):
+                assert all(np.array_equal(x, y, equal_nan=True) for x, y in zip(a, b, strict=True)), case
+            else:
+                assert a == b, (case, indices, priorities)
+        if len(numpy_outcome) == 2:
+            assert all(np.array_equal(x, y) for x, y in zip(numpy_outcome[1], start, strict=True)), "none applied"
 
 
 async def test_new_items_get_the_current_max_priority(tiers: tuple[BlockStore, MetaDb]) -> None:

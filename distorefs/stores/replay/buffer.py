@@ -58,7 +58,7 @@ from distorefs.stores.replay.draws import (
     importance_weights,
     uniform_weights,
 )
-from distorefs.stores.replay.formats import MAX_ITEM_BYTES
+from distorefs.stores.replay.formats import MAX_ITEM_BYTES, PAIRS
 from distorefs.stores.replay.mirror import (
     COUNTS,
     INLINE_BYTES,
@@ -583,6 +583,9 @@ class ReplayBuffer:
         past the capacity, max_times_sampled: the learner sampled it just before) is
         skipped and counted in `priority_updates_skipped`, as Reverb does; an index never
         appended is a bad pair. Returns the indices it set and their priorities before."""
+        jit = PAIRS.module
+        if jit is not None and len(indices) and indices.dtype == np.int64 and priorities.dtype == np.float64:
+            return self._set_compiled(jit, indices, priorities)
         check_priorities(self.name, indices, priorities)
         if len(indices) == 0:
             return indices, priorities
@@ -602,6 +605,30 @@ class ReplayBuffer:
         self._snapshot_dirty = True
         self._notify()
         return indices, before
+
+    def _set_compiled(self, jit: Any, indices: np.ndarray, priorities: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`set_priorities` in one compiled call (pairs_jit.set_pairs): the same checks in
+        the same order, the same errors, the same result."""
+        if len(indices) != len(priorities):
+            check_priorities(self.name, indices, priorities)  # (raises: the count's message)
+        count = len(indices)
+        applied, slots = np.empty(count, np.int64), np.empty(count, np.int64)
+        values, before = np.empty(count), np.empty(count)
+        indices, priorities = np.ascontiguousarray(indices), np.ascontiguousarray(priorities)
+        code, at, count = jit.set_pairs(
+            indices, priorities, self.next_index, self.config.capacity, self._slot_index, self._priority,
+            applied, slots, values, before,
+        )  # fmt: skip
+        if code == jit.BAD_PRIORITY:
+            check_priorities(self.name, indices[at : at + 1], priorities[at : at + 1])  # (raises: its message)
+        if code == jit.NEVER_APPENDED:
+            raise InvalidArgument(f"buffers/{self.name}: no live item {int(indices[at])}; none applied")
+        assert code == jit.GOOD, f"set_pairs answered {code}"
+        self.priority_updates_skipped += len(indices) - count
+        self._tree.update(slots[:count], self._scaled(values[:count]))
+        self._snapshot_dirty = True
+        self._notify()
+        return applied[:count], before[:count]
 
     # --- sampling ---------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from distorefs.compiled import Kernels
 from distorefs.errors import InvalidArgument
 
 NPY_MAGIC = b"\x93NUMPY"
@@ -35,6 +36,14 @@ BATCH_ITEM = struct.Struct("<qfQ")
 FRAME = struct.Struct("<Q")
 MAX_ITEM_BYTES = 64 * 1024 * 1024
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+PAIRS = Kernels("distorefs.stores.replay.pairs_jit", "DISTOREFS_PAIRS", "numpy")  # whole_indices, set_pairs
+
+
+def load_compiled() -> bool:
+    """Load the compiled priority pairs (pairs_jit.py); until then, or without numba, numpy's."""
+    return PAIRS.load()
 
 
 MAX_NPY_HEADER_BYTES = 64 * 1024
@@ -354,6 +363,12 @@ def _pairs(indices: np.ndarray, priorities: np.ndarray) -> tuple[np.ndarray, np.
         raise InvalidArgument(f"priority: .npy columns must be numbers, got {indices.dtype} and {priorities.dtype}")
     if indices.dtype.kind == "u" and len(indices) and int(indices.max()) > INT64_MAX:
         raise InvalidArgument("priority: an index is out of the int64 range")
+    jit = PAIRS.module
+    if jit is not None and indices.dtype == np.float64:  # (a .npy of float pairs: the usual update)
+        whole_indices = np.empty(len(indices), np.int64)
+        if jit.whole_indices(indices, whole_indices) >= 0:
+            raise InvalidArgument("priority: indices must be whole numbers in the int64 range")
+        return whole_indices, priorities.astype(np.float64)
     if indices.dtype.kind == "f":
         whole = np.isfinite(indices) & (indices == np.round(indices)) & (np.abs(indices) < 2.0**63)
         if not whole.all():
