@@ -10,6 +10,12 @@ the local disk followed by fsync; medians of --repeats saves, the places interle
 Weights: publish latency of a 100 MB model file and reads/s of it by N reader processes,
 against the same reads from tmpfs.
 
+The places take turns in a rotating order (repeat r starts at place r): this VM returns
+freed memory to its host at once (free page reporting, `min_free_ms` 0), and a save into
+memory the host must back again ran 2-4x slower than one into memory just freed by
+another process, so a fixed order let one place inherit another's memory every time
+(docs/benchmarks.md, "Fresh memory on this VM").
+
 Prints Markdown tables and writes the raw numbers as JSON (--json PATH). No thresholds:
 docs/benchmarks.md keeps the results and the aims they are read against.
 """
@@ -84,7 +90,8 @@ def measure_save(save: Callable[[Path], None], path: Path) -> tuple[float, float
 
 
 def bench_checkpoints(sizes_gib: list[float], places: dict[str, Path], repeats: int) -> list[dict[str, object]]:
-    """Each save `repeats` times per place, the places interleaved; medians."""
+    """Each save `repeats` times per place, the places interleaved in a rotating order;
+    medians."""
     import safetensors.torch
     import torch
 
@@ -119,14 +126,17 @@ def bench_checkpoints(sizes_gib: list[float], places: dict[str, Path], repeats: 
         for saver_name, saver in savers.items():
             row: dict[str, object] = {"size_gib": gib, "writer": saver_name, "repeats": repeats}
             times: dict[str, list[tuple[float, float]]] = {place: [] for place in places}
-            for _ in range(repeats):
-                for place, directory in places.items():
+            names = list(places)
+            for repeat in range(repeats):
+                for place in names[repeat % len(names) :] + names[: repeat % len(names)]:
+                    directory = places[place]
                     path = directory / f"ckpt-{gib}.bin"
                     times[place].append(measure_save(functools.partial(save_one, saver, sd, place == "staged"), path))
                     path.unlink()
             for place, measured in times.items():
                 row[f"{place}_stall_s"] = round(float(np.median([m[0] for m in measured])), 3)
                 row[f"{place}_durable_s"] = round(float(np.median([m[1] for m in measured])), 3)
+                row[f"{place}_stall_samples_s"] = [round(m[0], 3) for m in measured]
             for place in ("distorefs", "staged"):
                 row[f"{place}_stall_vs_tmpfs"] = round(row[f"{place}_stall_s"] / row["tmpfs_stall_s"], 2)  # type: ignore[operator]
                 row[f"{place}_durable_vs_disk"] = round(row[f"{place}_durable_s"] / row["disk_durable_s"], 2)  # type: ignore[operator]
