@@ -14,6 +14,9 @@ import importlib
 import logging
 import os
 from types import ModuleType
+from typing import Any
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -47,3 +50,12 @@ class Kernels:
     def loaded(self) -> bool:
         """Whether `load` has imported the module (never imports here)."""
         return self.module is not None
+
+
+def compiled_array(array: np.ndarray, dtype: type[Any]) -> np.ndarray:
+    """`array` as compiled kernels take it: of `dtype`, contiguous and writable (numba types
+    a read-only array apart, such as one `np.frombuffer` made of a peer's bytes, and a
+    signature without it refuses it); a copy only where it is not."""
+    if array.dtype == dtype and array.flags.c_contiguous and array.flags.writeable:
+        return array
+    return np.array(array, dtype=dtype, order="C")

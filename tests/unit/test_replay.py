@@ -466,7 +466,8 @@ async def test_compiled_and_numpy_priority_updates_give_the_same_result_or_the_s
     tiers: tuple[BlockStore, MetaDb], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Random updates (pairs named twice, items that left, indices never appended,
-    priorities below 0 or not finite) applied from the same state by both paths: the same
+    priorities below 0 or not finite; writable arrays, and read-only ones as a peer's
+    shard gets them) applied from the same state by both paths: the same
     priorities, sums, skip count and rollback arrays, or the same error with nothing
     changed."""
     assert formats.load_compiled(), "numba is a dependency: the compiled pairs must load"
@@ -499,7 +500,11 @@ async def test_compiled_and_numpy_priority_updates_give_the_same_result_or_the_s
             monkeypatch.setattr(formats.PAIRS, "module", module)
             restore(start, skipped)
             try:
-                applied, before = buf.set_priorities(indices.copy(), priorities.copy())
+                if case % 2:  # as a peer's shard gets them: read-only arrays over its message
+                    pairs = np.frombuffer(indices.tobytes(), np.int64), np.frombuffer(priorities.tobytes())
+                else:
+                    pairs = indices.copy(), priorities.copy()
+                applied, before = buf.set_priorities(*pairs)
                 outcomes.append((applied.tolist(), before.tolist(), state(), buf.priority_updates_skipped))
             except InvalidArgument as exc:
                 outcomes.append((str(exc), state()))

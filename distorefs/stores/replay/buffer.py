@@ -37,6 +37,7 @@ import trio
 import zstandard
 
 from distorefs import scheduling
+from distorefs.compiled import compiled_array
 from distorefs.errors import (
     DistorefsError,
     FileTooLarge,
@@ -614,7 +615,7 @@ class ReplayBuffer:
         count = len(indices)
         applied, slots = np.empty(count, np.int64), np.empty(count, np.int64)
         values, before = np.empty(count), np.empty(count)
-        indices, priorities = np.ascontiguousarray(indices), np.ascontiguousarray(priorities)
+        indices, priorities = compiled_array(indices, np.int64), compiled_array(priorities, np.float64)
         code, at, count = jit.set_pairs(
             indices, priorities, self.next_index, self.config.capacity, self._slot_index, self._priority,
             applied, slots, values, before,

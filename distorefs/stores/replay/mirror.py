@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from distorefs import hugepages
-from distorefs.compiled import Kernels
+from distorefs.compiled import Kernels, compiled_array
 from distorefs.errors import OutOfMemory
 
 FIRST_BYTES = 8 << 20  # the first growth: this much, or 64 slots, whichever is fewer (at least 1)
@@ -68,9 +68,7 @@ def compiled_positions(positions: np.ndarray) -> np.ndarray:
     """An int64 array as the compiled counts take it: contiguous and writable (numba
     types a read-only array apart, such as one `np.frombuffer` made of a peer's bytes,
     and would refuse it); a copy only where it is not."""
-    if positions.flags.c_contiguous and positions.flags.writeable:
-        return positions
-    return np.array(positions, dtype=np.int64, order="C")
+    return compiled_array(positions, np.int64)
 
 
 def batch_repeats(positions: np.ndarray) -> bool | None:
