@@ -14,7 +14,7 @@ The places take turns in a rotating order (repeat r starts at place r): this VM 
 freed memory to its host at once (free page reporting, `min_free_ms` 0), and a save into
 memory the host must back again ran 2-4x slower than one into memory just freed by
 another process, so a fixed order let one place inherit another's memory every time
-(docs/benchmarks.md, "Fresh memory on this VM").
+(docs/benchmarks.md, "Sixteenth session", fresh memory on this VM).
 
 Prints Markdown tables and writes the raw numbers as JSON (--json PATH). No thresholds:
 docs/benchmarks.md keeps the results and the aims they are read against.
