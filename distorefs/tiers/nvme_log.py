@@ -78,10 +78,6 @@ def segment_name(segment: int) -> str:
     return f"{_SEGMENT_PREFIX}{segment:010d}{_SEGMENT_SUFFIX}"
 
 
-def _no_note(_locations: list[LogLocation]) -> None:
-    return None
-
-
 def encode_header(key: BlockKey, seq: int, payload: bytes | bytearray | memoryview) -> bytes:
     """Return the 36-byte header for `payload` under `key`, crc included."""
     head = struct.pack("<IIQQQ", MAGIC, len(payload), key.owner, key.number, seq)
@@ -292,20 +288,20 @@ class NvmeLog:
         segment: a few microseconds for a small record, which is why the block tier may
         call it on the event loop (docs/design.md, "Log-only appends").
         """
-        appended = self.try_append_noted(records, _no_note)
+        appended = self.try_append_noted(records)
         return None if appended is None else appended[0]
 
     def try_append_noted(
         self,
         records: Sequence[tuple[BlockKey, bytes | bytearray | memoryview]],
-        note: Callable[[list[LogLocation]], tuple[BlockKey, bytes] | None],
+        note: Callable[[list[LogLocation]], tuple[BlockKey, bytes] | None] | None = None,
     ) -> tuple[list[LogLocation], bool] | None:
         """`try_append_now` of `records` followed by a note made from where they land, in
         the same pwritev: `note(locations)` runs under the append lock, before anything is
         written, and returns the note's record, or None for none. Returns the records'
-        locations and whether the note went with them (not when `note` gave None or it
-        did not fit in the segment); None when nothing was written (another append in
-        progress, or the records do not fit)."""
+        locations and whether the note went with them (not without `note`, when it gave
+        None or when it did not fit in the segment); None when nothing was written (another
+        append in progress, or the records do not fit)."""
         self._check_sizes(records)
         if not self._append_lock.acquire(blocking=False):
             return None
@@ -319,7 +315,7 @@ class NvmeLog:
                 at += HEADER.size + len(payload)
             if at > self.segment_bytes:
                 return None
-            made = note(locations)
+            made = None if note is None else note(locations)
             if made is not None and (
                 len(made[1]) > MAX_PAYLOAD_BYTES or at + HEADER.size + len(made[1]) > self.segment_bytes
             ):

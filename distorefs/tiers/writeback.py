@@ -332,34 +332,23 @@ class WriteBack(BlockTierBase):
         blocks = self._inline_blocks(owner)
         if blocks is None:
             return False
-        records = [(key, memoryview(block.buf)[: block.length]) for key, block, _version in blocks]
         seq, delta = meta.take_delta()
 
         def note(locations: list[LogLocation]) -> tuple[BlockKey, bytes] | None:
-            rows = [("blocks", tuple(key), tuple(at)) for (key, _view), at in zip(records, locations, strict=True)]
+            rows = [("blocks", tuple(key), tuple(at)) for (key, _b, _v), at in zip(blocks, locations, strict=True)]
             payload = encode_row_note(seq, delta, rows)
             if len(payload) > ROW_NOTE_BYTES:
                 return None
             return BlockKey(ROW_NOTES_OWNER, NOTE_NUMBERS + self.row_notes), payload
 
         try:
-            appended = self._log.try_append_noted(records, note)
+            appended = self._write_inline(blocks, note)
         except BaseException:
             meta.restore_delta(delta)
             raise
-        finally:
-            for _key, view in records:
-                view.release()
-        if appended is None:
+        if appended is None or not appended[1]:
+            # nothing written, or the blocks alone (their rows staged): a commit carries it all
             meta.restore_delta(delta)
-            return False
-        locations, noted = appended
-        if not noted:
-            meta.restore_delta(delta)  # the blocks are logged, their rows staged below: a commit carries them
-        self._logged()
-        if blocks:
-            self._apply_flushed(blocks, locations, staged=True)
-        if not noted:
             return False
         meta.noted("blocks", [tuple(key) for key, _block, _version in blocks])
         self.row_notes += 1
@@ -396,19 +385,27 @@ class WriteBack(BlockTierBase):
         blocks = self._inline_blocks(owner)
         if blocks is None:
             return False
-        if not blocks:
-            return True
+        return not blocks or self._write_inline(blocks) is not None
+
+    def _write_inline(
+        self,
+        blocks: list[tuple[BlockKey, Block, int]],
+        note: Callable[[list[LogLocation]], tuple[BlockKey, bytes] | None] | None = None,
+    ) -> tuple[list[LogLocation], bool] | None:
+        """Write `blocks` (of `_inline_blocks`) to the log now with one pwritev, `note`'s
+        record after them where it makes one (NvmeLog.try_append_noted); they turn clean
+        with their rows staged. Their locations and whether the note went with them, or
+        None when the log refused (nothing written)."""
         records = [(key, memoryview(block.buf)[: block.length]) for key, block, _version in blocks]
         try:
-            locations = self._log.try_append_now(records)
+            appended = self._log.try_append_noted(records, note)
         finally:
             for _key, view in records:
                 view.release()
-        if locations is None:
-            return False
-        self._logged()
-        self._apply_flushed(blocks, locations, staged=True)
-        return True
+        if appended is not None:
+            self._logged()
+            self._apply_flushed(blocks, appended[0], staged=True)
+        return appended
 
     async def _log_only(self, owner: int) -> None:
         if not self._dirty.get(owner):
