@@ -25,6 +25,7 @@ from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.dram import DramCache
 from distorefs.tiers.metadb import MetaDb
 from distorefs.tiers.nvme_log import NvmeLog
+from tests.unit.kernels import compiled_or_plain
 
 
 class Budget:
@@ -78,11 +79,7 @@ def test_items_land_in_slots_a_reader_maps_read_only_and_leave_with_forget() -> 
 def counts(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     """The test runs with a batch's counts compiled (counts_jit.py: add_at and release)
     and with numpy's; True for the compiled run."""
-    if request.param == "compiled":
-        assert mirror_module.load_compiled(), "numba is a dependency: the compiled counts must load"
-        return True
-    monkeypatch.setattr(mirror_module.COUNTS, "module", None)
-    return False
+    return compiled_or_plain(request, monkeypatch, mirror_module.COUNTS)
 
 
 def test_a_held_slot_keeps_its_bytes_while_the_item_is_replaced_and_frees_at_release(counts: bool) -> None:

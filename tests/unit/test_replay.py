@@ -36,6 +36,7 @@ from distorefs.tiers.dram import DramCache
 from distorefs.tiers.metadb import MetaDb
 from distorefs.tiers.nvme_log import NvmeLog
 from distorefs.types import BlockKey
+from tests.unit.kernels import compiled_or_plain
 
 # --- segment tree ----------------------------------------------------------------------
 
@@ -282,11 +283,7 @@ def test_streams_take_whole_npy_files_and_dsitems1_streams_one_after_another(cut
 def pairs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     """The test runs with a priority update's pairs compiled (pairs_jit.py) and with
     numpy's; True for the compiled run."""
-    if request.param == "compiled":
-        assert formats.load_compiled(), "numba is a dependency: the compiled pairs must load"
-        return True
-    monkeypatch.setattr(formats.PAIRS, "module", None)
-    return False
+    return compiled_or_plain(request, monkeypatch, formats.PAIRS)
 
 
 def test_priorities_parse_from_text_and_npy(pairs: bool) -> None:
