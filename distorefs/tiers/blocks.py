@@ -63,6 +63,8 @@ class BlockStatistics:
     log_segments: int
     log_live_ratio: float
     flushed_bytes: int
+    log_direct_write_bytes: int  # appended with O_DIRECT (docs/design.md, "Big log writes bypass the page cache")
+    log_direct_read_bytes: int  # read with O_DIRECT (docs/design.md, "Big log reads bypass the page cache")
     prefetched_blocks: int
     compacted_segments: int
     reclaimed_bytes: int
@@ -401,18 +403,22 @@ class BlockStore(ByteRanges, Compaction):
         cold data find the next blocks in DRAM."""
         slots = trio.Semaphore(PREFETCH_CONCURRENCY)
 
-        async def load(key: BlockKey) -> None:
+        async def load(run: list[tuple[BlockKey, LogLocation]]) -> None:
             try:
-                location = self._index.get(key)
-                if location is not None and self._dram.peek(key) is None and key not in self._loading:
-                    # (only sequential readers prefetch: the block is theirs, not read yet)
+                wanted = [
+                    (key, location)
+                    for key, location in run
+                    if self._index.get(key) == location and self._dram.peek(key) is None and key not in self._loading
+                ]
+                for _ in wanted:  # (only sequential readers prefetch: the block is theirs, not read yet)
                     self._dram.missed()
-                    await self._load(key, location, transient=True, prefetched=True)
-                    self._prefetched += 1
+                await self._load_run(wanted)
+                self._prefetched += len(wanted)
             except Exception as exc:  # best effort: the reader gets the error when it gets there
-                log.warning("prefetch of %s failed: %s", key, exc)
+                log.warning("prefetch of %s failed: %s", [key for key, _loc in run], exc)
             finally:
-                self._prefetch_wanted.discard(key)
+                for key, _loc in run:
+                    self._prefetch_wanted.discard(key)
                 slots.release()
 
         async with trio.open_nursery() as nursery:
@@ -425,12 +431,37 @@ class BlockStore(ByteRanges, Compaction):
                         break
                 # One hint for the whole run ahead: the kernel reads it in large requests
                 # while the loads below copy block by block out of its page cache.
-                locations = [loc for k in keys if (loc := self._index.get(k)) is not None]
-                if len(locations) > 1:
-                    nursery.start_soon(self._hint, locations)
-                for each in keys:
+                located = [(k, loc) for k in keys if (loc := self._index.get(k)) is not None]
+                if len(located) > 1:
+                    nursery.start_soon(self._hint, [loc for _k, loc in located])
+                for k in keys:
+                    if self._index.get(k) is None:
+                        self._prefetch_wanted.discard(k)  # a hole now, or gone: nothing to load
+                for run in self._log.runs(located):
                     await slots.acquire()
-                    nursery.start_soon(load, each)
+                    nursery.start_soon(load, run)
+
+    async def _load_run(self, records: list[tuple[BlockKey, LogLocation]]) -> None:
+        """Prefetch the blocks of a run of neighbouring log records (`NvmeLog.runs`) into
+        DRAM with one read (`NvmeLog.read_run`), as transient blocks not read yet."""
+        if not records:
+            return
+        if len(records) == 1 or self._remote is not None:
+            for key, location in records:
+                await self._load(key, location, transient=True, prefetched=True)
+            return
+        done = trio.Event()
+        for key, _location in records:
+            self._loading[key] = done
+        try:
+            spares = [self._dram.take_spare(location.length) for _key, location in records]
+            payloads = await trio.to_thread.run_sync(self._log.read_run, records, spares, limiter=self._io_limiter)
+        finally:
+            for key, _location in records:
+                del self._loading[key]
+            done.set()
+        for (key, location), payload in zip(records, payloads, strict=True):
+            self._cache_loaded(key, location, payload, transient=True, reads=0)
 
     async def _hint(self, locations: list[LogLocation]) -> None:
         try:
@@ -667,6 +698,8 @@ class BlockStore(ByteRanges, Compaction):
             log_segments=len(self._log.segment_sizes()),
             log_live_ratio=(live / log_bytes) if log_bytes else 1.0,
             flushed_bytes=self._flushed_bytes,
+            log_direct_write_bytes=self._log.direct_bytes,
+            log_direct_read_bytes=self._log.direct_read_bytes,
             prefetched_blocks=self._prefetched,
             compacted_segments=self._compacted_segments,
             reclaimed_bytes=self._reclaimed_bytes,

@@ -38,7 +38,9 @@ the page cache.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import itertools
 import logging
 import mmap
 import os
@@ -70,6 +72,9 @@ READ_AHEAD_PARTS = 128  # read_ranges keeps this many small reads hinted ahead (
 DIRECT_MIN_BYTES = 4 * 1024 * 1024  # appends of at least this much are written with O_DIRECT
 DIRECT_ALIGN = 4096  # offsets, lengths and memory of O_DIRECT writes are multiples of this
 STAGE_BYTES = 16 * 1024 * 1024  # each of the two aligned staging buffers: one O_DIRECT write at most this big
+DIRECT_READ_MIN_BYTES = 256 * 1024  # records this big that are not in the page cache are read with O_DIRECT
+DIRECT_READ_MAX_BYTES = 4 * 1024 * 1024  # ... up to this (the reused aligned buffers' size)
+READ_STAGES_KEPT = 8  # aligned read buffers kept for the next direct reads (the block tier's I/O threads)
 _SEGMENT_PREFIX = "seg-"
 _SEGMENT_SUFFIX = ".log"
 
@@ -117,6 +122,38 @@ def _close_direct(seg: _Segment) -> None:
         seg.direct_fd = -1
 
 
+def _close_files(seg: _Segment) -> None:
+    """Close every descriptor of a segment (its last reader is done with it)."""
+    _close_direct(seg)
+    if seg.read_direct_fd >= 0:
+        os.close(seg.read_direct_fd)
+        seg.read_direct_fd = -1
+    os.close(seg.fd)
+
+
+class _CacheStat(ctypes.Structure):  # struct cachestat (linux/mman.h)
+    _fields_ = [(name, ctypes.c_uint64) for name in ("cache", "dirty", "writeback", "evicted", "recently_evicted")]
+
+
+class _CacheStatRange(ctypes.Structure):  # struct cachestat_range
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+_SYS_CACHESTAT = 451  # the same number on every architecture (Linux 6.5)
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def cached_pages(fd: int, offset: int, length: int) -> int | None:
+    """How many pages of the `length` bytes at `offset` of `fd` are in the page cache
+    (the cachestat system call: no side effect, a microsecond); None where the kernel
+    has no cachestat (before 6.5) or refuses it."""
+    stat = _CacheStat()
+    span = _CacheStatRange(offset, length)
+    if _libc.syscall(_SYS_CACHESTAT, fd, ctypes.byref(span), ctypes.byref(stat), 0) != 0:
+        return None
+    return int(stat.cache)
+
+
 def _drop_written(pending: list[memoryview], written: int) -> None:
     """Take the first `written` bytes off `pending` (after a pwritev that may be short)."""
     while pending and written >= len(pending[0]):
@@ -155,6 +192,7 @@ class _Segment:
         self.readers = 0
         self.deleted = False
         self.direct_fd = -1  # the active segment's O_DIRECT descriptor (-1: none)
+        self.read_direct_fd = -1  # an O_DIRECT descriptor for big reads, opened at the first (-1: none yet)
 
 
 class NvmeLog:
@@ -187,6 +225,9 @@ class NvmeLog:
         self._position_lock = threading.Lock()
         self.dropped_tail_bytes = 0
         self.direct = hasattr(os, "O_DIRECT")  # False once the file system refuses it
+        self.direct_reads = self.direct  # False once the file system or the kernel refuses what they need
+        self.direct_read_bytes = 0  # payload bytes read with O_DIRECT
+        self._read_stages: list[mmap.mmap] = []  # aligned buffers of DIRECT_READ_MAX_BYTES + 16 pages, reused
         self.direct_bytes = 0  # bytes appended with O_DIRECT
         self._stages: list[mmap.mmap] = []  # two, made at the first direct write
         self._direct_writer: ThreadPoolExecutor | None = None  # writes one staged buffer while the next fills
@@ -527,8 +568,10 @@ class NvmeLog:
         if seg is None:
             raise Corrupted(f"log: segment {location.segment} of {key} is gone")
         try:
-            header = bytearray(HEADER.size)
             out = unzeroed(location.length) if into is None else into  # filled whole, or Corrupted
+            if self._read_direct(seg, [(key, location)], [out]):
+                return out
+            header = bytearray(HEADER.size)
             payload = memoryview(out)[: location.length]
             got = os.preadv(seg.fd, [header, payload], location.offset)
         finally:
@@ -538,6 +581,139 @@ class NvmeLog:
                 raise Corrupted(f"log: short record for {key} at {location}")
             _check(header, payload, location, key)
         return out
+
+    def runs(self, records: Sequence[tuple[BlockKey, LogLocation]]) -> list[list[tuple[BlockKey, LogLocation]]]:
+        """`records` cut, in their order, into runs that `read_run` reads with one read:
+        big records each starting where the one before ends, DIRECT_READ_MAX_BYTES of
+        payload at most; every other record a run of its own (all of them where direct
+        reads are off)."""
+        out: list[list[tuple[BlockKey, LogLocation]]] = []
+        size = 0
+        for key, loc in records:
+            if self.direct_reads and out and DIRECT_READ_MIN_BYTES <= loc.length:
+                prev = out[-1][-1][1]
+                if (
+                    loc.segment == prev.segment
+                    and prev.length >= DIRECT_READ_MIN_BYTES
+                    and loc.offset == prev.offset + HEADER.size + prev.length
+                    and size + loc.length <= DIRECT_READ_MAX_BYTES
+                ):
+                    out[-1].append((key, loc))
+                    size += loc.length
+                    continue
+            out.append([(key, loc)])
+            size = loc.length
+        return out
+
+    def read_run(
+        self, records: Sequence[tuple[BlockKey, LogLocation]], into: Sequence[bytearray | None]
+    ) -> list[bytearray]:
+        """`read` of each record, into `into[i]` where given (else a new buffer); with one
+        O_DIRECT read when they are neighbours in one segment (each starts where the one
+        before ends, as the blocks of one big append lie), not in the page cache, and
+        together no bigger than DIRECT_READ_MAX_BYTES: a sequential reader's prefetch
+        asks the device for a few MiB at once instead of one block at a time."""
+        out = [unzeroed(loc.length) if buf is None else buf for (_key, loc), buf in zip(records, into, strict=True)]
+        seg = self._acquire(records[0][1].segment) if records else None
+        if seg is not None:
+            try:
+                if self._read_direct(seg, records, out):
+                    return out
+            finally:
+                self._release(seg)
+        for i, (key, location) in enumerate(records):
+            self.read(location, key, out[i])
+        return out
+
+    def _read_direct(
+        self, seg: _Segment, records: Sequence[tuple[BlockKey, LogLocation]], out: list[bytearray]
+    ) -> bool:
+        """Read big neighbouring records that are not in the page cache with one O_DIRECT
+        read: the pages they lie in, into a reused aligned buffer, each checked there and
+        its payload copied to the start of its `out` buffer. False (nothing done) where
+        that does not apply: small records or too many bytes, records that are not
+        neighbours in `seg`, pages in the page cache (written through it and not evicted
+        yet, or hinted), a kernel without cachestat, a file system without O_DIRECT, or
+        bytes that do not check (then the caller reads through the page cache, and raises
+        if they still do not). See docs/design.md, "Big log reads bypass the page cache"."""
+        first, last = records[0][1], records[-1][1]
+        end = last.offset + HEADER.size + last.length
+        if (
+            not self.direct_reads
+            or first.length < DIRECT_READ_MIN_BYTES
+            or end - first.offset > DIRECT_READ_MAX_BYTES + HEADER.size * len(records)
+            or any(
+                loc.segment != seg.segment or loc.offset != prev.offset + HEADER.size + prev.length
+                for (_k, prev), (_key, loc) in itertools.pairwise(records)
+            )
+        ):
+            return False
+        cached = cached_pages(seg.fd, first.offset, end - first.offset)
+        if cached is None:
+            self.direct_reads = False
+            log.info("log %s: no cachestat here: big reads go through the page cache", self.directory)
+            return False
+        if cached:
+            return False
+        fd = self._direct_read_fd(seg)
+        if fd < 0:
+            return False
+        start = first.offset - first.offset % DIRECT_ALIGN
+        size = -(-(end - start) // DIRECT_ALIGN) * DIRECT_ALIGN
+        stage = self._take_read_stage()
+        view = memoryview(stage)
+        try:
+            if size > len(stage) or os.preadv(fd, [view[:size]], start) < end - start:
+                return False  # short: the page cache path says what is wrong
+            for (key, location), buf in zip(records, out, strict=True):
+                at = location.offset - start
+                header, payload = (
+                    view[at : at + HEADER.size],
+                    view[at + HEADER.size : at + HEADER.size + location.length],
+                )
+                try:
+                    _check(header, payload, location, key)
+                except Corrupted as exc:
+                    # (the message as a string: a kept log record must not hold the buffer's views)
+                    log.warning(
+                        "log %s: direct read of %s did not check (%s): reading it again", seg.path, key, str(exc)
+                    )
+                    return False
+                target = np.frombuffer(buf, dtype=np.uint8, count=location.length)
+                target[:] = np.frombuffer(payload, dtype=np.uint8)  # numpy copies without the GIL
+                del target, header, payload
+            self.direct_read_bytes += sum(loc.length for _key, loc in records)
+            return True
+        finally:
+            view.release()
+            self._give_read_stage(stage)
+
+    def _direct_read_fd(self, seg: _Segment) -> int:
+        """The segment's O_DIRECT read descriptor, opened at the first use; -1 where the
+        file system refuses O_DIRECT."""
+        if seg.read_direct_fd >= 0:
+            return seg.read_direct_fd
+        with self._fd_lock:
+            if seg.read_direct_fd < 0 and self.direct_reads and not seg.deleted:
+                try:
+                    seg.read_direct_fd = os.open(seg.path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+                except OSError as exc:
+                    log.info("log %s: no O_DIRECT reads here (%s)", seg.path, exc)
+                    self.direct_reads = False
+            return seg.read_direct_fd
+
+    def _take_read_stage(self) -> mmap.mmap:
+        with self._fd_lock:
+            if self._read_stages:
+                return self._read_stages.pop()
+        return mmap.mmap(-1, DIRECT_READ_MAX_BYTES + 16 * DIRECT_ALIGN)  # page-aligned; headers and the edges' pages
+
+    def _give_read_stage(self, stage: mmap.mmap) -> None:
+        with self._fd_lock:
+            if len(self._read_stages) < READ_STAGES_KEPT:
+                self._read_stages.append(stage)
+                return
+        stage.close()
 
     def read_many(self, records: Sequence[tuple[BlockKey, LogLocation]]) -> list[bytearray]:
         """`read` of many records. Records that lie close together in one segment (a
@@ -612,6 +788,8 @@ class NvmeLog:
         the reads that follow find them there. Returns the number of hints."""
         runs: list[tuple[int, int, int]] = []  # segment, start, end
         for loc in sorted(locations):
+            if self.direct_reads and DIRECT_READ_MIN_BYTES <= loc.length <= DIRECT_READ_MAX_BYTES:
+                continue  # read with O_DIRECT at its turn: a hint would only fill the page cache
             end = loc.offset + HEADER.size + loc.length
             if runs and runs[-1][0] == loc.segment and 0 <= loc.offset - runs[-1][2] <= SPAN_GAP_BYTES:
                 runs[-1] = (loc.segment, runs[-1][1], end)
@@ -718,7 +896,7 @@ class NvmeLog:
         with self._fd_lock:
             seg.readers -= 1
             if seg.deleted and seg.readers == 0:
-                os.close(seg.fd)
+                _close_files(seg)
 
     def scan(self, start: LogPosition = LOG_START) -> Iterator[LogRecord]:
         """Yield every valid record from `start` on (default: of every segment) in log
@@ -854,7 +1032,7 @@ class NvmeLog:
             seg.deleted = True
             os.unlink(seg.path)
             if seg.readers == 0:
-                os.close(seg.fd)
+                _close_files(seg)
 
     def close(self) -> None:
         """fsync the active segment and close every file."""
@@ -862,13 +1040,13 @@ class NvmeLog:
             for seg in self._segments.values():
                 if seg is self._active:
                     os.fsync(seg.fd)
-                _close_direct(seg)
-                os.close(seg.fd)
+                _close_files(seg)
             self._segments.clear()
             self._active = None
-            for stage in self._stages:
+            for stage in self._stages + self._read_stages:
                 stage.close()
             self._stages = []
+            self._read_stages = []
             if self._direct_writer is not None:
                 self._direct_writer.shutdown()
                 self._direct_writer = None

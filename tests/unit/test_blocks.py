@@ -675,6 +675,45 @@ async def test_a_sequential_reader_has_each_block_hinted_and_loaded_ahead_once(
     await store.close()
 
 
+async def test_a_sequential_reader_of_blocks_out_of_the_page_cache_loads_them_in_runs_with_o_direct(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks of 64 KiB read with O_DIRECT (the mechanism of 1 MiB blocks from 256 KiB
+    on): the prefetcher asks for a sequential reader's next blocks four at a time, and
+    four neighbours in the log go to the device as one read."""
+    monkeypatch.setattr(nvme_log, "DIRECT_READ_MIN_BYTES", BLOCK)
+    monkeypatch.setattr(nvme_log, "DIRECT_READ_MAX_BYTES", 4 * BLOCK)
+    store = await cold_file(tmp_path, blocks=60, budget=256 * BLOCK)
+    if not store._log.direct_reads or nvme_log.cached_pages(store._log._segments[1].fd, 0, 4096) is None:
+        await store.close()
+        pytest.skip("this file system refuses O_DIRECT, or this kernel has no cachestat")
+    for seg in store._log._segments.values():  # out of the page cache, as after a while
+        os.posix_fadvise(seg.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    runs: list[int] = []
+    real_read_run = store._log.read_run
+
+    def counted(records: Sequence[tuple[BlockKey, LogLocation]], into: Sequence[bytearray | None]) -> list[bytearray]:
+        runs.append(len(records))
+        return real_read_run(records, into)
+
+    monkeypatch.setattr(store._log, "read_run", counted)
+    length = 60 * BLOCK
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(store.run_prefetcher)
+        for i in range(60):
+            data = await store.read_range(3, i * BLOCK, BLOCK, length)
+            assert bytes(data) == bytes([i]) * BLOCK
+            del data
+            await trio.sleep(0.001)
+        nursery.cancel_scope.cancel()
+    assert max(runs) == 4, runs
+    assert runs.count(4) >= 10, runs
+    stats = store.statistics()
+    assert stats.log_direct_read_bytes >= 50 * BLOCK  # all but the reader's first blocks, read before any prefetch
+    assert stats.prefetched_blocks == sum(runs)
+    await store.close()
+
+
 async def test_gather_never_copies_past_a_cached_blocks_valid_bytes(tmp_path: Path) -> None:
     assert copy_ranges.load_compiled()
     store = open_store(tmp_path)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import os
+import random
+import threading
 import time
 from pathlib import Path
 
@@ -303,6 +305,8 @@ def killed(log: NvmeLog) -> None:
         os.close(seg.fd)
         if seg.direct_fd >= 0:
             os.close(seg.direct_fd)
+        if seg.read_direct_fd >= 0:
+            os.close(seg.read_direct_fd)
     log._segments.clear()
 
 
@@ -467,3 +471,172 @@ def test_a_direct_write_that_fails_in_the_writer_thread_fails_the_append_and_not
     assert [r.key for r in recovered.scan()] == [BlockKey(1, 0), BlockKey(3, 0), BlockKey(3, 1)]
     assert bytes(recovered.read(before, BlockKey(1, 0))) == b"before"
     recovered.close()
+
+
+def small_direct_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Direct reads of records from 8 KiB to 64 KiB (the mechanism of 256 KiB to 4 MiB)."""
+    monkeypatch.setattr(nvme_log, "DIRECT_READ_MIN_BYTES", 8192)
+    monkeypatch.setattr(nvme_log, "DIRECT_READ_MAX_BYTES", 65536)
+
+
+def evicted(log: NvmeLog) -> None:
+    """Drop the log's clean pages from the page cache (what a remount after a while, or
+    memory pressure, leaves): its big records are then read with O_DIRECT."""
+    for seg in log._segments.values():
+        os.fsync(seg.fd)
+        os.posix_fadvise(seg.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def direct_log(directory: Path, monkeypatch: pytest.MonkeyPatch) -> NvmeLog:
+    small_direct_reads(monkeypatch)
+    log = NvmeLog.open(str(directory))
+    if not log.direct_reads or nvme_log.cached_pages(log._segments[log.active_segment].fd, 0, 4096) is None:
+        log.close()
+        pytest.skip("this file system refuses O_DIRECT, or this kernel has no cachestat")
+    return log
+
+
+def test_big_records_out_of_the_page_cache_are_read_with_o_direct_and_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = direct_log(tmp_path, monkeypatch)
+    payloads = [bytes([i + 1]) * (10_000 + 4099 * i) for i in range(8)]  # unaligned offsets and lengths
+    small = log.append(BlockKey(1, 99), b"small")
+    locations = log.append_many([(BlockKey(1, i), p) for i, p in enumerate(payloads)])
+    for i, payload in enumerate(payloads):  # just written: in the page cache, read through it
+        assert bytes(log.read(locations[i], BlockKey(1, i))) == payload
+    assert log.direct_read_bytes == 0
+    evicted(log)
+    spare = bytearray(b"\xee") * 100_000
+    for i, payload in enumerate(payloads):
+        got = log.read(locations[i], BlockKey(1, i), spare)
+        assert got is spare
+        assert spare[: len(payload)] == payload
+    assert log.direct_read_bytes == sum(len(p) for p in payloads)
+    assert bytes(log.read(small, BlockKey(1, 99))) == b"small"  # under the minimum: the page cache
+    assert log.direct_read_bytes == sum(len(p) for p in payloads)
+    evicted(log)
+    with pytest.raises(Corrupted, match="is not"):
+        log.read(locations[3], BlockKey(1, 4))
+    log.close()
+
+
+def test_a_damaged_record_read_with_o_direct_is_read_again_and_still_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = direct_log(tmp_path, monkeypatch)
+    locations = log.append_many([(BlockKey(2, i), bytes([i + 1]) * 30_000) for i in range(3)])
+    with open(tmp_path / segment_name(locations[1].segment), "r+b") as f:
+        f.seek(locations[1].offset + HEADER.size + 20_000)
+        f.write(b"\x00")
+    evicted(log)
+    with pytest.raises(Corrupted, match="crc32c mismatch"):
+        log.read(locations[1], BlockKey(2, 1))
+    evicted(log)
+    assert bytes(log.read(locations[2], BlockKey(2, 2))) == bytes([3]) * 30_000
+    assert log.direct_read_bytes == 30_000  # the damaged one was not counted
+    log.close()
+
+
+def test_big_records_get_no_read_ahead_hint_where_they_are_read_with_o_direct(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hint would put them in the page cache, and a record with pages there is read
+    through it: the prefetcher's hints are for the records read that way."""
+    log = direct_log(tmp_path, monkeypatch)
+    big = log.append_many([(BlockKey(3, i), b"b" * 20_000) for i in range(4)])
+    small = log.append_many([(BlockKey(4, i), b"s" * 100) for i in range(4)])
+    evicted(log)
+    assert log.will_need(big) == 0
+    assert log.will_need(small) == 1
+    assert log.will_need([*big, *small]) == 1
+    assert bytes(log.read(big[2], BlockKey(3, 2))) == b"b" * 20_000
+    assert log.direct_read_bytes == 20_000
+    log.close()
+
+
+def test_without_cachestat_or_o_direct_big_records_are_read_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel before 6.5 (no cachestat) and a file system that refuses O_DIRECT at
+    open: both injected here, neither at hand."""
+    log = direct_log(tmp_path, monkeypatch)
+    location = log.append(BlockKey(5, 0), b"k" * 30_000)
+    evicted(log)
+    monkeypatch.setattr(nvme_log, "cached_pages", lambda fd, offset, length: None)
+    assert bytes(log.read(location, BlockKey(5, 0))) == b"k" * 30_000
+    assert not log.direct_reads
+    assert log.direct_read_bytes == 0
+    assert log.will_need([location]) == 1  # read through the page cache: hinted again
+    log.close()
+    monkeypatch.undo()
+    small_direct_reads(monkeypatch)
+    log = NvmeLog.open(str(tmp_path))
+    real_open = os.open
+
+    def refusing_open(path: str, flags: int, *args: int) -> int:
+        if flags & os.O_DIRECT and not flags & os.O_WRONLY:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(nvme_log.os, "open", refusing_open)
+    evicted(log)
+    assert bytes(log.read(location, BlockKey(5, 0))) == b"k" * 30_000
+    assert not log.direct_reads
+    assert log.direct_read_bytes == 0
+    log.close()
+
+
+def test_direct_reads_from_many_threads_while_appends_go_on_and_segments_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight readers of records out of the page cache, beside a writer appending into
+    the page the last record ends in and a segment deleted under them: every read
+    gives its record's bytes (or Corrupted for the deleted segment's, whose reads may
+    have begun before it went), the aligned buffers are shared safely, and closing
+    leaves no descriptor open."""
+    fds_before = len(os.listdir("/proc/self/fd"))
+    log = direct_log(tmp_path, monkeypatch)
+    log.segment_bytes = 256 * 1024
+    written = {}
+    for i in range(40):
+        key = BlockKey(6, i)
+        written[key] = (log.append(key, bytes([i + 1]) * (9_000 + 997 * i)), bytes([i + 1]) * (9_000 + 997 * i))
+    evicted(log)
+    doomed = min(loc.segment for loc, _ in written.values())
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        keys = list(written)
+        try:
+            for _ in range(200):
+                key = rng.choice(keys)
+                location, payload = written[key]
+                try:
+                    assert bytes(log.read(location, key)) == payload
+                except Corrupted:
+                    assert location.segment == doomed
+        except BaseException as exc:  # noqa: BLE001 (handed to the test's thread)
+            errors.append(exc)
+
+    def appender() -> None:
+        n = 0
+        while not stop.is_set():
+            log.append(BlockKey(7, n), b"a" * 50)
+            n += 1
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in range(8)]
+    writer = threading.Thread(target=appender)
+    for t in [*threads, writer]:
+        t.start()
+    log.delete_segment(doomed)
+    for t in threads:
+        t.join()
+    stop.set()
+    writer.join()
+    assert not errors, errors
+    assert log.direct_read_bytes > 0
+    log.close()
+    assert len(os.listdir("/proc/self/fd")) == fds_before
