@@ -636,18 +636,10 @@ class NvmeLog:
         yet, or hinted), a kernel without cachestat, a file system without O_DIRECT, or
         bytes that do not check (then the caller reads through the page cache, and raises
         if they still do not). See docs/design.md, "Big log reads bypass the page cache"."""
+        if not self._direct_shape(seg, records):
+            return False
         first, last = records[0][1], records[-1][1]
         end = last.offset + HEADER.size + last.length
-        if (
-            not self.direct_reads
-            or first.length < DIRECT_READ_MIN_BYTES
-            or end - first.offset > DIRECT_READ_MAX_BYTES + HEADER.size * len(records)
-            or any(
-                loc.segment != seg.segment or loc.offset != prev.offset + HEADER.size + prev.length
-                for (_k, prev), (_key, loc) in itertools.pairwise(records)
-            )
-        ):
-            return False
         cached = cached_pages(seg.fd, first.offset, end - first.offset)
         if cached is None:
             self.direct_reads = False
@@ -687,6 +679,21 @@ class NvmeLog:
         finally:
             view.release()
             self._give_read_stage(stage)
+
+    def _direct_shape(self, seg: _Segment, records: Sequence[tuple[BlockKey, LogLocation]]) -> bool:
+        """Whether `_read_direct` may read these records, by their places alone: direct
+        reads on, the first big, each starting where the one before ends in `seg`, no
+        more than DIRECT_READ_MAX_BYTES of payload."""
+        first, last = records[0][1], records[-1][1]
+        return (
+            self.direct_reads
+            and first.length >= DIRECT_READ_MIN_BYTES
+            and last.offset + last.length - first.offset <= DIRECT_READ_MAX_BYTES + HEADER.size * (len(records) - 1)
+            and all(
+                loc.segment == seg.segment and loc.offset == prev.offset + HEADER.size + prev.length
+                for (_k, prev), (_key, loc) in itertools.pairwise(records)
+            )
+        )
 
     def _direct_read_fd(self, seg: _Segment) -> int:
         """The segment's O_DIRECT read descriptor, opened at the first use; -1 where the
@@ -741,8 +748,8 @@ class NvmeLog:
                 spans.append([i])
             for span in spans:
                 seg = held[records[span[0]][1].segment]
-                if seg is not None and len(span) == 1:
-                    loc = records[span[0]][1]
+                if seg is not None and len(span) == 1 and not self._direct_shape(seg, [records[span[0]]]):
+                    loc = records[span[0]][1]  # (big ones out of the page cache are read with O_DIRECT)
                     os.posix_fadvise(seg.fd, loc.offset, HEADER.size + loc.length, os.POSIX_FADV_WILLNEED)
             for span in spans:
                 if len(span) == 1:
@@ -789,7 +796,7 @@ class NvmeLog:
         runs: list[tuple[int, int, int]] = []  # segment, start, end
         for loc in sorted(locations):
             if self.direct_reads and DIRECT_READ_MIN_BYTES <= loc.length <= DIRECT_READ_MAX_BYTES:
-                continue  # read with O_DIRECT at its turn: a hint would only fill the page cache
+                continue  # read with O_DIRECT at its turn (`_direct_shape`): a hint would only fill the page cache
             end = loc.offset + HEADER.size + loc.length
             if runs and runs[-1][0] == loc.segment and 0 <= loc.offset - runs[-1][2] <= SPAN_GAP_BYTES:
                 runs[-1] = (loc.segment, runs[-1][1], end)
@@ -819,6 +826,12 @@ class NvmeLog:
         first, last = span[0][1], span[-1][1]
         if seg is None:
             raise Corrupted(f"log: segment {first.segment} of {span[0][0]} is gone")
+        if self._direct_shape(seg, span):
+            payloads = [unzeroed(loc.length) for _key, loc in span]  # filled whole if it reads directly
+            if self._read_direct(seg, span, payloads):
+                for position, payload in zip(positions, payloads, strict=True):
+                    out[position] = payload
+                return
         start = first.offset
         size = last.offset + HEADER.size + last.length - start
         if 3 * len(span) <= IOV_MAX:

@@ -640,3 +640,36 @@ def test_direct_reads_from_many_threads_while_appends_go_on_and_segments_go(
     assert log.direct_read_bytes > 0
     log.close()
     assert len(os.listdir("/proc/self/fd")) == fds_before
+
+
+def test_read_many_reads_big_neighbours_and_big_singles_out_of_the_page_cache_with_o_direct(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's cold blocks (a dataset stream loading whole blocks, a replay draw of big
+    items): spans of neighbours in one direct read each, scattered ones each in their
+    own, none of them hinted into the page cache first."""
+    log = direct_log(tmp_path, monkeypatch)
+    near = log.append_many([(BlockKey(8, i), bytes([i + 1]) * 12_000) for i in range(4)])
+    log.append(BlockKey(9, 0), b"between" * 20_000)  # 140 KB of something else
+    far = log.append(BlockKey(8, 9), b"f" * 20_000)
+    evicted(log)
+    hinted: list[int] = []
+    real_fadvise = os.posix_fadvise
+
+    def counted(fd: int, offset: int, length: int, advice: int) -> None:
+        hinted.append(offset)
+        real_fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(nvme_log.os, "posix_fadvise", counted)
+    wanted = [(BlockKey(8, i), near[i]) for i in (2, 0, 1, 3)] + [(BlockKey(8, 9), far)]
+    got = log.read_many(wanted)
+    assert [bytes(p) for p in got] == [bytes([i + 1]) * 12_000 for i in (2, 0, 1, 3)] + [b"f" * 20_000]
+    assert log.direct_read_bytes == 4 * 12_000 + 20_000
+    assert not hinted
+    with open(tmp_path / segment_name(near[1].segment), "r+b") as f:  # damage one record of the span
+        f.seek(near[1].offset + HEADER.size + 5)
+        f.write(b"\x00")
+    evicted(log)
+    with pytest.raises(Corrupted, match="crc32c mismatch"):
+        log.read_many(wanted)
+    log.close()
