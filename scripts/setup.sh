@@ -29,6 +29,8 @@ command -v getfattr >/dev/null 2>&1 || need_apt+=(attr)
 command -v systemd-analyze >/dev/null 2>&1 || need_apt+=(systemd)
 # mount(8)/umount(8) run the fstab helpers; util-linux's mount comes with Debian
 command -v mount >/dev/null 2>&1 || need_apt+=(mount)
+# fincore: a test counts the log's pages in the page cache after a cold read
+command -v fincore >/dev/null 2>&1 || need_apt+=(util-linux-extra)
 # etcd: the cluster tests start a real etcd server on loopback (multi-node mode's registry)
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 "$PYTHON" -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \

@@ -188,6 +188,51 @@ def test_a_checkpoint_3x_the_dram_budget_waits_for_the_log_and_reads_back(mount_
     assert mount.unmount() == 0
 
 
+def test_a_cold_read_after_a_remount_reads_the_log_with_o_direct_and_keeps_no_copy_of_it_cached(
+    mount_factory: MountFactory,
+) -> None:
+    """A file of 24 MiB written, the daemon remounted, the log's pages dropped from the
+    page cache (as after a while): read in order with `cat`, the bytes come back, the
+    blocks came from the log with O_DIRECT (status), and the log's files have no page in
+    the page cache afterwards (`fincore`)."""
+    mount = mount_factory()
+    path = mount.path / "checkpoints" / "cold.bin"
+    payload = np.random.default_rng(11).integers(0, 255, size=24 << 20, dtype=np.uint8).tobytes()
+    path.write_bytes(payload)
+    wait_durable(path)
+    assert mount.unmount() == 0
+    segments = sorted((mount.data_dir / "log").glob("seg-*.log"))
+    assert segments
+
+    def drop_log_pages() -> None:
+        for segment in segments:
+            fd = os.open(segment, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    def log_pages_cached() -> int:  # fincore (util-linux): bytes of each file in the page cache
+        done = subprocess.run(
+            ["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *map(str, segments)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return sum(int(line) for line in done.stdout.split())
+
+    mount = mount_factory()  # (its start-up scans the newest segment through the page cache)
+    path = mount.path / "checkpoints" / "cold.bin"
+    drop_log_pages()
+    done = subprocess.run(["cat", str(path)], capture_output=True, check=True)
+    assert done.stdout == payload
+    blocks = mount.status()["blocks"]
+    assert isinstance(blocks, dict)
+    assert blocks["log_direct_read_bytes"] >= 20 << 20
+    assert log_pages_cached() == 0
+    assert mount.unmount() == 0
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 48 MiB tmpfs for the data dir (a full disk on demand). Needs root to mount."""
