@@ -649,6 +649,19 @@ async def test_gather_copies_every_range_and_says_which_were_not_all_from_cached
     await store.close()
 
 
+async def read_in_order(store: BlockStore, blocks: int) -> None:
+    """Read owner 3's blocks (of `cold_file`) one after the other with the prefetcher
+    running, checking each one's bytes."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(store.run_prefetcher)
+        for i in range(blocks):
+            data = await store.read_range(3, i * BLOCK, BLOCK, blocks * BLOCK)
+            assert bytes(data) == bytes([i]) * BLOCK
+            del data
+            await trio.sleep(0.001)  # let the prefetcher run between reads, as a reader's wait would
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_sequential_reader_has_each_block_hinted_and_loaded_ahead_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -661,15 +674,7 @@ async def test_a_sequential_reader_has_each_block_hinted_and_loaded_ahead_once(
         return real_will_need(locations)
 
     monkeypatch.setattr(store._log, "will_need", counted)
-    length = 60 * BLOCK
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(store.run_prefetcher)
-        for i in range(60):
-            data = await store.read_range(3, i * BLOCK, BLOCK, length)
-            assert bytes(data) == bytes([i]) * BLOCK
-            del data
-            await trio.sleep(0.001)  # let the prefetcher run between reads, as a reader's wait would
-        nursery.cancel_scope.cancel()
+    await read_in_order(store, blocks=60)
     assert hinted, "a sequential reader's next blocks are hinted"
     assert len(hinted) == len(set(hinted)), "a block was hinted (and queued) again while still waiting"
     await store.close()
@@ -697,15 +702,7 @@ async def test_a_sequential_reader_of_blocks_out_of_the_page_cache_loads_them_in
         return real_read_run(records, into)
 
     monkeypatch.setattr(store._log, "read_run", counted)
-    length = 60 * BLOCK
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(store.run_prefetcher)
-        for i in range(60):
-            data = await store.read_range(3, i * BLOCK, BLOCK, length)
-            assert bytes(data) == bytes([i]) * BLOCK
-            del data
-            await trio.sleep(0.001)
-        nursery.cancel_scope.cancel()
+    await read_in_order(store, blocks=60)
     assert max(runs) == 4, runs
     assert runs.count(4) >= 10, runs
     stats = store.statistics()
