@@ -131,6 +131,13 @@ def _close_files(seg: _Segment) -> None:
     os.close(seg.fd)
 
 
+def _close_stage(stage: mmap.mmap) -> None:
+    """Unmap an aligned buffer; one still viewed (by a failed read's traceback that
+    something keeps) is left to go with its last view instead of failing the close."""
+    with contextlib.suppress(BufferError):
+        stage.close()
+
+
 class _CacheStat(ctypes.Structure):  # struct cachestat (linux/mman.h)
     _fields_ = [(name, ctypes.c_uint64) for name in ("cache", "dirty", "writeback", "evicted", "recently_evicted")]
 
@@ -655,7 +662,16 @@ class NvmeLog:
         stage = self._take_read_stage()
         view = memoryview(stage)
         try:
-            if size > len(stage) or os.preadv(fd, [view[:size]], start) < end - start:
+            try:
+                got = os.preadv(fd, [view[:size]], start) if size <= len(stage) else 0
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                # a device whose blocks are bigger than DIRECT_ALIGN: the page cache from now on
+                log.warning("log %s: O_DIRECT read refused (%s): reads go through the page cache", seg.path, str(exc))
+                self.direct_reads = False
+                return False
+            if got < end - start:
                 return False  # short: the page cache path says what is wrong
             for (key, location), buf in zip(records, out, strict=True):
                 at = location.offset - start
@@ -720,7 +736,7 @@ class NvmeLog:
             if len(self._read_stages) < READ_STAGES_KEPT:
                 self._read_stages.append(stage)
                 return
-        stage.close()
+        _close_stage(stage)
 
     def read_many(self, records: Sequence[tuple[BlockKey, LogLocation]]) -> list[bytearray]:
         """`read` of many records. Records that lie close together in one segment (a
@@ -1057,7 +1073,7 @@ class NvmeLog:
             self._segments.clear()
             self._active = None
             for stage in self._stages + self._read_stages:
-                stage.close()
+                _close_stage(stage)
             self._stages = []
             self._read_stages = []
             if self._direct_writer is not None:

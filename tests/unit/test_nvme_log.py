@@ -673,3 +673,49 @@ def test_read_many_reads_big_neighbours_and_big_singles_out_of_the_page_cache_wi
     with pytest.raises(Corrupted, match="crc32c mismatch"):
         log.read_many(wanted)
     log.close()
+
+
+def test_a_direct_read_the_device_refuses_is_read_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device whose blocks are bigger than the alignment refuses the read (EINVAL, here
+    injected): that read and every later one go through the page cache."""
+    log = direct_log(tmp_path, monkeypatch)
+    location = log.append(BlockKey(10, 0), b"r" * 30_000)
+    evicted(log)
+    real_preadv = os.preadv
+
+    def refusing(fd: int, buffers: list[memoryview], offset: int, *flags: int) -> int:
+        if fd == log._segments[location.segment].read_direct_fd:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(nvme_log.os, "preadv", refusing)
+    assert bytes(log.read(location, BlockKey(10, 0))) == b"r" * 30_000
+    assert not log.direct_reads
+    assert log.direct_read_bytes == 0
+    log.close()
+
+
+def test_a_direct_read_that_fails_raises_and_the_log_still_closes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An I/O error of the device (EIO, injected) fails the read, not silently served
+    through the page cache; the traceback kept by the caller holds a view of the aligned
+    buffer, and closing the log still works."""
+    log = direct_log(tmp_path, monkeypatch)
+    location = log.append(BlockKey(11, 0), b"e" * 30_000)
+    evicted(log)
+    real_preadv = os.preadv
+
+    def failing(fd: int, buffers: list[memoryview], offset: int, *flags: int) -> int:
+        if fd == log._segments[location.segment].read_direct_fd:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_preadv(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(nvme_log.os, "preadv", failing)
+    with pytest.raises(OSError, match="Input/output error") as kept:
+        log.read(location, BlockKey(11, 0))
+    assert log.direct_reads
+    log.close()
+    del kept
