@@ -65,6 +65,7 @@ class BlockStatistics:
     flushed_bytes: int
     log_direct_write_bytes: int  # appended with O_DIRECT (docs/design.md, "Big log writes bypass the page cache")
     log_direct_read_bytes: int  # read with O_DIRECT (docs/design.md, "Big log reads bypass the page cache")
+    log_buffer_bytes: int  # the log's aligned buffers for those, kept for reuse (outside the DRAM budget)
     prefetched_blocks: int
     compacted_segments: int
     reclaimed_bytes: int
@@ -700,6 +701,7 @@ class BlockStore(ByteRanges, Compaction):
             flushed_bytes=self._flushed_bytes,
             log_direct_write_bytes=self._log.direct_bytes,
             log_direct_read_bytes=self._log.direct_read_bytes,
+            log_buffer_bytes=self._log.buffer_bytes,
             prefetched_blocks=self._prefetched,
             compacted_segments=self._compacted_segments,
             reclaimed_bytes=self._reclaimed_bytes,

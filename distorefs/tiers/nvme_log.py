@@ -725,6 +725,13 @@ class NvmeLog:
                     self.direct_reads = False
             return seg.read_direct_fd
 
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the aligned buffers the log keeps for its O_DIRECT writes and reads
+        (memory outside the DRAM budget)."""
+        with self._fd_lock:
+            return sum(len(stage) for stage in self._stages + self._read_stages)
+
     def _take_read_stage(self) -> mmap.mmap:
         with self._fd_lock:
             if self._read_stages:

@@ -513,6 +513,7 @@ def test_big_records_out_of_the_page_cache_are_read_with_o_direct_and_checked(
         assert got is spare
         assert spare[: len(payload)] == payload
     assert log.direct_read_bytes == sum(len(p) for p in payloads)
+    assert log.buffer_bytes == nvme_log.DIRECT_READ_MAX_BYTES + 16 * nvme_log.DIRECT_ALIGN  # one kept: reads in turn
     assert bytes(log.read(small, BlockKey(1, 99))) == b"small"  # under the minimum: the page cache
     assert log.direct_read_bytes == sum(len(p) for p in payloads)
     evicted(log)
