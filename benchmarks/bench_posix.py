@@ -245,7 +245,10 @@ def main() -> int:
                 for name, root in targets.items():
                     seconds = timed(lambda r=root: write_file(r / "big", size, payload))
                     samples.setdefault("seq_write_MBps", {}).setdefault(name, []).append(size / seconds / 1e6)
-                settle(fs.parent)  # the checkpoint just written persists in the background
+                    # The checkpoint just written persists in the background, and the disk's
+                    # page cache goes back to the disk: neither is timed with the next
+                    # target's write (the ceiling's wrote at 400 MB/s beside the persist).
+                    settle(fs.parent)
                 seconds = timed(lambda: write_file(tree / "big", size, payload))
                 samples.setdefault("seq_write_tree_MBps", {}).setdefault("distorefs", []).append(size / seconds / 1e6)
                 (tree / "big").unlink()
@@ -352,10 +355,37 @@ def main() -> int:
             f"\n(tmpfs wrote at {tmpfs_write:,.0f} MB/s, under {TMPFS_REAL_MBPS:,} MB/s: not its real speed here;"
             " do not quote the write ratios to tmpfs from this run)"
         )
+    warnings = unsteady_baselines(samples)
+    for line in warnings:
+        print(f"\n({line})")
     print(f"\n(medians of {args.repeats} runs for seq_write, hot_read, small files and cold_read)")
     if args.json:
-        Path(args.json).write_text(json.dumps({**results, "samples": samples, "repeats": args.repeats}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {**results, "samples": samples, "repeats": args.repeats, "baseline_warnings": warnings}, indent=2
+            )
+        )
     return 0
+
+
+UNSTEADY_SPREAD = 2.0  # a baseline whose rounds differ by more than this factor was not at its speed
+
+
+def unsteady_baselines(samples: dict[str, dict[str, list[float]]]) -> list[str]:
+    """A line for each baseline (ceiling, tmpfs, disk) whose rounds of one measure differ
+    by more than UNSTEADY_SPREAD: on this VM a round can run on memory new to its process
+    (or beside another target's background work) at a fraction of its speed, and a ratio
+    to such a median is no ratio to the baseline's real speed."""
+    lines = []
+    for metric, by_target in samples.items():
+        for name in ("ceiling", "tmpfs", "disk"):
+            rounds = by_target.get(name, [])
+            if len(rounds) > 1 and min(rounds) > 0 and max(rounds) / min(rounds) > UNSTEADY_SPREAD:
+                shown = ", ".join(f"{value:,.0f}" for value in rounds)
+                lines.append(
+                    f"{name}'s {metric} was unsteady (rounds {shown}): do not quote ratios to it from this run"
+                )
+    return lines
 
 
 def print_table(results: dict[str, dict[str, float]], can_drop: bool) -> None:
