@@ -431,10 +431,12 @@ class BlockStore(ByteRanges, Compaction):
                     except trio.WouldBlock:
                         break
                 # One hint for the whole run ahead: the kernel reads it in large requests
-                # while the loads below copy block by block out of its page cache.
+                # while the loads below copy block by block out of its page cache (not
+                # for the blocks the log reads with O_DIRECT: they go in runs below).
                 located = [(k, loc) for k in keys if (loc := self._index.get(k)) is not None]
-                if len(located) > 1:
-                    nursery.start_soon(self._hint, [loc for _k, loc in located])
+                hinted = [loc for _k, loc in located if not self._log.reads_directly(loc)]
+                if len(hinted) > 1:
+                    nursery.start_soon(self._hint, hinted)
                 for k in keys:
                     if self._index.get(k) is None:
                         self._prefetch_wanted.discard(k)  # a hole now, or gone: nothing to load

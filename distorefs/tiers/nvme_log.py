@@ -589,6 +589,11 @@ class NvmeLog:
             _check(header, payload, location, key)
         return out
 
+    def reads_directly(self, location: LogLocation) -> bool:
+        """Whether the record at `location` is read with O_DIRECT when it is not in the
+        page cache (so a WILLNEED hint for it would only fill the page cache)."""
+        return self.direct_reads and DIRECT_READ_MIN_BYTES <= location.length <= DIRECT_READ_MAX_BYTES
+
     def runs(self, records: Sequence[tuple[BlockKey, LogLocation]]) -> list[list[tuple[BlockKey, LogLocation]]]:
         """`records` cut, in their order, into runs that `read_run` reads with one read:
         big records each starting where the one before ends, DIRECT_READ_MAX_BYTES of
@@ -597,11 +602,11 @@ class NvmeLog:
         out: list[list[tuple[BlockKey, LogLocation]]] = []
         size = 0
         for key, loc in records:
-            if self.direct_reads and out and DIRECT_READ_MIN_BYTES <= loc.length:
+            if out and self.reads_directly(loc):
                 prev = out[-1][-1][1]
                 if (
                     loc.segment == prev.segment
-                    and prev.length >= DIRECT_READ_MIN_BYTES
+                    and self.reads_directly(prev)
                     and loc.offset == prev.offset + HEADER.size + prev.length
                     and size + loc.length <= DIRECT_READ_MAX_BYTES
                 ):
@@ -818,8 +823,8 @@ class NvmeLog:
         the reads that follow find them there. Returns the number of hints."""
         runs: list[tuple[int, int, int]] = []  # segment, start, end
         for loc in sorted(locations):
-            if self.direct_reads and DIRECT_READ_MIN_BYTES <= loc.length <= DIRECT_READ_MAX_BYTES:
-                continue  # read with O_DIRECT at its turn (`_direct_shape`): a hint would only fill the page cache
+            if self.reads_directly(loc):
+                continue  # read with O_DIRECT at its turn: a hint would only fill the page cache
             end = loc.offset + HEADER.size + loc.length
             if runs and runs[-1][0] == loc.segment and 0 <= loc.offset - runs[-1][2] <= SPAN_GAP_BYTES:
                 runs[-1] = (loc.segment, runs[-1][1], end)

@@ -702,7 +702,10 @@ async def test_a_sequential_reader_of_blocks_out_of_the_page_cache_loads_them_in
         return real_read_run(records, into)
 
     monkeypatch.setattr(store._log, "read_run", counted)
+    hints: list[int] = []
+    monkeypatch.setattr(store._log, "will_need", lambda locations: hints.append(len(locations)) or 0)
     await read_in_order(store, blocks=60)
+    assert not hints, "blocks read with O_DIRECT are not hinted into the page cache (nor a thread woken for it)"
     assert max(runs) == 4, runs
     assert runs.count(4) >= 10, runs
     stats = store.statistics()
