@@ -131,6 +131,12 @@ def _close_files(seg: _Segment) -> None:
     os.close(seg.fd)
 
 
+def _direct_span_bytes() -> int:
+    """How far one direct read may reach from its first record's start to its last's end:
+    what the aligned buffers hold, less the pages around it."""
+    return DIRECT_READ_MAX_BYTES + 8 * DIRECT_ALIGN
+
+
 def _close_stage(stage: mmap.mmap) -> None:
     """Unmap an aligned buffer; one still viewed (by a failed read's traceback that
     something keeps) is left to go with its last view instead of failing the close."""
@@ -702,16 +708,16 @@ class NvmeLog:
             self._give_read_stage(stage)
 
     def _direct_shape(self, seg: _Segment, records: Sequence[tuple[BlockKey, LogLocation]]) -> bool:
-        """Whether `_read_direct` may read these records, by their places alone: direct
-        reads on, the first big, each starting where the one before ends in `seg`, no
-        more than DIRECT_READ_MAX_BYTES of payload."""
+        """Whether `_read_direct` may read these records, by their places alone: the first
+        read directly (`reads_directly`), each after the one before in `seg` (neighbours,
+        or with a gap: a dataset's index records lie between its blocks), all within
+        `_direct_span_bytes` of the first's start."""
         first, last = records[0][1], records[-1][1]
         return (
-            self.direct_reads
-            and first.length >= DIRECT_READ_MIN_BYTES
-            and last.offset + last.length - first.offset <= DIRECT_READ_MAX_BYTES + HEADER.size * (len(records) - 1)
+            self.reads_directly(first)
+            and last.offset + HEADER.size + last.length - first.offset <= _direct_span_bytes()
             and all(
-                loc.segment == seg.segment and loc.offset == prev.offset + HEADER.size + prev.length
+                loc.segment == seg.segment and loc.offset >= prev.offset + HEADER.size + prev.length
                 for (_k, prev), (_key, loc) in itertools.pairwise(records)
             )
         )
@@ -766,10 +772,11 @@ class NvmeLog:
                     first = records[spans[-1][0]][1]
                     last = records[spans[-1][-1]][1]
                     end = last.offset + HEADER.size + last.length
+                    limit = _direct_span_bytes() if self.reads_directly(first) else SPAN_BYTES
                     if (
                         loc.segment == first.segment
                         and 0 <= loc.offset - end <= SPAN_GAP_BYTES
-                        and loc.offset + HEADER.size + loc.length - first.offset <= SPAN_BYTES
+                        and loc.offset + HEADER.size + loc.length - first.offset <= limit
                     ):
                         spans[-1].append(i)
                         continue

@@ -720,3 +720,37 @@ def test_a_direct_read_that_fails_raises_and_the_log_still_closes(
     assert log.direct_reads
     log.close()
     del kept
+
+
+def test_read_many_reads_big_records_with_small_records_between_them_in_one_direct_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dataset's blocks have its index records between them: a span of big records
+    with small gaps goes to the device as one direct read (the gaps read and skipped),
+    cut where it would pass the aligned buffer."""
+    log = direct_log(tmp_path, monkeypatch)
+    blocks: list[tuple[BlockKey, LogLocation, bytes]] = []
+    for i in range(8):
+        payload = bytes([i + 1]) * 15_000
+        blocks.append((BlockKey(12, i), log.append(BlockKey(12, i), payload), payload))
+        log.append(BlockKey(13, i), b"index %d" % i)  # a small record between two blocks
+    evicted(log)
+    reads: list[int] = []
+    real_preadv = os.preadv
+
+    def counted(fd: int, buffers: list[memoryview], offset: int, *flags: int) -> int:
+        reads.append(fd)
+        return real_preadv(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(nvme_log.os, "preadv", counted)
+    got = log.read_many([(key, location) for key, location, _payload in blocks])
+    assert [bytes(p) for p in got] == [payload for _key, _location, payload in blocks]
+    assert log.direct_read_bytes == 8 * 15_000
+    assert len(reads) == 2  # six blocks and their gaps reach 90 KB; a seventh would pass 96 KiB
+    with open(tmp_path / segment_name(blocks[7][1].segment), "r+b") as f:  # damage a block of the second span
+        f.seek(blocks[7][1].offset + HEADER.size + 9)
+        f.write(b"\x00")
+    evicted(log)
+    with pytest.raises(Corrupted, match="crc32c mismatch"):
+        log.read_many([(key, location) for key, location, _payload in blocks])
+    log.close()
