@@ -602,35 +602,32 @@ class NvmeLog:
 
     def runs(self, records: Sequence[tuple[BlockKey, LogLocation]]) -> list[list[tuple[BlockKey, LogLocation]]]:
         """`records` cut, in their order, into runs that `read_run` reads with one read:
-        big records each starting where the one before ends, DIRECT_READ_MAX_BYTES of
-        payload at most; every other record a run of its own (all of them where direct
-        reads are off)."""
+        big records in one segment, each after the one before with at most SPAN_GAP_BYTES
+        between them (other records written in between), all within `_direct_span_bytes`
+        of the first's start; every other record a run of its own (all of them where
+        direct reads are off)."""
         out: list[list[tuple[BlockKey, LogLocation]]] = []
-        size = 0
         for key, loc in records:
             if out and self.reads_directly(loc):
-                prev = out[-1][-1][1]
+                first, prev = out[-1][0][1], out[-1][-1][1]
                 if (
-                    loc.segment == prev.segment
-                    and self.reads_directly(prev)
-                    and loc.offset == prev.offset + HEADER.size + prev.length
-                    and size + loc.length <= DIRECT_READ_MAX_BYTES
+                    loc.segment == first.segment
+                    and self.reads_directly(first)
+                    and 0 <= loc.offset - (prev.offset + HEADER.size + prev.length) <= SPAN_GAP_BYTES
+                    and loc.offset + HEADER.size + loc.length - first.offset <= _direct_span_bytes()
                 ):
                     out[-1].append((key, loc))
-                    size += loc.length
                     continue
             out.append([(key, loc)])
-            size = loc.length
         return out
 
     def read_run(
         self, records: Sequence[tuple[BlockKey, LogLocation]], into: Sequence[bytearray | None]
     ) -> list[bytearray]:
         """`read` of each record, into `into[i]` where given (else a new buffer); with one
-        O_DIRECT read when they are neighbours in one segment (each starts where the one
-        before ends, as the blocks of one big append lie), not in the page cache, and
-        together no bigger than DIRECT_READ_MAX_BYTES: a sequential reader's prefetch
-        asks the device for a few MiB at once instead of one block at a time."""
+        O_DIRECT read when they make a run (`runs`: the blocks of one big append lie one
+        after the other) out of the page cache: a sequential reader's prefetch asks the
+        device for a few MiB at once instead of one block at a time."""
         out = [unzeroed(loc.length) if buf is None else buf for (_key, loc), buf in zip(records, into, strict=True)]
         seg = self._acquire(records[0][1].segment) if records else None
         if seg is not None:

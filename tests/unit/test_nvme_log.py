@@ -754,3 +754,33 @@ def test_read_many_reads_big_records_with_small_records_between_them_in_one_dire
     with pytest.raises(Corrupted, match="crc32c mismatch"):
         log.read_many([(key, location) for key, location, _payload in blocks])
     log.close()
+
+
+def test_runs_take_big_records_close_together_up_to_what_one_direct_read_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sequential reader's next blocks, cut into the runs the prefetcher reads with one
+    direct read each: neighbours and small gaps join, a small record, another segment,
+    a gap past 64 KiB or a run past the buffer start a new one; with direct reads off,
+    every record is a run of its own."""
+    log = direct_log(tmp_path, monkeypatch)
+    a = log.append_many([(BlockKey(14, i), b"a" * 20_000) for i in range(3)])
+    log.append(BlockKey(15, 0), b"note")  # a small record between blocks: a gap
+    b = log.append_many([(BlockKey(14, 3 + i), b"b" * 20_000) for i in range(3)])
+    log.append(BlockKey(15, 1), b"g" * 70_000)  # a gap past SPAN_GAP_BYTES
+    c = log.append(BlockKey(14, 6), b"c" * 20_000)
+    small = log.append(BlockKey(14, 7), b"s" * 100)
+    keyed = [(BlockKey(14, i), location) for i, location in enumerate([*a, *b, c, small])]
+    runs = log.runs(keyed)
+    # 96 KiB from the first's start: four blocks and the note fit, the fifth would not
+    assert [len(run) for run in runs] == [4, 2, 1, 1]
+    assert [key for run in runs for key, _loc in run] == [key for key, _loc in keyed]
+    got = log.read_run(runs[0], [None] * 4)
+    assert [bytes(p) for p in got] == [b"a" * 20_000] * 3 + [b"b" * 20_000]
+    evicted(log)
+    got = log.read_run(runs[0], [bytearray(30_000) for _ in range(4)])
+    assert [bytes(p[:20_000]) for p in got] == [b"a" * 20_000] * 3 + [b"b" * 20_000]
+    assert log.direct_read_bytes == 4 * 20_000
+    log.direct_reads = False
+    assert [len(run) for run in log.runs(keyed)] == [1] * len(keyed)
+    log.close()
