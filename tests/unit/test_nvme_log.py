@@ -487,6 +487,14 @@ def evicted(log: NvmeLog) -> None:
         os.posix_fadvise(seg.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
+def read_through_the_page_cache(log: NvmeLog, location: LogLocation, key: BlockKey, payload: bytes) -> None:
+    """The record reads back whole, and direct reads are off with none made: what every
+    refusal (no cachestat, no O_DIRECT, a device's EINVAL) must leave."""
+    assert bytes(log.read(location, key)) == payload
+    assert not log.direct_reads
+    assert log.direct_read_bytes == 0
+
+
 def direct_log(directory: Path, monkeypatch: pytest.MonkeyPatch) -> NvmeLog:
     small_direct_reads(monkeypatch)
     log = NvmeLog.open(str(directory))
@@ -565,9 +573,7 @@ def test_without_cachestat_or_o_direct_big_records_are_read_through_the_page_cac
     location = log.append(BlockKey(5, 0), b"k" * 30_000)
     evicted(log)
     monkeypatch.setattr(nvme_log, "cached_pages", lambda fd, offset, length: None)
-    assert bytes(log.read(location, BlockKey(5, 0))) == b"k" * 30_000
-    assert not log.direct_reads
-    assert log.direct_read_bytes == 0
+    read_through_the_page_cache(log, location, BlockKey(5, 0), b"k" * 30_000)
     assert log.will_need([location]) == 1  # read through the page cache: hinted again
     log.close()
     monkeypatch.undo()
@@ -582,9 +588,7 @@ def test_without_cachestat_or_o_direct_big_records_are_read_through_the_page_cac
 
     monkeypatch.setattr(nvme_log.os, "open", refusing_open)
     evicted(log)
-    assert bytes(log.read(location, BlockKey(5, 0))) == b"k" * 30_000
-    assert not log.direct_reads
-    assert log.direct_read_bytes == 0
+    read_through_the_page_cache(log, location, BlockKey(5, 0), b"k" * 30_000)
     log.close()
 
 
@@ -676,6 +680,19 @@ def test_read_many_reads_big_neighbours_and_big_singles_out_of_the_page_cache_wi
     log.close()
 
 
+def direct_reads_fail(monkeypatch: pytest.MonkeyPatch, log: NvmeLog, segment: int, code: int) -> None:
+    """Every read of `segment`'s O_DIRECT descriptor fails with `code` (a device's
+    refusal or error, injected); other reads go on."""
+    real_preadv = os.preadv
+
+    def failing(fd: int, buffers: list[memoryview], offset: int, *flags: int) -> int:
+        if fd == log._segments[segment].read_direct_fd:
+            raise OSError(code, os.strerror(code))
+        return real_preadv(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(nvme_log.os, "preadv", failing)
+
+
 def test_a_direct_read_the_device_refuses_is_read_through_the_page_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -684,17 +701,8 @@ def test_a_direct_read_the_device_refuses_is_read_through_the_page_cache(
     log = direct_log(tmp_path, monkeypatch)
     location = log.append(BlockKey(10, 0), b"r" * 30_000)
     evicted(log)
-    real_preadv = os.preadv
-
-    def refusing(fd: int, buffers: list[memoryview], offset: int, *flags: int) -> int:
-        if fd == log._segments[location.segment].read_direct_fd:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_preadv(fd, buffers, offset, *flags)
-
-    monkeypatch.setattr(nvme_log.os, "preadv", refusing)
-    assert bytes(log.read(location, BlockKey(10, 0))) == b"r" * 30_000
-    assert not log.direct_reads
-    assert log.direct_read_bytes == 0
+    direct_reads_fail(monkeypatch, log, location.segment, errno.EINVAL)
+    read_through_the_page_cache(log, location, BlockKey(10, 0), b"r" * 30_000)
     log.close()
 
 
@@ -707,14 +715,7 @@ def test_a_direct_read_that_fails_raises_and_the_log_still_closes(
     log = direct_log(tmp_path, monkeypatch)
     location = log.append(BlockKey(11, 0), b"e" * 30_000)
     evicted(log)
-    real_preadv = os.preadv
-
-    def failing(fd: int, buffers: list[memoryview], offset: int, *flags: int) -> int:
-        if fd == log._segments[location.segment].read_direct_fd:
-            raise OSError(errno.EIO, "Input/output error")
-        return real_preadv(fd, buffers, offset, *flags)
-
-    monkeypatch.setattr(nvme_log.os, "preadv", failing)
+    direct_reads_fail(monkeypatch, log, location.segment, errno.EIO)
     with pytest.raises(OSError, match="Input/output error") as kept:
         log.read(location, BlockKey(11, 0))
     assert log.direct_reads
