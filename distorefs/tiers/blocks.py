@@ -21,8 +21,9 @@ docs/concurrency.md.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -280,19 +281,12 @@ class BlockStore(ByteRanges, Compaction):
             if block is None and key in self._index and key not in self._loading:
                 cold[key] = self._index[key]
         if cold:
-            done = trio.Event()
-            for key in cold:
-                self._loading[key] = done
-            try:
+            with self._loading_keys(cold):
                 loaded = await self._read_remote(cold)
                 from_log = [(k, loc) for k, loc in cold.items() if k not in loaded]
                 if from_log:
                     payloads = await self._read_many(from_log)
                     loaded.update(zip((k for k, _loc in from_log), payloads, strict=True))
-            finally:
-                for key in cold:
-                    del self._loading[key]
-                done.set()
             positions: dict[BlockKey, list[int]] = {}
             for i, key in enumerate(keys):
                 positions.setdefault(key, []).append(i)
@@ -344,16 +338,28 @@ class BlockStore(ByteRanges, Compaction):
         if pending is not None:
             await pending.wait()
             return None
-        done = self._loading[key] = trio.Event()
-        try:
+        with self._loading_keys([key]):
             payload = (await self._read_remote({key: location})).get(key)
             if payload is None:
                 spare = self._dram.take_spare(location.length)
                 payload = await trio.to_thread.run_sync(self._log.read, location, key, spare, limiter=self._io_limiter)
-        finally:
-            del self._loading[key]
-            done.set()
         return self._cache_loaded(key, location, payload, transient, reads=0 if prefetched else 1)
+
+    @contextlib.contextmanager
+    def _loading_keys(self, keys: Iterable[BlockKey]) -> Iterator[None]:
+        """While the body reads `keys` from the log (or a peer), a `get` of any of them
+        waits for it instead of reading it again; all are released together, also when
+        the read fails."""
+        keys = list(keys)
+        done = trio.Event()
+        for key in keys:
+            self._loading[key] = done
+        try:
+            yield
+        finally:
+            for key in keys:
+                del self._loading[key]
+            done.set()
 
     async def _read_remote(self, cold: dict[BlockKey, LogLocation]) -> dict[BlockKey, bytearray]:
         """The blocks of `cold` that the remote memory tier has as those records."""
@@ -453,16 +459,9 @@ class BlockStore(ByteRanges, Compaction):
             for key, location in records:
                 await self._load(key, location, transient=True, prefetched=True)
             return
-        done = trio.Event()
-        for key, _location in records:
-            self._loading[key] = done
-        try:
+        with self._loading_keys([key for key, _location in records]):
             spares = [self._dram.take_spare(location.length) for _key, location in records]
             payloads = await trio.to_thread.run_sync(self._log.read_run, records, spares, limiter=self._io_limiter)
-        finally:
-            for key, _location in records:
-                del self._loading[key]
-            done.set()
         for (key, location), payload in zip(records, payloads, strict=True):
             self._cache_loaded(key, location, payload, transient=True, reads=0)
 
