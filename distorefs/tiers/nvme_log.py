@@ -137,6 +137,17 @@ def _direct_span_bytes() -> int:
     return DIRECT_READ_MAX_BYTES + 8 * DIRECT_ALIGN
 
 
+def _joins(first: LogLocation, prev: LogLocation, loc: LogLocation, limit: int) -> bool:
+    """Whether the record at `loc` joins a span of records from `first` to `prev`, to be
+    read with them in one read: in the same segment, at most SPAN_GAP_BYTES after the
+    end of `prev`, and the span then no longer than `limit` bytes from `first`'s start."""
+    return (
+        loc.segment == first.segment
+        and 0 <= loc.offset - (prev.offset + HEADER.size + prev.length) <= SPAN_GAP_BYTES
+        and loc.offset + HEADER.size + loc.length - first.offset <= limit
+    )
+
+
 def _close_stage(stage: mmap.mmap) -> None:
     """Unmap an aligned buffer; one still viewed (by a failed read's traceback that
     something keeps) is left to go with its last view instead of failing the close."""
@@ -610,12 +621,7 @@ class NvmeLog:
         for key, loc in records:
             if out and self.reads_directly(loc):
                 first, prev = out[-1][0][1], out[-1][-1][1]
-                if (
-                    loc.segment == first.segment
-                    and self.reads_directly(first)
-                    and 0 <= loc.offset - (prev.offset + HEADER.size + prev.length) <= SPAN_GAP_BYTES
-                    and loc.offset + HEADER.size + loc.length - first.offset <= _direct_span_bytes()
-                ):
+                if self.reads_directly(first) and _joins(first, prev, loc, _direct_span_bytes()):
                     out[-1].append((key, loc))
                     continue
             out.append([(key, loc)])
@@ -651,7 +657,7 @@ class NvmeLog:
         yet, or hinted), a kernel without cachestat, a file system without O_DIRECT, or
         bytes that do not check (then the caller reads through the page cache, and raises
         if they still do not). See docs/design.md, "Big log reads bypass the page cache"."""
-        if not self._direct_shape(seg, records):
+        if not self._direct_shape(records):
             return False
         first, last = records[0][1], records[-1][1]
         end = last.offset + HEADER.size + last.length
@@ -704,19 +710,16 @@ class NvmeLog:
             view.release()
             self._give_read_stage(stage)
 
-    def _direct_shape(self, seg: _Segment, records: Sequence[tuple[BlockKey, LogLocation]]) -> bool:
-        """Whether `_read_direct` may read these records, by their places alone: the first
-        read directly (`reads_directly`), each after the one before in `seg` (neighbours,
-        or with a gap: a dataset's index records lie between its blocks), all within
-        `_direct_span_bytes` of the first's start."""
-        first, last = records[0][1], records[-1][1]
-        return (
-            self.reads_directly(first)
-            and last.offset + HEADER.size + last.length - first.offset <= _direct_span_bytes()
-            and all(
-                loc.segment == seg.segment and loc.offset >= prev.offset + HEADER.size + prev.length
-                for (_k, prev), (_key, loc) in itertools.pairwise(records)
-            )
+    def _direct_shape(self, records: Sequence[tuple[BlockKey, LogLocation]]) -> bool:
+        """Whether `_read_direct` may read these records, by their places alone:
+        the first read directly (`reads_directly`), each joining the span before it as
+        `runs` and `read_many` join them (neighbours, or a small gap: a dataset's index
+        records lie between its blocks), all within `_direct_span_bytes` of the first's
+        start."""
+        first = records[0][1]
+        limit = _direct_span_bytes()
+        return self.reads_directly(first) and all(
+            _joins(first, prev, loc, limit) for (_k, prev), (_key, loc) in itertools.pairwise(records)
         )
 
     def _direct_read_fd(self, seg: _Segment) -> int:
@@ -767,21 +770,16 @@ class NvmeLog:
                 loc = records[i][1]
                 if spans:
                     first = records[spans[-1][0]][1]
-                    last = records[spans[-1][-1]][1]
-                    end = last.offset + HEADER.size + last.length
                     limit = _direct_span_bytes() if self.reads_directly(first) else SPAN_BYTES
-                    if (
-                        loc.segment == first.segment
-                        and 0 <= loc.offset - end <= SPAN_GAP_BYTES
-                        and loc.offset + HEADER.size + loc.length - first.offset <= limit
-                    ):
+                    if _joins(first, records[spans[-1][-1]][1], loc, limit):
                         spans[-1].append(i)
                         continue
                 spans.append([i])
             for span in spans:
                 seg = held[records[span[0]][1].segment]
-                if seg is not None and len(span) == 1 and not self._direct_shape(seg, [records[span[0]]]):
-                    loc = records[span[0]][1]  # (big ones out of the page cache are read with O_DIRECT)
+                loc = records[span[0]][1]
+                if seg is not None and len(span) == 1 and not self.reads_directly(loc):
+                    # (big ones out of the page cache are read with O_DIRECT: no hint for them)
                     os.posix_fadvise(seg.fd, loc.offset, HEADER.size + loc.length, os.POSIX_FADV_WILLNEED)
             for span in spans:
                 if len(span) == 1:
@@ -858,7 +856,7 @@ class NvmeLog:
         first, last = span[0][1], span[-1][1]
         if seg is None:
             raise Corrupted(f"log: segment {first.segment} of {span[0][0]} is gone")
-        if self._direct_shape(seg, span):
+        if self._direct_shape(span):
             payloads = [unzeroed(loc.length) for _key, loc in span]  # filled whole if it reads directly
             if self._read_direct(seg, span, payloads):
                 for position, payload in zip(positions, payloads, strict=True):
