@@ -66,7 +66,6 @@ from distorefs.stores.replay.mirror import (
     Mirror,
     add_at,
     batch_repeats,
-    compiled_positions,
     stride_for,
 )
 from distorefs.stores.replay.rate_limiter import RateLimiter
@@ -944,7 +943,9 @@ class ReplayBuffer:
         counts = COUNTS.module
         if counts is not None and not self._remover.removes and slots.dtype == indices.dtype == np.int64:
             # one compiled pass: count each item still here (counts_jit.py)
-            counts.count_live(self._times, self._slot_index, compiled_positions(slots), compiled_positions(indices))
+            counts.count_live(
+                self._times, self._slot_index, compiled_array(slots, np.int64), compiled_array(indices, np.int64)
+            )
         else:
             still = self._slot_index[slots] == indices  # not left while the batch was read
             if not still.all():

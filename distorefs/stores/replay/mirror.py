@@ -64,13 +64,6 @@ def load_compiled() -> bool:
     return COUNTS.load()
 
 
-def compiled_positions(positions: np.ndarray) -> np.ndarray:
-    """An int64 array as the compiled counts take it: contiguous and writable (numba
-    types a read-only array apart, such as one `np.frombuffer` made of a peer's bytes,
-    and would refuse it); a copy only where it is not."""
-    return compiled_array(positions, np.int64)
-
-
 def batch_repeats(positions: np.ndarray) -> bool | None:
     """`repeats` for a drawn batch's one look, or None (not looked) where the compiled
     counts run, which need no look; `add_at` looks itself if it must."""
@@ -87,7 +80,7 @@ def add_at(target: np.ndarray, positions: np.ndarray, delta: int, repeated: bool
     count and its release), saves looking again."""
     jit = COUNTS.module
     if jit is not None and positions.dtype == np.int64 and target.dtype in _COMPILED_TARGETS:
-        if not jit.add_at(target, compiled_positions(positions), delta):
+        if not jit.add_at(target, compiled_array(positions, np.int64), delta):
             raise IndexError(f"a position outside 0..{len(target) - 1}; none added")
         return
     if len(positions) and (positions.min() < 0 or positions.max() >= len(target)):
@@ -246,7 +239,7 @@ class Mirror:
         jit = COUNTS.module
         if jit is not None and arena_slots.dtype == np.int64:
             idle = np.empty(len(arena_slots), dtype=np.int64)
-            found = jit.release(self.refs, self.index, compiled_positions(arena_slots), idle)
+            found = jit.release(self.refs, self.index, compiled_array(arena_slots, np.int64), idle)
             if found:  # (rare: an item left while a batch held it)
                 self._free.extend(np.unique(idle[:found]).tolist())
             return
