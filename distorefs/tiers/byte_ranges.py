@@ -109,8 +109,30 @@ class ByteRanges(BlockTierBase):
             if block is not None:
                 await self.put(BlockKey(target, key.number), memoryview(block.buf)[: block.length])
 
+    def log_locations(self, owner: int) -> list[LogLocation]:
+        """Where `owner`'s blocks lie in the log, in log order (blocks cached in DRAM
+        left out): for `will_need`."""
+        index = self._index
+        return sorted(
+            location
+            for number in index.numbers(owner)
+            if (location := index.get(BlockKey(owner, number))) is not None
+            and self._dram.peek(BlockKey(owner, number)) is None
+        )
+
+    async def will_need(self, locations: list[LogLocation]) -> None:
+        """Have the kernel read these log records into its page cache, in the background
+        (NvmeLog.will_need, from a worker thread: the hints queue the reads and return)."""
+        await trio.to_thread.run_sync(self._log.will_need, locations, True)
+
     async def gather(
-        self, owner: int, starts: np.ndarray, lengths: np.ndarray, out: Writable, out_starts: np.ndarray
+        self,
+        owner: int,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        out: Writable,
+        out_starts: np.ndarray,
+        read_ahead: bool = True,
     ) -> np.ndarray:
         """Copy the ranges `[starts[i], starts[i] + lengths[i])` of `owner`'s content into
         `out` at `out_starts[i]`, without caching what comes from the log (a stream's
@@ -120,7 +142,8 @@ class ByteRanges(BlockTierBase):
         Ranges in blocks cached in DRAM are copied from there (checked when they were
         loaded, or the bytes as written), in one compiled copy (copy_ranges.py). In a block
         that many ranges touch, one span covering them is read; other ranges are read one
-        by one, straight into `out`, with many in flight. Log reads skip the record checks
+        by one, straight into `out`, with many in flight (`read_ahead`: hinted ahead of
+        the reads; not when the caller has had the records hinted). Log reads skip the record checks
         (parts of a record are read): the caller checks those ranges. Holes leave `out` as
         it was there, and count as unchecked. One worker-thread trip for the whole
         gather.
@@ -194,9 +217,9 @@ class ByteRanges(BlockTierBase):
 
         def work() -> list[int]:
             copy_ranges(sources, c_source, c_inner, c_length, out, c_at)
-            gone = self._log.read_ranges(p_segment, p_offset, m_length[direct], out, m_at[direct])
+            gone = self._log.read_ranges(p_segment, p_offset, m_length[direct], out, m_at[direct], read_ahead)
             gone = [int(direct[i]) for i in gone]
-            gone_spans = set(self._log.read_ranges(s_segment, s_offset, s_length, scratch, s_at))
+            gone_spans = set(self._log.read_ranges(s_segment, s_offset, s_length, scratch, s_at, read_ahead))
             for k, (_location, low, _size, mine) in enumerate(spans):
                 if k in gone_spans:
                     gone += mine.tolist()

@@ -56,6 +56,7 @@ import numpy as np
 
 from distorefs.errors import Corrupted, StoreFull
 from distorefs.memory import unzeroed
+from distorefs.tiers.copy_ranges import pread_ranges
 from distorefs.types import BlockKey, LogLocation, Writable
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
 RESERVE_NAME = "reserve"  # ballast that keeps room for compaction on a full disk
 SCAN_CHUNK_BYTES = 8 * 1024 * 1024
 NOTE_NUMBERS = 1 << 62  # records with an index from here on are notes, not blocks (tiers/writeback.py)
+HINT_BYTES = 1 << 20  # WILLNEED reads at most the device's read-ahead (8 MiB here, 128 KiB-1 MiB elsewhere)
 READ_AHEAD_PARTS = 128  # read_ranges keeps this many small reads hinted ahead (measured: 64-512 alike)
 DIRECT_MIN_BYTES = 4 * 1024 * 1024  # appends of at least this much are written with O_DIRECT
 DIRECT_ALIGN = 4096  # offsets, lengths and memory of O_DIRECT writes are multiples of this
@@ -819,13 +821,13 @@ class NvmeLog:
             _check(header, payload, loc, key)
             out[position] = payload
 
-    def will_need(self, locations: Sequence[LogLocation]) -> int:
+    def will_need(self, locations: Sequence[LogLocation], direct_too: bool = False) -> int:
         """Ask the kernel to read these records into its page cache now, in the
         background (posix_fadvise WILLNEED), one hint per run of neighbouring records:
         the reads that follow find them there. Returns the number of hints."""
         runs: list[tuple[int, int, int]] = []  # segment, start, end
         for loc in sorted(locations):
-            if self.reads_directly(loc):
+            if not direct_too and self.reads_directly(loc):
                 continue  # read with O_DIRECT at its turn: a hint would only fill the page cache
             end = loc.offset + HEADER.size + loc.length
             if runs and runs[-1][0] == loc.segment and 0 <= loc.offset - runs[-1][2] <= SPAN_GAP_BYTES:
@@ -838,7 +840,8 @@ class NvmeLog:
             if seg is None:
                 continue  # deleted meanwhile (compaction): nothing to read ahead
             try:
-                os.posix_fadvise(seg.fd, start, end - start, os.POSIX_FADV_WILLNEED)
+                for at in range(start, end, HINT_BYTES):
+                    os.posix_fadvise(seg.fd, at, min(HINT_BYTES, end - at), os.POSIX_FADV_WILLNEED)
                 hints += 1
             finally:
                 self._release(seg)
@@ -885,6 +888,7 @@ class NvmeLog:
         lengths: np.ndarray,
         out: Writable,
         out_at: np.ndarray,
+        read_ahead: bool = True,
     ) -> list[int]:
         """Read byte ranges of record payloads straight into `out`: range i is `lengths[i]`
         bytes of segment `segments[i]` at `offsets[i]` bytes into the payload of the record
@@ -892,40 +896,43 @@ class NvmeLog:
         them in log order (by segment, then offset).
 
         The records' own checks are skipped (only parts of them are read): the caller
-        checks what it reads (dataset records carry their own crc32c). The kernel gets a
-        WILLNEED hint READ_AHEAD_PARTS ranges ahead of each read, so many small random
-        reads are in flight on the device at once. Returns the positions of the ranges
-        whose segment was gone (compacted meanwhile): the caller reads those another way.
+        checks what it reads (dataset records carry their own crc32c). With `read_ahead`,
+        the kernel gets a WILLNEED hint READ_AHEAD_PARTS ranges ahead of each read, so many
+        small random reads are in flight on the device at once (without it: the caller
+        has had the records hinted, `will_need`). The reads are compiled where the
+        kernels are loaded (copy_ranges.pread_ranges), else a Python loop. Returns the
+        positions of the ranges whose segment was gone (compacted meanwhile): the caller
+        reads those another way.
         """
-        gone: list[int] = []
-        held = {segment: self._acquire(segment) for segment in np.unique(segments).tolist()}
+        count = len(segments)
+        if count and (int(out_at.min()) < 0 or int((out_at + lengths).max()) > memoryview(out).nbytes):
+            raise AssertionError(f"read_ranges: a range lies outside the output's {memoryview(out).nbytes} bytes")
+        wanted = np.unique(segments)
+        held = {segment: self._acquire(segment) for segment in wanted.tolist()}
         try:
-            fds = {segment: seg.fd for segment, seg in held.items() if seg is not None}
-            rows = list(zip(segments.tolist(), (offsets + HEADER.size).tolist(), lengths.tolist(), strict=True))
+            fd_of = np.array([-1 if seg is None else seg.fd for seg in held.values()], dtype=np.int32)
+            fds = fd_of[np.searchsorted(wanted, segments)] if count else fd_of
+            at = offsets + HEADER.size
+            ahead = READ_AHEAD_PARTS if read_ahead else 0
+            first = pread_ranges(fds, at, lengths, out, out_at, ahead)
             view = memoryview(out)
-
-            def advise(k: int) -> None:
-                segment, at, n = rows[k]
-                fd = fds.get(segment)
-                if fd is not None:
-                    os.posix_fadvise(fd, at, n, os.POSIX_FADV_WILLNEED)
-
-            for k in range(min(READ_AHEAD_PARTS, len(rows))):
-                advise(k)
-            for i, ((segment, at, n), to) in enumerate(zip(rows, out_at.tolist(), strict=True)):
-                if i + READ_AHEAD_PARTS < len(rows):
-                    advise(i + READ_AHEAD_PARTS)
-                fd = fds.get(segment)
-                if fd is None:
-                    gone.append(i)
-                    continue
-                if os.preadv(fd, [view[to : to + n]], at) != n:
-                    raise Corrupted(f"log: short read of {n} bytes at {at} of segment {segment}")
+            rows = list(zip(fds.tolist(), at.tolist(), lengths.tolist(), out_at.tolist(), strict=True))
+            for k in range(first, min(first + ahead, count)):
+                if rows[k][0] >= 0:
+                    os.posix_fadvise(rows[k][0], rows[k][1], rows[k][2], os.POSIX_FADV_WILLNEED)
+            for i in range(first, count):
+                k = i + ahead
+                if ahead and k < count and rows[k][0] >= 0:
+                    os.posix_fadvise(rows[k][0], rows[k][1], rows[k][2], os.POSIX_FADV_WILLNEED)
+                fd, position, n, to = rows[i]
+                if fd >= 0 and os.preadv(fd, [view[to : to + n]], position) != n:
+                    segment = int(segments[i])
+                    raise Corrupted(f"log: short read of {n} bytes at {position} of segment {segment}")
         finally:
             for seg in held.values():
                 if seg is not None:
                     self._release(seg)
-        return gone
+        return np.flatnonzero(fds < 0).tolist()
 
     def _acquire(self, segment: int) -> _Segment | None:
         with self._fd_lock:

@@ -6,6 +6,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import crc32c
 import numpy as np
 import pytest
 import trio
@@ -18,6 +19,8 @@ from distorefs.tiers.dram import DramCache
 from distorefs.tiers.metadb import MetaDb
 from distorefs.tiers.nvme_log import NvmeLog
 from distorefs.types import BlockKey, LogLocation
+
+CRC32C = crc32c.crc32c  # taken before a test hides it
 
 BLOCK = 64 * 1024
 
@@ -649,6 +652,34 @@ async def test_gather_copies_every_range_and_says_which_were_not_all_from_cached
     await store.close()
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_first_bad_crc_names_the_first_range_whose_crc32c_differs(
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if compiled:
+        assert copy_ranges.load_compiled()
+        assert copy_ranges.KERNELS.module is not None
+        if copy_ranges.KERNELS.module.check is None:
+            pytest.skip("the crc32c package does not use its x86-64 hardware function here")
+        monkeypatch.setattr(crc32c, "crc32c", None)  # the compiled check must not need the Python call
+    else:
+        monkeypatch.setattr(copy_ranges.KERNELS, "module", None)
+    rng = np.random.default_rng(4)
+    data = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    lengths = rng.integers(0, 20_000, 200)  # some empty
+    lengths[::17] = 0
+    at = rng.integers(0, len(data) - lengths)
+    pieces = zip(at.tolist(), lengths.tolist(), strict=True)
+    crcs = np.array([CRC32C(data[a : a + n].tobytes()) for a, n in pieces], dtype=np.uint32)
+    assert copy_ranges.first_bad_crc(data, at, lengths, crcs) == -1
+    for bad in (0, 57, 199):
+        changed = crcs.copy()
+        changed[bad] ^= 1 << (bad % 32)
+        changed[bad + 1 :] ^= 1  # later ones wrong too: the first is named
+        assert copy_ranges.first_bad_crc(data, at, lengths, changed) == bad
+    assert copy_ranges.first_bad_crc(data, at[:0], lengths[:0], crcs[:0]) == -1
+
+
 async def read_in_order(store: BlockStore, blocks: int) -> None:
     """Read owner 3's blocks (of `cold_file`) one after the other with the prefetcher
     running, checking each one's bytes."""
@@ -744,10 +775,15 @@ async def test_gather_reads_again_through_the_index_what_compaction_moved_meanwh
     gone = 0
 
     def ranges_gone(
-        segments: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, out: bytearray, at: np.ndarray
+        segments: np.ndarray,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+        out: bytearray,
+        at: np.ndarray,
+        read_ahead: bool = True,
     ) -> list[int]:
         nonlocal gone
-        real_ranges(segments[::2], offsets[::2], lengths[::2], out, at[::2])
+        real_ranges(segments[::2], offsets[::2], lengths[::2], out, at[::2], read_ahead)
         gone += len(segments[1::2])
         return list(range(1, len(segments), 2))
 

@@ -13,13 +13,15 @@ import pytest
 import trio
 
 from distorefs.errors import DistorefsError
+from distorefs.stores.datasets import stream as stream_module
 from distorefs.stores.datasets.dataset import Dataset
 from distorefs.stores.datasets.formats import OrderInput, OrderSpec, shuffled
 from distorefs.stores.datasets.store import DatasetStore
-from distorefs.stores.datasets.stream import BATCHES_IN_FLIGHT, Stream
+from distorefs.stores.datasets.stream import FITS_IN_FLIGHT, Stream
 from distorefs.stores.replay.formats import decode_blob_batch
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.metadb import MetaDb
+from distorefs.types import LogLocation
 from tests.unit.tiers import open_tiers
 
 BLOCK = 64 * 1024
@@ -250,7 +252,7 @@ async def test_read_run_returns_whole_records_back_to_back_within_a_byte_bound(s
     assert excinfo.value.errno == errno.ENOENT
 
 
-@pytest.mark.parametrize("window", [64 * 1024, 1 << 20], ids=["record-by-record", "whole-blocks"])
+@pytest.mark.parametrize("window", [64 * 1024, 1 << 20], ids=["record-by-record", "fits"])
 async def test_a_record_changed_on_disk_fails_the_stream_instead_of_being_served(tmp_path: Path, window: int) -> None:
     datasets, blocks, meta = open_store(tmp_path)
     ds = datasets.create("d")
@@ -275,7 +277,7 @@ async def test_a_record_changed_on_disk_fails_the_stream_instead_of_being_served
     async with trio.open_nursery() as nursery:
         nursery.start_soon(datasets.run_streams)
         stream = await datasets.open_stream(ds, 0, 1)
-        assert stream.whole_blocks == (window > ds.data_bytes)
+        assert stream.fits == (window > ds.data_bytes)
         with pytest.raises(DistorefsError) as err:
             await read_all(stream, chunk=1 << 20)
         assert err.value.errno == errno.EIO
@@ -285,11 +287,84 @@ async def test_a_record_changed_on_disk_fails_the_stream_instead_of_being_served
     meta.close()
 
 
+@pytest.mark.parametrize("window", [64 * 1024, 1 << 20], ids=["record-by-record", "fits"])
+async def test_a_fitting_dataset_is_hinted_whole_in_log_order_and_a_bigger_one_record_by_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, window: int
+) -> None:
+    monkeypatch.setattr(stream_module, "HINT_GROUP_BYTES", 100_000)  # four groups of two blocks
+    monkeypatch.setattr(stream_module, "FIRST_BATCH_BYTES", 32 * 1024)  # batches of 32, 64, 128, 256 KB
+    datasets, blocks, meta = open_store(tmp_path)
+    ds = datasets.create("d")
+    items = [bytes([i % 251]) * 1000 for i in range(500)]  # 500 KB: eight blocks of 64 KiB
+    await ds.append(items)
+    await ds.seal()
+    await blocks.close()
+    meta.close()
+    blocks, meta = open_tiers(tmp_path, BLOCK, 64)  # nothing cached: every block is in the log only
+    datasets = DatasetStore.load(blocks, meta, window)
+    hinted: list[list[LogLocation]] = []
+    ahead: list[bool] = []  # each gather's read_ahead
+    events: list[str] = []
+    real_gather = blocks.gather
+
+    async def hint(locations: list[LogLocation]) -> None:
+        hinted.append(list(locations))
+        events.append("hint")
+
+    async def gather(*args: Any, read_ahead: bool = True) -> Any:
+        ahead.append(read_ahead)
+        try:
+            return await real_gather(*args, read_ahead=read_ahead)
+        finally:
+            events.append("gathered")
+
+    monkeypatch.setattr(blocks, "will_need", hint)
+    monkeypatch.setattr(blocks, "gather", gather)
+    ds = datasets.get("d")
+    await ds.set_order(*order_of(b"shuffle 4\n", len(items)))
+    batch = await stream_once(datasets, ds)
+    assert [item for _i, _w, item in batch] == [items[i] for i in (await ds.order_indices()).tolist()]
+    if window > ds.data_bytes:
+        every = [location for group in hinted for location in group]
+        assert every == sorted(every), "hinted in log order"
+        assert len(every) == len(set(every)) == 8, "each block once"
+        assert [len(group) for group in hinted] == [2, 2, 2, 2]
+        assert events.index("gathered") < events.index("hint"), "the first batch reads before the hints queue"
+        assert ahead[0], "the first batch hints its own records"
+        assert not ahead[-1], "records hinted with the dataset need no hints of their own"
+    else:
+        assert not hinted
+        assert ahead
+        assert all(ahead)
+    await blocks.close()
+    meta.close()
+
+
+async def test_a_fitting_stream_closed_before_its_first_batch_ends_its_prefetch(tmp_path: Path) -> None:
+    """The hints wait for the first batch; a stream closed before one (here: its batch
+    never fits the DRAM budget) must still end its prefetch task, not leave it waiting."""
+    blocks, meta = open_tiers(tmp_path, BLOCK, 4)  # 256 KiB of DRAM: a 500 KB batch never fits
+    datasets = DatasetStore.load(blocks, meta, 1 << 20)  # the dataset fits the window
+    ds = datasets.create("d")
+    await ds.append([bytes([i % 251]) * 1000 for i in range(500)])
+    await ds.seal()
+    stream = await datasets.open_stream(ds, 0, 1)
+    assert stream.fits
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream.run_prefetch)
+            await trio.sleep(0.1)
+            assert stream.fetched_batches == 0
+            datasets.close_stream(stream)
+    await blocks.close()
+    meta.close()
+
+
 async def test_a_stream_fetches_at_most_its_in_flight_batches_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     blocks, meta = open_tiers(tmp_path, BLOCK, 512)
-    datasets = DatasetStore.load(blocks, meta, 64 << 20)  # fits: whole blocks, 64 MiB may be held ahead
+    datasets = DatasetStore.load(blocks, meta, 64 << 20)  # fits: 64 MiB of batches may be held ahead
     ds = datasets.create("d")
     items = [bytes([i % 251]) * 8000 for i in range(1500)]  # 12 MB: batches of 1, 2, 4 and 8 MiB
     await ds.append(items)
@@ -311,6 +386,6 @@ async def test_a_stream_fetches_at_most_its_in_flight_batches_at_once(
     batch = await stream_once(datasets, ds)
     assert [item for _i, _w, item in batch] == items
     # the prefetch's batches, and one the reader may fetch itself
-    assert peak <= BATCHES_IN_FLIGHT + 1, f"{peak} batches fetched at once"
+    assert peak <= FITS_IN_FLIGHT + 1, f"{peak} batches fetched at once"
     await blocks.close()
     meta.close()

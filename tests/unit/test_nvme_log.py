@@ -9,12 +9,13 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from distorefs.errors import Corrupted, StoreFull
-from distorefs.tiers import nvme_log
+from distorefs.tiers import copy_ranges, nvme_log
 from distorefs.tiers.nvme_log import HEADER, LogPosition, NvmeLog, segment_name
 from distorefs.types import BlockKey, LogLocation
 
@@ -275,6 +276,108 @@ def test_will_need_gives_one_hint_per_run_of_neighbouring_records(tmp_path: Path
     assert log.will_need([near[0], *after]) == 2
     assert log.will_need([LogLocation(99, 0, 10)]) == 0  # a segment that is gone: skipped
     assert log.read(near[3], BlockKey(1, 3)) == bytes([3]) * 1000  # a hint changes nothing
+    log.close()
+
+
+def test_a_long_run_is_hinted_in_pieces_and_the_kernel_reads_it_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One WILLNEED reads at most the device's read-ahead (8 MiB on this VM's disk): a
+    hint of a 24 MiB run in one call left 16 MiB of it cold. `direct_too` hints big
+    records that would otherwise be read with O_DIRECT (a fitting dataset's stream)."""
+    log = NvmeLog.open(str(tmp_path))
+    records = log.append_many([(BlockKey(1, i), bytes([i]) * (1 << 20)) for i in range(24)])
+    fd = log._segments[records[0].segment].fd
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    start, end = records[0].offset, records[-1].offset + HEADER.size + records[-1].length
+    if nvme_log.cached_pages(fd, start, end - start) is None:
+        log.close()
+        pytest.skip("this kernel has no cachestat")
+    hints: list[int] = []
+    real_fadvise = os.posix_fadvise
+
+    def counted(fd: int, offset: int, length: int, advice: int) -> None:
+        hints.append(length)
+        real_fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", counted)
+    assert log.will_need(records, direct_too=True) == 1  # one run
+    assert max(hints) <= nvme_log.HINT_BYTES
+    assert sum(hints) == end - start
+    pages = -(-end // 4096) - start // 4096
+    deadline = time.monotonic() + 10
+    while nvme_log.cached_pages(fd, start, end - start) != pages and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert nvme_log.cached_pages(fd, start, end - start) == pages
+    log.close()
+
+
+@pytest.mark.parametrize("read_ahead", [True, False], ids=["hinted-ahead", "no-hints"])
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_read_ranges_reads_every_range_and_names_those_of_a_segment_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiled: bool, read_ahead: bool
+) -> None:
+    log = NvmeLog.open(str(tmp_path), segment_bytes=64 * 1024)
+    if compiled:
+        assert copy_ranges.load_compiled(), "numba is a dependency: the compiled reads must load"
+
+        def python_read(*args: object) -> int:
+            raise AssertionError("a range read in Python where the compiled reads run")
+
+        monkeypatch.setattr(os, "preadv", python_read)
+    else:
+        monkeypatch.setattr(copy_ranges.KERNELS, "module", None)
+    rng = np.random.default_rng(3)
+    payloads = [rng.integers(0, 256, 5000, dtype=np.uint8).tobytes() for _ in range(60)]
+    locations = log.append_many([(BlockKey(1, i), p) for i, p in enumerate(payloads)])
+    gone_segment = locations[20].segment
+    log.delete_segment(gone_segment)
+    picks = sorted(rng.choice(60, 300), key=lambda i: locations[i])  # in log order, some twice
+    inner = rng.integers(0, 4000, len(picks))
+    lengths = rng.integers(0, 1000, len(picks))
+    out_at = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    out = bytearray(b"?" * int(lengths.sum()))
+    gone = log.read_ranges(
+        np.array([locations[i].segment for i in picks]),
+        np.array([locations[i].offset for i in picks]) + inner,
+        lengths,
+        out,
+        out_at,
+        read_ahead,
+    )
+    assert gone == [k for k, i in enumerate(picks) if locations[i].segment == gone_segment]
+    assert gone
+    for k, i in enumerate(picks):
+        got = bytes(out[out_at[k] : out_at[k] + lengths[k]])
+        if k in gone:
+            assert got == b"?" * int(lengths[k])
+        else:
+            assert got == payloads[i][inner[k] : inner[k] + lengths[k]]
+    log.close()
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_read_ranges_refuses_a_short_read_and_a_range_outside_its_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiled: bool
+) -> None:
+    if compiled:
+        assert copy_ranges.load_compiled()
+    else:
+        monkeypatch.setattr(copy_ranges.KERNELS, "module", None)
+    log = NvmeLog.open(str(tmp_path))
+    loc = log.append(BlockKey(1, 0), b"r" * 3000)
+    segment, size = np.array([loc.segment] * 2), os.fstat(log._segments[loc.segment].fd).st_size
+    out = bytearray(8000)
+    with pytest.raises(Corrupted, match="short read"):  # the second range runs past the segment's end
+        log.read_ranges(
+            segment, np.array([loc.offset, size - HEADER.size - 100]), np.array([3000, 4000]), out, np.array([0, 3000])
+        )
+    assert out[:3000] == b"r" * 3000
+    out = bytearray(8000)
+    with pytest.raises(AssertionError, match="outside the output"):  # checked before anything is read
+        log.read_ranges(segment, np.array([loc.offset, loc.offset]), np.array([3000, 3000]), out, np.array([0, 6000]))
+    assert out == bytearray(8000)
     log.close()
 
 
