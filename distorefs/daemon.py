@@ -18,7 +18,6 @@ import os
 import resource
 import signal
 import stat
-import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -27,7 +26,7 @@ from typing import Any, Protocol
 import pyfuse3
 import trio
 
-from distorefs import progress, service
+from distorefs import compiled, progress, service
 from distorefs.errors import ConfigError, DistorefsError
 from distorefs.fs.buffers import BuffersDir
 from distorefs.fs.datasets import DatasetsDir
@@ -489,9 +488,9 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
                     if config.metrics_port is not None:
                         daemon.ops.metrics.serve(config.metrics_port)
                     ready(f"distorefs: mounted {config.mountpoint} (pid {os.getpid()}, data dir {data_dir})")
-                    # the compiled kernels load once the mount is up (0.3-1 s, most of it holding
-                    # the GIL, which slowed the mount as much); their plain versions run until then
-                    threading.Thread(target=load_kernels, name="kernels compile", daemon=True).start()
+                    # the compiled kernels load when first asked for (compiled.py: numba's
+                    # import holds the GIL for 0.4-2 s); their plain versions run until then
+                    compiled.load_on_first_use(load_kernels)
                     await pyfuse3.main()
                     service.notify("STOPPING=1\nSTATUS=unmounted; persisting")
                     nursery.cancel_scope.cancel()

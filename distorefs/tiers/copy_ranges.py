@@ -6,7 +6,7 @@ A dataset stream's batch is thousands of records copied out of the cached blocks
 in (ByteRanges.gather). Copied one by one in Python that costs ~5 µs a record holding the
 GIL (0.5 s per GiB of 10 KB records, on the same two cores as the event loop); compiled
 (copy_ranges_jit.py, numba, without the GIL) it costs the copies. `load_compiled` is
-called by the daemon in a thread once the mount is up; until then, and where numba cannot
+called by the daemon in a thread at the first use of a compiled kernel (compiled.py); until then, and where numba cannot
 run (or DISTOREFS_GATHER=python), the loop below runs as Python, with the same result.
 The same holds for a batch's records read from the log's page cache (NvmeLog.read_ranges):
 a `preadv` a record from a Python loop held the GIL between the calls, and two worker

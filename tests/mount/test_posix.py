@@ -38,11 +38,30 @@ def test_status_is_json_with_the_daemon_facts(mounted: Mount) -> None:
         assert isinstance(status[key], int)
     assert status["dram_budget_bytes"] == 256 * 2**20
     assert (mounted.path / ".distore" / "version").read_text().startswith("distorefs ")
-    deadline = time.monotonic() + 60  # numba is a dependency: the start-up's thread loads both kernels
-    while not all(status["kernels"].values()) and time.monotonic() < deadline:
-        time.sleep(0.1)
+
+
+def test_the_compiled_kernels_load_at_their_first_use_not_for_files(mounted: Mount) -> None:
+    """numba's import holds the GIL for up to seconds: a daemon serving files never loads
+    it; the first sample of a buffer starts the loading of every kernel, in a thread."""
+
+    def kernels() -> dict[str, bool]:
         status = json.loads((mounted.path / ".distore" / "status").read_text())
-    assert status["kernels"] == {"sum_tree": True, "counts": True, "priority_pairs": True, "gather_copy": True}
+        result: dict[str, bool] = status["kernels"]
+        return result
+
+    (mounted.path / "f").write_bytes(b"x" * 300_000)
+    assert (mounted.path / "f").read_bytes() == b"x" * 300_000
+    time.sleep(0.5)
+    assert not any(kernels().values())
+    buffer = mounted.path / "buffers" / "b"
+    buffer.mkdir()
+    with open(buffer / "append", "wb") as f:
+        f.write(b"item")
+    assert (buffer / "sample.1").read_bytes()  # served at once, by the plain versions if need be
+    deadline = time.monotonic() + 60  # numba is a dependency: every kernel loads
+    while not all(kernels().values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert kernels() == {"sum_tree": True, "counts": True, "priority_pairs": True, "gather_copy": True}
 
 
 def test_distore_dir_is_read_only(mounted: Mount) -> None:
