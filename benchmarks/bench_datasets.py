@@ -2,12 +2,15 @@
 the local disk, in one run.
 
     sudo .venv/bin/python benchmarks/bench_datasets.py [--gib 4] [--record-bytes 10000]
-        [--windows 256MiB 4GiB] [--seconds 20] [--rounds 3] [--listing-records 10000000]
+        [--windows 256MiB 4GiB] [--page-cache 0 auto] [--seconds 20] [--rounds 3]
+        [--listing-records 10000000]
 
 One dataset of `--gib` GiB of `--record-bytes` records is appended and sealed, with the
 order `shuffle 1`. Then, each cold (remounted and the kernel's caches dropped):
 - `stream` read to the end with 1 MiB reads, once per prefetch window (`--windows`; the
-  DRAM budget is set to hold the window) in each of `--rounds` rounds, each round after
+  DRAM budget is set to hold the window) and `--dataset-page-cache` setting (`--page-cache`:
+  `0` reads a dataset larger than the window record by record, `auto` through the page
+  cache where half the available memory holds it) in each of `--rounds` rounds, each round after
   sequential reads of the same bytes from one file on the local disk (bench_posix's
   `disk_read_speeds`: the best of one reader with 8 MiB reads and four readers is the
   disk's speed; one reader with 1 MiB reads moved between 0.6 and 1.6 GB/s from one run
@@ -66,10 +69,11 @@ class Daemon:
         self.mnt = mnt
         self.data = data
 
-    def mount(self, budget: str, window: str, stream: Path | None = None) -> None:
+    def mount(self, budget: str, window: str, stream: Path | None = None, page_cache: str = "auto") -> None:
         distore(
-            "mount", str(self.mnt), "--data-dir", str(self.data), "--dram-budget", budget, "--prefetch-window", window
-        )
+            "mount", str(self.mnt), "--data-dir", str(self.data), "--dram-budget", budget,
+            "--prefetch-window", window, "--dataset-page-cache", page_cache,
+        )  # fmt: skip
         if stream is None:
             return
         # measure the daemon as it runs once started: its compiled kernels load in a thread
@@ -88,15 +92,19 @@ class Daemon:
         distore("umount", str(self.mnt))
 
 
-def read_sequential(path: Path, buf: bytearray) -> int:
+def read_sequential(path: Path, buf: bytearray, stats: Path) -> tuple[int, bool]:
+    """Read `path` (a stream) to its end: (bytes, whether the stream read its dataset whole,
+    from the dataset's `stats` while it was open)."""
     total = 0
     fd = os.open(path, os.O_RDONLY)
     try:
+        total += os.readv(fd, [buf])
+        whole = any(s["whole"] for s in json.loads(stats.read_text())["streams"])
         while n := os.readv(fd, [buf]):
             total += n
     finally:
         os.close(fd)
-    return total
+    return total, whole
 
 
 def read_per_file(paths: Iterator[Path], seconds: float) -> tuple[int, int, float]:
@@ -133,6 +141,7 @@ def main() -> int:
     parser.add_argument("--gib", type=float, default=4.0)
     parser.add_argument("--record-bytes", type=int, default=10_000)
     parser.add_argument("--windows", nargs="+", default=["256MiB", "4GiB"])
+    parser.add_argument("--page-cache", nargs="+", default=["0", "auto"], help="--dataset-page-cache settings")
     parser.add_argument("--seconds", type=float, default=20.0, help="time limit of each per-record read")
     parser.add_argument("--listing-records", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=3, help="cold streams per window, each against the disk")
@@ -189,21 +198,22 @@ def main() -> int:
         daemon.umount()
 
         # --- stream, cold, per window, against the disk in the same round ----------------
-        streams: dict[str, dict[str, object]] = {window: {"rounds": []} for window in args.windows}
+        variants = [(window, pc) for window in args.windows for pc in args.page_cache]
+        streams: dict[str, dict[str, object]] = {f"{w} {pc}": {"rounds": []} for w, pc in variants}
         disk_rounds = []
         for _round in range(args.rounds):
             speeds = disk_read_speeds(disk_file)
             disk_gbps = speeds["best"]
             disk_rounds.append(speeds)
-            for window in args.windows:
+            for window, page_cache in variants:
                 budget = f"{max(parse_size(window) + (256 << 20), 1 << 30) >> 20}MiB"
-                daemon.mount(budget, window, ds / "stream")
+                daemon.mount(budget, window, ds / "stream", page_cache)
                 drop_caches()
                 started = time.perf_counter()
-                total = read_sequential(ds / "stream", buf)
+                total, stats_whole = read_sequential(ds / "stream", buf, ds / "stats")
                 elapsed = time.perf_counter() - started
                 status = json.loads((daemon.mnt / ".distore" / "status").read_text())
-                rounds = streams[window]["rounds"]
+                rounds = streams[f"{window} {page_cache}"]["rounds"]
                 assert isinstance(rounds, list)
                 rounds.append(
                     {
@@ -214,6 +224,7 @@ def main() -> int:
                         "vs_disk": total / elapsed / 1e9 / disk_gbps,
                         "log_parts": status["blocks"]["gathered_log_parts"],
                         "log_spans": status["blocks"]["gathered_log_spans"],
+                        "whole": stats_whole,
                     }
                 )
                 daemon.umount()
@@ -249,9 +260,13 @@ def main() -> int:
     for label, key in (("local disk, a file per record", "disk_per_file"), ("records/<i>", "records_per_file")):
         r = results[key]
         print(f"| {label} | {r['files_per_s']:.0f} files/s | {r['gbps']:.3f} | {r['gbps'] / disk:.2f}x | |")  # type: ignore[index]
-    for window, s in streams.items():
+    for variant, s in streams.items():
         gbps, vs_disk = float(s["gbps"]), float(s["vs_disk"])  # type: ignore[arg-type]
-        label = f"stream, window {window} (DRAM {s['budget']})"
+        window, page_cache = variant.split()
+        rounds = s["rounds"]
+        assert isinstance(rounds, list)
+        how = "whole, via the page cache" if rounds[0]["whole"] else "record by record"
+        label = f"stream, window {window}, --dataset-page-cache {page_cache} ({how}; DRAM {s['budget']})"
         print(f"| {label} | | {gbps:.2f} | {vs_disk:.2f}x | {gbps / per_rec:.1f}x |")
     print(f"\nstream and disk: medians of {args.rounds} rounds; `vs disk` is the median of each round's ratio")
     print(f"\nappend (framed, one open): {results['append_gbps']:.2f} GB/s")

@@ -135,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefetch-window", default=None, metavar="SIZE",
         help="how far a dataset stream reads ahead, e.g. 512MiB (default: 256MiB or a quarter of the DRAM budget)",
     )  # fmt: skip
+    mount.add_argument(
+        "--dataset-page-cache", default="auto", metavar="SIZE",
+        help="the largest dataset a stream reads whole through the kernel's page cache (default auto: half of "
+        "the memory available at the stream's open; 0: only datasets within the prefetch window)",
+    )  # fmt: skip
     cluster = mount.add_argument_group("cluster (multi-node; without --cluster the daemon is single-node)")
     cluster.add_argument("--cluster", default=None, metavar="URL", help="etcd endpoint, e.g. http://10.0.0.1:2379")
     cluster.add_argument("--node", default=None, metavar="NAME", help="this node's name (default: the host name)")
@@ -265,6 +270,7 @@ def _daemon_config(args: argparse.Namespace) -> Any:
         wait_timeout_s=args.wait_timeout,
         checkpoint_sync_close=args.checkpoint_sync_close,
         prefetch_window_bytes=None if args.prefetch_window is None else parse_size(args.prefetch_window),
+        dataset_page_cache_bytes=None if args.dataset_page_cache == "auto" else parse_size(args.dataset_page_cache),
         busy_poll_us=args.busy_poll_us,
         shm_dir=os.path.abspath(args.shm_dir),
         cluster=_cluster_config(args),
@@ -357,6 +363,8 @@ def start_background(config: Any, args: argparse.Namespace) -> int:
         argv.append("--checkpoint-sync-close")
     if config.prefetch_window_bytes is not None:
         argv += ["--prefetch-window", str(config.prefetch_window_bytes)]
+    if config.dataset_page_cache_bytes is not None:
+        argv += ["--dataset-page-cache", str(config.dataset_page_cache_bytes)]
     cluster = config.cluster
     if cluster is not None:
         argv += [

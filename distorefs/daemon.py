@@ -86,6 +86,7 @@ class DaemonConfig:
     wait_timeout_s: float = 60.0
     checkpoint_sync_close: bool = False
     prefetch_window_bytes: int | None = None  # None: min(256 MiB, a quarter of the DRAM budget)
+    dataset_page_cache_bytes: int | None = None  # streamed whole via the page cache up to this; None: auto
     busy_poll_us: int = 200  # the most the daemon polls for the next request after one (0: off; fs/polling.py)
     shm_dir: str = "/dev/shm"  # where sample.shm makes its regions (missing: the shm path is off)
     cluster: ClusterConfig | None = None  # None: the single-node embedded default
@@ -125,6 +126,8 @@ class DaemonConfig:
         window = self.prefetch_window_bytes
         if window is not None and not MIN_WINDOW_BYTES <= window <= self.dram_budget_bytes:
             raise ConfigError(f"--prefetch-window must be between 4MiB and the DRAM budget, got {window} bytes")
+        if self.dataset_page_cache_bytes is not None and self.dataset_page_cache_bytes < 0:
+            raise ConfigError(f"--dataset-page-cache must be auto or a size >= 0, got {self.dataset_page_cache_bytes}")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be 1..65535, got {self.metrics_port}")
         if not 0 <= self.busy_poll_us <= MAX_BUSY_POLL_US:
@@ -409,7 +412,7 @@ async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb) -> Dae
     files = FileStore.load(blocks, meta)
     buffers = BufferStore.load(blocks, meta, BufferPeers(node) if node is not None else None)
     weights = WeightStore.load(blocks, meta)
-    datasets = DatasetStore.load(blocks, meta, config.window_bytes)
+    datasets = DatasetStore.load(blocks, meta, config.window_bytes, config.dataset_page_cache_bytes)
     blocks.forget_tail()
     await datasets.load_indexes()
     checkpoints = CheckpointPolicy.load(files, meta, config.checkpoint_sync_close, replicas)

@@ -47,6 +47,20 @@ def unzeroed(size: int) -> bytearray:
     return buf
 
 
+def available_bytes() -> int | None:
+    """The memory the kernel says is available for new allocations without swapping
+    (`MemAvailable` in /proc/meminfo: free memory and the page cache it can drop), or
+    None where it does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def rss_bytes() -> int:
     """This process's resident set, from /proc (no syscall beyond one read)."""
     with open("/proc/self/statm", encoding="ascii") as f:

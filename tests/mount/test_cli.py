@@ -124,6 +124,11 @@ def test_a_non_empty_mount_point_and_a_budget_over_memory_are_refused(tmp_path: 
     assert len(result.stderr.strip().splitlines()) == 1
     result = distore("mount", str(tmp_path / "d3"), "--busy-poll-us", "-5")
     assert (result.returncode, result.stderr.strip()) == (2, "distore mount: --busy-poll-us must be 0..10000, got -5")
+    result = distore("mount", str(tmp_path / "d4"), "--dataset-page-cache", "most")
+    assert (result.returncode, result.stderr.strip()) == (
+        2,
+        "distore mount: not a size: 'most' (examples: 4096, 512MiB, 4GiB)",
+    )
 
 
 def test_a_failure_inside_the_daemons_nursery_is_one_line_too(tmp_path: Path) -> None:

@@ -226,9 +226,16 @@ def test_remount_and_kill9_keep_acknowledged_records_seal_and_order(mount_factor
     assert mount.unmount() == 0
 
 
-def test_a_dataset_3x_the_dram_budget_streams_a_random_order_exactly(mount_factory: MountFactory) -> None:
+@pytest.mark.parametrize("page_cache", ["0", "1GiB"], ids=["record-by-record", "whole-via-page-cache"])
+def test_a_dataset_3x_the_dram_budget_streams_a_random_order_exactly(
+    mount_factory: MountFactory, page_cache: str
+) -> None:
+    """100 MB of records, a DRAM budget of 32 MiB and a window of 8 MiB: read record by
+    record, or (`--dataset-page-cache 1GiB`) whole through the kernel's page cache; the
+    DRAM held stays within the budget either way."""
     budget = 32 << 20
-    mount = mount_factory("--dram-budget", "32MiB", "--prefetch-window", "8MiB")
+    options = ("--dram-budget", "32MiB", "--prefetch-window", "8MiB", "--dataset-page-cache", page_cache)
+    mount = mount_factory(*options)
     path = mount.path / "datasets" / "big"
     path.mkdir()
     count, size = 10_000, 10_000  # 100 MB of records
@@ -237,13 +244,15 @@ def test_a_dataset_3x_the_dram_budget_streams_a_random_order_exactly(mount_facto
     (path / "state").write_text("seal\n")
     (path / "order").write_text("shuffle 2026\n")
     assert mount.unmount() == 0
-    mount = mount_factory("--dram-budget", "32MiB", "--prefetch-window", "8MiB")  # cold: nothing in DRAM
+    mount = mount_factory(*options)  # cold: nothing in DRAM
     seen = 0
     order = shuffled(2026, count).tolist()
     peak = 0
     with open(path / "stream", "rb") as f:
         head = f.read(20)
         assert head[:8] == b"DSBATCH1"
+        streams = json.loads((path / "stats").read_text())["streams"]
+        assert [s["whole"] for s in streams] == [int(page_cache != "0")]
         for expected in order:
             index, _weight, length = np.frombuffer(f.read(20), dtype=np.uint8).view("<i8,<f4,<u8")[0].tolist()
             assert (index, length) == (expected, size)

@@ -13,6 +13,7 @@ import pytest
 import trio
 
 from distorefs.errors import DistorefsError
+from distorefs.stores.datasets import store as store_module
 from distorefs.stores.datasets import stream as stream_module
 from distorefs.stores.datasets.dataset import Dataset
 from distorefs.stores.datasets.formats import OrderInput, OrderSpec, shuffled
@@ -336,6 +337,34 @@ async def test_a_fitting_dataset_is_hinted_whole_in_log_order_and_a_bigger_one_r
         assert not hinted
         assert ahead
         assert all(ahead)
+    await blocks.close()
+    meta.close()
+
+
+@pytest.mark.parametrize(
+    ("page_cache", "available", "whole"),
+    [(0, None, False), (None, 1 << 20, True), (None, 600_000, False), (None, None, False), (1 << 20, 0, True)],
+    ids=["off", "auto-room", "auto-no-room", "auto-unknown", "a-size"],
+)
+async def test_a_dataset_beyond_the_window_is_read_whole_when_the_page_cache_may_hold_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, page_cache: int | None, available: int | None, whole: bool
+) -> None:
+    """500 KB of records, a window of 256 KiB: read whole through the page cache when
+    `page_cache_bytes` allows it (None: half of what the kernel calls available)."""
+    monkeypatch.setattr(store_module, "available_bytes", lambda: available)
+    blocks, meta = open_tiers(tmp_path, BLOCK, 64)
+    datasets = DatasetStore.load(blocks, meta, WINDOW, page_cache)
+    ds = datasets.create("d")
+    items = [bytes([i % 251]) * 1000 for i in range(500)]
+    await ds.append(items)
+    await ds.seal()
+    stream = await datasets.open_stream(ds, 0, 1)
+    assert stream.fits == whole
+    assert stream.statistics()["whole"] == int(whole)
+    assert stream.ahead_bytes <= WINDOW  # the window still bounds what is held ahead
+    datasets.close_stream(stream)
+    batch = await stream_once(datasets, ds)
+    assert [item for _i, _w, item in batch] == items
     await blocks.close()
     meta.close()
 

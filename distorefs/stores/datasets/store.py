@@ -13,6 +13,7 @@ import trio
 
 from distorefs.errors import DistorefsError, Exists, NotFound
 from distorefs.ids import DATASET_OWNER_BASE, OWNERS_PER_DATASET, is_dataset_owner
+from distorefs.memory import available_bytes
 from distorefs.news import Outbox
 from distorefs.stores.datasets.dataset import Dataset, DatasetConfig
 from distorefs.stores.datasets.formats import StreamLayout
@@ -24,6 +25,7 @@ from distorefs.tiers.metadb import MetaDb
 log = logging.getLogger(__name__)
 
 STREAM_QUEUE = 64
+PAGE_CACHE_SHARE = 2  # by default a dataset up to half of the memory available is read whole via the page cache
 
 
 class DatasetStore:
@@ -36,10 +38,13 @@ class DatasetStore:
         >>> stream = await datasets.open_stream(ds, rank=0, world=1)
     """
 
-    def __init__(self, blocks: BlockStore, meta: MetaDb, window_bytes: int) -> None:
+    def __init__(self, blocks: BlockStore, meta: MetaDb, window_bytes: int, page_cache_bytes: int | None = 0) -> None:
         self._blocks = blocks
         self._meta = meta
         self.window_bytes = window_bytes
+        # the largest dataset a stream reads whole through the kernel's page cache beyond
+        # its window; None: half of what the kernel calls available at the stream's open
+        self.page_cache_bytes = page_cache_bytes
         self._datasets: dict[str, Dataset] = {}
         self._by_owner: dict[int, Dataset] = {}
         self._next_owner = int(meta.get_kv("next_dataset_owner", DATASET_OWNER_BASE))
@@ -48,10 +53,12 @@ class DatasetStore:
         self.news = Outbox[tuple[str, str]]()  # ("created" | "configured" | "sealed" | "deleted", name)
 
     @classmethod
-    def load(cls, blocks: BlockStore, meta: MetaDb, window_bytes: int) -> DatasetStore:
+    def load(
+        cls, blocks: BlockStore, meta: MetaDb, window_bytes: int, page_cache_bytes: int | None = 0
+    ) -> DatasetStore:
         """Restore every dataset as its last commit left it; drop the blocks of datasets
         deleted before a crash and of writes past the last commit."""
-        self = cls(blocks, meta, window_bytes)
+        self = cls(blocks, meta, window_bytes, page_cache_bytes)
         for name, *row in meta.rows("datasets"):
             ds = Dataset.restore(name.decode(errors="surrogateescape"), tuple(row), blocks, meta)
             ds.news = self.news
@@ -134,7 +141,7 @@ class DatasetStore:
         index = await ds.index()
         layout = StreamLayout(ds.dtype, positions, index["length"][positions])
         window = ds.config.prefetch_window_bytes or self.window_bytes
-        stream = Stream(ds, layout, index, self._blocks, window)
+        stream = Stream(ds, layout, index, self._blocks, window, max(window, self._page_cache_limit()))
         ds.streams_opened += 1
         self.streams.add(stream)
         try:
@@ -142,6 +149,11 @@ class DatasetStore:
         except trio.WouldBlock:
             log.warning("datasets/%s: too many streams opening at once; this one reads without prefetch", ds.name)
         return stream
+
+    def _page_cache_limit(self) -> int:
+        if self.page_cache_bytes is not None:
+            return self.page_cache_bytes
+        return (available_bytes() or 0) // PAGE_CACHE_SHARE
 
     def close_stream(self, stream: Stream) -> None:
         stream.close()

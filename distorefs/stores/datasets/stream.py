@@ -64,21 +64,28 @@ class Stream:
     """Positions [0, len(layout)) of one shard of the order, read as one batch."""
 
     def __init__(
-        self, dataset: Dataset, layout: StreamLayout, index: np.ndarray, blocks: BlockStore, window_bytes: int
+        self,
+        dataset: Dataset,
+        layout: StreamLayout,
+        index: np.ndarray,
+        blocks: BlockStore,
+        window_bytes: int,
+        whole_bytes: int = 0,
     ) -> None:
         self.dataset = dataset
         self.layout = layout
         self._index = index
         self._blocks = blocks
         self.window_bytes = window_bytes
-        # A dataset that fits the window is hinted whole into the kernel's page cache at
-        # the start; a bigger one is read record by record.
-        self.fits = dataset.data_bytes <= window_bytes
+        # A dataset that fits the window, or `whole_bytes` (what the kernel's page cache
+        # may be asked to hold: store.py), is hinted whole into the page cache at the
+        # start; a bigger one is read record by record.
+        self.fits = dataset.data_bytes <= max(window_bytes, whole_bytes)
         # Laid-out batches held ahead of the reader: the window, except when the dataset
         # fits (then the page cache holds the prefetched data, and a batch is a quick copy
-        # out of it: a window of them would only take DRAM).
+        # out of it: more than a few of them would only take DRAM).
         self.in_flight = FITS_IN_FLIGHT if self.fits else BATCHES_IN_FLIGHT
-        self.ahead_bytes = self.in_flight * MAX_BATCH_BYTES if self.fits else window_bytes
+        self.ahead_bytes = min(window_bytes, self.in_flight * MAX_BATCH_BYTES) if self.fits else window_bytes
         self._batches: dict[int, _Batch] = {}  # by first position, in position order
         self._cursor = 0  # the next position to fetch
         self._batch_bytes = FIRST_BATCH_BYTES
@@ -290,6 +297,7 @@ class Stream:
 
     def statistics(self) -> dict[str, int]:
         return {
+            "whole": int(self.fits),
             "positions": len(self.layout),
             "bytes": self.layout.total,
             "held_bytes": self._held_bytes,
