@@ -50,14 +50,7 @@ def copy_ranges(
     if jit is not None:
         arrays = [np.frombuffer(s, dtype=np.uint8) for s in sources]  # held (buffers exported) until the end
         addresses = np.fromiter((a.ctypes.data for a in arrays), dtype=np.uint64, count=len(arrays))
-        jit.copy(
-            addresses,
-            np.ascontiguousarray(source, dtype=np.int64),
-            np.ascontiguousarray(source_at, dtype=np.int64),
-            np.ascontiguousarray(lengths, dtype=np.int64),
-            np.frombuffer(out, dtype=np.uint8),
-            np.ascontiguousarray(out_at, dtype=np.int64),
-        )
+        jit.copy(addresses, _index(source), _index(source_at), _index(lengths), _bytes(out), _index(out_at))
         del arrays
         return
     view = memoryview(out)
@@ -79,17 +72,8 @@ def pread_ranges(
     jit = KERNELS.module
     if jit is None or not len(fds):
         return 0 if jit is None else len(fds)
-    return int(
-        jit.read(
-            np.ascontiguousarray(fds, dtype=np.int32),
-            np.ascontiguousarray(offsets, dtype=np.int64),
-            np.ascontiguousarray(lengths, dtype=np.int64),
-            np.frombuffer(out, dtype=np.uint8),
-            np.ascontiguousarray(out_at, dtype=np.int64),
-            0,
-            ahead,
-        )
-    )
+    fds = np.ascontiguousarray(fds, dtype=np.int32)
+    return int(jit.read(fds, _index(offsets), _index(lengths), _bytes(out), _index(out_at), ahead))
 
 
 def first_bad_crc(out: Writable, out_at: np.ndarray, lengths: np.ndarray, crcs: np.ndarray) -> int:
@@ -99,16 +83,20 @@ def first_bad_crc(out: Writable, out_at: np.ndarray, lengths: np.ndarray, crcs: 
     its hardware function; else a Python loop of crc32c calls."""
     jit = KERNELS.module
     if jit is not None and jit.check is not None:
-        return int(
-            jit.check(
-                np.frombuffer(out, dtype=np.uint8),
-                np.ascontiguousarray(out_at, dtype=np.int64),
-                np.ascontiguousarray(lengths, dtype=np.int64),
-                np.ascontiguousarray(crcs, dtype=np.uint32),
-            )
-        )
+        crcs = np.ascontiguousarray(crcs, dtype=np.uint32)
+        return int(jit.check(_bytes(out), _index(out_at), _index(lengths), crcs))
     view = memoryview(out)
     for i, (at, n, crc) in enumerate(zip(out_at.tolist(), lengths.tolist(), crcs.tolist(), strict=True)):
         if crc32c.crc32c(view[at : at + n]) != crc:
             return i
     return -1
+
+
+def _index(array: np.ndarray) -> np.ndarray:
+    """An array of positions or lengths as the kernels take it."""
+    return np.ascontiguousarray(array, dtype=np.int64)
+
+
+def _bytes(buffer: Writable) -> np.ndarray:
+    """A writable buffer as the kernels take it: its bytes, without a copy."""
+    return np.frombuffer(buffer, dtype=np.uint8)

@@ -70,14 +70,14 @@ _fadvise: Any = types.ExternalFunction("posix_fadvise", types.int32(types.int32,
 _WILLNEED = 3  # POSIX_FADV_WILLNEED on Linux
 
 
-def _read_loop(fds: Any, offsets: Any, lengths: Any, out: Any, out_at: Any, first: Any, ahead: Any) -> Any:
+def _read_loop(fds: Any, offsets: Any, lengths: Any, out: Any, out_at: Any, ahead: Any) -> Any:
     base = out.ctypes.data
     n = fds.shape[0]
     if ahead > 0:
-        for k in range(first, min(first + ahead, n)):
+        for k in range(min(ahead, n)):
             if fds[k] >= 0:
                 _fadvise(fds[k], offsets[k], lengths[k], _WILLNEED)
-    for i in range(first, n):
+    for i in range(n):
         k = i + ahead
         if ahead > 0 and k < n and fds[k] >= 0:
             _fadvise(fds[k], offsets[k], lengths[k], _WILLNEED)
@@ -89,7 +89,7 @@ def _read_loop(fds: Any, offsets: Any, lengths: Any, out: Any, out_at: Any, firs
 
 
 read = numba.njit(
-    types.int64(types.int32[::1], _INDEX, _INDEX, types.uint8[::1], _INDEX, types.int64, types.int64),
+    types.int64(types.int32[::1], _INDEX, _INDEX, types.uint8[::1], _INDEX, types.int64),
     cache=True,
     nogil=True,
 )(_read_loop)
