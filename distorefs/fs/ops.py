@@ -205,6 +205,14 @@ class FsOperations(pyfuse3.Operations):
         self._next_fh = 1
         self.request_done = trio.Event()  # set at the end of every request (busy polling)
         self.request_started = 0.0  # time.perf_counter() at the start of the latest request
+        self.initialized = trio.Event()  # set during the kernel's INIT (see init)
+
+    def init(self) -> None:
+        """pyfuse3 calls this while it handles the kernel's INIT, before libfuse writes the
+        reply: what waits on `initialized` runs once the reply is written (the event loop
+        gets control back only then), which is when the kernel has applied INIT's
+        settings (read-ahead among them)."""
+        self.initialized.set()
 
     def _count_internal_error(self, op: str, exc: Exception) -> None:
         """An unexpected error failed one request: `.distore/status` counts it."""

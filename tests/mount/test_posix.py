@@ -9,12 +9,15 @@ import os
 import stat
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.conftest import Mount, fuse_requests
+
+MountFactory = Callable[..., Mount]
 
 pytestmark = pytest.mark.mount
 
@@ -62,6 +65,27 @@ def test_the_compiled_kernels_load_at_their_first_use_not_for_files(mounted: Mou
     while not all(kernels().values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert kernels() == {"sum_tree": True, "counts": True, "priority_pairs": True, "gather_copy": True}
+
+
+def test_a_file_opened_as_soon_as_the_mount_is_ready_is_read_in_1_mib_requests(
+    mount_factory: MountFactory,
+) -> None:
+    """The daemon raises the mount's read-ahead (root only) before it says it is ready: a
+    file keeps the read-ahead its mount had at its open, and one opened before the raise
+    was read 128 KiB a request for good."""
+    if os.geteuid() != 0:
+        pytest.skip("raising a mount's read-ahead needs root")
+    mount = mount_factory()
+    (mount.path / "f").write_bytes(os.urandom(8 << 20))
+    assert mount.unmount() == 0
+    mount = mount_factory()  # the page cache of the old mount is gone with it
+    with open(mount.path / "f", "rb", buffering=0) as f:  # at once: nothing else has touched the mount
+        before = fuse_requests(mount, "read")
+        while f.read(1 << 20):
+            pass
+    reads = fuse_requests(mount, "read") - before
+    assert reads <= 10, f"{reads} READ requests for 8 MiB"
+    assert mount.unmount() == 0
 
 
 def test_distore_dir_is_read_only(mounted: Mount) -> None:
