@@ -824,7 +824,11 @@ class NvmeLog:
     def will_need(self, locations: Sequence[LogLocation], direct_too: bool = False) -> int:
         """Ask the kernel to read these records into its page cache now, in the
         background (posix_fadvise WILLNEED), one hint per run of neighbouring records:
-        the reads that follow find them there. Returns the number of hints."""
+        the reads that follow find them there. Records that would be read with O_DIRECT
+        are left out unless `direct_too` (a dataset stream that reads them from the page
+        cache). A run is hinted in pieces of HINT_BYTES: one WILLNEED reads at most the
+        device's read-ahead, and the rest of a longer run stayed cold. Returns the number
+        of runs hinted."""
         runs: list[tuple[int, int, int]] = []  # segment, start, end
         for loc in sorted(locations):
             if not direct_too and self.reads_directly(loc):

@@ -12,10 +12,12 @@ against its crc32c. Batches count against the DRAM budget (BlockStore.reserve) a
 dropped as soon as the reader has passed them, so prefetched data never pushes out the
 block cache for longer than it is needed.
 
-A dataset that fits the window is first asked of the kernel whole: its log records are
-hinted into the page cache (WILLNEED, in log order, so the device reads them at its
-sequential speed in the background) and the batches' records are then read from there.
-A bigger one is read record by record, each hinted a few hundred reads ahead.
+A dataset that fits the window, or what the page cache may be asked to hold
+(`--dataset-page-cache`, store.py), is asked of the kernel whole once the first batch is
+in: its log records are hinted into the page cache (WILLNEED, in log order, so the
+device reads them at its sequential speed in the background) and the batches' records
+are then read from there. A bigger one is read record by record, each hinted a few
+hundred reads ahead.
 
 The reader never depends on the task: a read whose batch is not fetched or on its way
 fetches it itself. A read far from where the stream was (a seek) restarts the prefetch
