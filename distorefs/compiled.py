@@ -83,11 +83,6 @@ def load_on_first_use(loader: Callable[[], None] | None) -> None:
     _loader = loader
 
 
-def load_started() -> bool:
-    """Whether the registered loader has been started (by a first use)."""
-    return _started.is_set()
-
-
 def _first_use() -> None:
     loader = _loader
     if loader is None or _started.is_set():
