@@ -43,9 +43,10 @@ def test_status_is_json_with_the_daemon_facts(mounted: Mount) -> None:
     assert (mounted.path / ".distore" / "version").read_text().startswith("distorefs ")
 
 
-def test_the_compiled_kernels_load_at_their_first_use_not_for_files(mounted: Mount) -> None:
+def test_the_compiled_kernels_load_at_their_first_use_not_for_files(mount_factory: MountFactory) -> None:
     """numba's import holds the GIL for up to seconds: a daemon serving files never loads
     it; the first sample of a buffer starts the loading of every kernel, in a thread."""
+    mounted = mount_factory()  # a daemon of its own: nothing has used a kernel in it yet
 
     def kernels() -> dict[str, bool]:
         status = json.loads((mounted.path / ".distore" / "status").read_text())
@@ -65,6 +66,7 @@ def test_the_compiled_kernels_load_at_their_first_use_not_for_files(mounted: Mou
     while not all(kernels().values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert kernels() == {"sum_tree": True, "counts": True, "priority_pairs": True, "gather_copy": True}
+    assert mounted.unmount() == 0
 
 
 def test_a_file_opened_as_soon_as_the_mount_is_ready_is_read_in_1_mib_requests(
