@@ -10,6 +10,8 @@ cache and the index these methods go through.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import trio
 
@@ -109,15 +111,15 @@ class ByteRanges(BlockTierBase):
             if block is not None:
                 await self.put(BlockKey(target, key.number), memoryview(block.buf)[: block.length])
 
-    def log_locations(self, owner: int) -> list[LogLocation]:
-        """Where `owner`'s blocks lie in the log, in log order (blocks cached in DRAM
-        left out): for `will_need`."""
-        index = self._index
+    def log_locations(self, owner: int, numbers: Iterable[int]) -> list[LogLocation]:
+        """Where these blocks of `owner` lie in the log, in log order (holes and blocks
+        cached in DRAM left out): for `will_need`."""
+        index, dram = self._index, self._dram
         return sorted(
             location
-            for number in index.numbers(owner)
+            for number in numbers
             if (location := index.get(BlockKey(owner, number))) is not None
-            and self._dram.peek(BlockKey(owner, number)) is None
+            and dram.peek(BlockKey(owner, number)) is None
         )
 
     async def will_need(self, locations: list[LogLocation]) -> None:

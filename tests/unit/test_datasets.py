@@ -292,7 +292,7 @@ async def test_a_record_changed_on_disk_fails_the_stream_instead_of_being_served
 async def test_a_fitting_dataset_is_hinted_whole_in_log_order_and_a_bigger_one_record_by_record(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, window: int
 ) -> None:
-    monkeypatch.setattr(stream_module, "HINT_GROUP_BYTES", 100_000)  # four groups of two blocks
+    monkeypatch.setattr(stream_module, "HINT_GROUP_BYTES", 2 * BLOCK)  # four groups of two blocks
     monkeypatch.setattr(stream_module, "FIRST_BATCH_BYTES", 32 * 1024)  # batches of 32, 64, 128, 256 KB
     datasets, blocks, meta = open_store(tmp_path)
     ds = datasets.create("d")
