@@ -15,6 +15,7 @@ import functools
 import json
 import logging
 import os
+import re
 import resource
 import signal
 import stat
@@ -188,13 +189,19 @@ def data_dir_lock(data_dir: str) -> Iterator[None]:
 def mount_device(mountpoint: str) -> str | None:
     """The `major:minor` of the mount at `mountpoint`, read from /proc (no FUSE request)."""
     target = os.path.abspath(mountpoint)
-    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
         found = None
         for line in f:
             parts = line.split()
-            if parts[4].replace("\\040", " ") == target:
+            if len(parts) > 4 and mountinfo_path(parts[4]) == target:
                 found = parts[2]
         return found
+
+
+def mountinfo_path(field: str) -> str:
+    """A path as /proc/self/mountinfo writes it, with its escapes (space, tab, newline
+    and backslash as `\\ooo`) undone."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
 def raise_open_files_limit() -> int:
@@ -211,11 +218,13 @@ def raise_open_files_limit() -> int:
 
 
 def raise_read_ahead(mountpoint: str) -> None:
-    """Ask the kernel for 1 MiB read-ahead on this mount (needs root; optional)."""
-    device = mount_device(mountpoint)
-    if device is None:
-        return
+    """Ask the kernel for 1 MiB read-ahead on this mount (needs root; optional: a failure
+    is logged, and the mount works at the kernel's default)."""
     try:
+        device = mount_device(mountpoint)
+        if device is None:
+            log.info("read-ahead stays at the kernel default (%s not found in mountinfo)", mountpoint)
+            return
         with open(f"/sys/class/bdi/{device}/read_ahead_kb", "w", encoding="ascii") as f:
             f.write(str(READ_AHEAD_KB))
     except OSError as exc:
