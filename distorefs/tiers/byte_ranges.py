@@ -145,10 +145,10 @@ class ByteRanges(BlockTierBase):
         loaded, or the bytes as written), in one compiled copy (copy_ranges.py). In a block
         that many ranges touch, one span covering them is read; other ranges are read one
         by one, straight into `out`, with many in flight (`read_ahead`: hinted ahead of
-        the reads; not when the caller has had the records hinted). Log reads skip the record checks
-        (parts of a record are read): the caller checks those ranges. Holes leave `out` as
-        it was there, and count as unchecked. One worker-thread trip for the whole
-        gather.
+        the reads; not when the caller has had the records hinted). Log reads skip the
+        record checks (parts of a record are read): the caller checks those ranges. Holes
+        leave `out` as it was there, and count as unchecked. One worker-thread trip for
+        the whole gather.
         """
         bb = self.block_bytes
         starts = np.asarray(starts, dtype=np.int64)

@@ -6,8 +6,9 @@ A dataset stream's batch is thousands of records copied out of the cached blocks
 in (ByteRanges.gather). Copied one by one in Python that costs ~5 µs a record holding the
 GIL (0.5 s per GiB of 10 KB records, on the same two cores as the event loop); compiled
 (copy_ranges_jit.py, numba, without the GIL) it costs the copies. `load_compiled` is
-called by the daemon in a thread at the first use of a compiled kernel (compiled.py); until then, and where numba cannot
-run (or DISTOREFS_GATHER=python), the loop below runs as Python, with the same result.
+called by the daemon in a thread at the first use of a compiled kernel (compiled.py);
+until then, and where numba cannot run (or DISTOREFS_GATHER=python), the loop below runs
+as Python, with the same result.
 The same holds for a batch's records read from the log's page cache (NvmeLog.read_ranges):
 a `preadv` a record from a Python loop held the GIL between the calls, and two worker
 threads and the event loop took turns at it (20 ms for a 16 MB batch, 8 ms of it CPU).
@@ -71,7 +72,7 @@ def pread_ranges(
     from a worker thread: the compiled reads run without the GIL."""
     jit = KERNELS.module
     if jit is None or not len(fds):
-        return 0 if jit is None else len(fds)
+        return 0
     fds = np.ascontiguousarray(fds, dtype=np.int32)
     return int(jit.read(fds, _index(offsets), _index(lengths), _bytes(out), _index(out_at), ahead))
 

@@ -1,5 +1,6 @@
-"""copy_ranges.copy_ranges compiled with numba: one memcpy a range, without the GIL; and
-copy_ranges.read_ranges: one pread a range from files, without the GIL.
+"""copy_ranges.copy_ranges compiled with numba: one memcpy a range, without the GIL;
+copy_ranges.pread_ranges: one pread a range from files, without the GIL; and
+copy_ranges.first_bad_crc: one crc32c a range, without the GIL.
 
 Owns nothing: copy_ranges.copy_ranges calls `copy` here once `load_compiled` has
 imported this module. The signature is given, so the kernel compiles (or loads from

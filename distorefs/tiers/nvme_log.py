@@ -153,6 +153,32 @@ def _joins(first: LogLocation, prev: LogLocation, loc: LogLocation, limit: int) 
     )
 
 
+def _pread_each(
+    fds: np.ndarray,
+    at: np.ndarray,
+    lengths: np.ndarray,
+    out: Writable,
+    out_at: np.ndarray,
+    segments: np.ndarray,
+    ahead: int,
+) -> None:
+    """NvmeLog.read_ranges' reads as a Python loop, as the compiled one makes them (range
+    by range, fd -1 skipped, a WILLNEED hint `ahead` ranges on), raising what a read
+    meets: an OSError, or Corrupted when one comes back short."""
+    view = memoryview(out)
+    rows = list(zip(fds.tolist(), at.tolist(), lengths.tolist(), out_at.tolist(), strict=True))
+    count = len(rows)
+    for k in range(min(ahead, count)):
+        if rows[k][0] >= 0:
+            os.posix_fadvise(rows[k][0], rows[k][1], rows[k][2], os.POSIX_FADV_WILLNEED)
+    for i, (fd, position, n, to) in enumerate(rows):
+        k = i + ahead
+        if ahead and k < count and rows[k][0] >= 0:
+            os.posix_fadvise(rows[k][0], rows[k][1], rows[k][2], os.POSIX_FADV_WILLNEED)
+        if fd >= 0 and os.preadv(fd, [view[to : to + n]], position) != n:
+            raise Corrupted(f"log: short read of {n} bytes at {position} of segment {int(segments[i])}")
+
+
 def _close_stage(stage: mmap.mmap) -> None:
     """Unmap an aligned buffer; one still viewed (by a failed read's traceback that
     something keeps) is left to go with its last view instead of failing the close."""
@@ -922,19 +948,9 @@ class NvmeLog:
             at = offsets + HEADER.size
             ahead = READ_AHEAD_PARTS if read_ahead else 0
             first = pread_ranges(fds, at, lengths, out, out_at, ahead)
-            view = memoryview(out)
-            rows = list(zip(fds.tolist(), at.tolist(), lengths.tolist(), out_at.tolist(), strict=True))
-            for k in range(first, min(first + ahead, count)):
-                if rows[k][0] >= 0:
-                    os.posix_fadvise(rows[k][0], rows[k][1], rows[k][2], os.POSIX_FADV_WILLNEED)
-            for i in range(first, count):
-                k = i + ahead
-                if ahead and k < count and rows[k][0] >= 0:
-                    os.posix_fadvise(rows[k][0], rows[k][1], rows[k][2], os.POSIX_FADV_WILLNEED)
-                fd, position, n, to = rows[i]
-                if fd >= 0 and os.preadv(fd, [view[to : to + n]], position) != n:
-                    segment = int(segments[i])
-                    raise Corrupted(f"log: short read of {n} bytes at {position} of segment {segment}")
+            if first < count:  # not compiled, or the compiled reads stopped at a range that failed
+                rest = slice(first, count)
+                _pread_each(fds[rest], at[rest], lengths[rest], out, out_at[rest], segments[rest], ahead)
         finally:
             for seg in held.values():
                 if seg is not None:

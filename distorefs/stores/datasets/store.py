@@ -141,7 +141,7 @@ class DatasetStore:
         index = await ds.index()
         layout = StreamLayout(ds.dtype, positions, index["length"][positions])
         window = ds.config.prefetch_window_bytes or self.window_bytes
-        stream = Stream(ds, layout, index, self._blocks, window, max(window, self._page_cache_limit()))
+        stream = Stream(ds, layout, index, self._blocks, window, self._page_cache_limit())
         ds.streams_opened += 1
         self.streams.add(stream)
         try:
