@@ -141,6 +141,19 @@ def mounted_at(path: Path, data_dir: Path, *extra: str, env: dict[str, str] | No
         mount.cleanup()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def library_logs_in_pytest_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Stable-Baselines3 makes an SB3-<time> folder in /tmp at every learn() unless told where:
+    point it into pytest's own temporary tree, which pytest prunes, so runs leave nothing in /tmp."""
+    before = os.environ.get("SB3_LOGDIR")
+    os.environ["SB3_LOGDIR"] = str(tmp_path_factory.mktemp("sb3-logs"))
+    yield
+    if before is None:
+        os.environ.pop("SB3_LOGDIR", None)
+    else:
+        os.environ["SB3_LOGDIR"] = before
+
+
 @pytest.fixture(scope="module")
 def mounted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
     """One distorefs mount shared by a test module."""
