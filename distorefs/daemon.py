@@ -37,7 +37,13 @@ from distorefs.fs.shm import SharedMemory, sweep_stale
 from distorefs.fs.shm_sessions import SampleSessions
 from distorefs.fs.virtual import MountInfo, VirtualTree
 from distorefs.fs.weights import WeightsDir
-from distorefs.memory import keep_freed_memory, run_memory_trim
+from distorefs.memory import (
+    freeze_loaded_objects,
+    full_collections_held,
+    gc_statistics,
+    keep_freed_memory,
+    run_memory_trim,
+)
 from distorefs.peers.buffers import BufferPeers, BufferSync
 from distorefs.peers.checkpoints import CheckpointReplicas, CheckpointSync
 from distorefs.peers.core import ClusterConfig, ClusterNode
@@ -404,9 +410,11 @@ def _write_report(fd: int, report: ShutdownReport, close: bool = True) -> None:
             os.close(fd)
 
 
-async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb) -> Daemon:
+async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb, freeze_loaded: bool = False) -> Daemon:
     """Build the tiers, stores, fs adapter and (with --cluster) the cluster node over an
     open log and metadata database, as the daemon runs them; nothing is mounted or started.
+    `freeze_loaded` (the daemon's own process): the tree and the block index, once loaded,
+    are frozen out of the garbage collector's collections (`memory.freeze_loaded_objects`).
 
     In a cluster the node comes first: the tiers and stores get what they need from it
     (remote memory, shard peers, replicas) at construction; the kinds are added to it last.
@@ -419,6 +427,8 @@ async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb) -> Dae
     )  # fmt: skip
     await blocks.read_tail()  # records persisted log-only after the last commit
     files = FileStore.load(blocks, meta)
+    if freeze_loaded:
+        log.info("start-up: %d objects frozen for the garbage collector", freeze_loaded_objects())
     buffers = BufferStore.load(blocks, meta, BufferPeers(node) if node is not None else None)
     weights = WeightStore.load(blocks, meta)
     datasets = DatasetStore.load(blocks, meta, config.window_bytes, config.dataset_page_cache_bytes)
@@ -439,6 +449,7 @@ async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb) -> Dae
     virtual.install(DatasetsDir(virtual, datasets))
     virtual.add_status(weights.statistics)
     virtual.add_status(kernels_status)
+    virtual.add_status(gc_statistics)
     virtual.add_status(checkpoints.statistics)
     ops = FsOperations(PosixTree(files, checkpoints), virtual, config.data_dir, config.block_bytes)
     ops.metrics.watch(virtual.status, buffers, weights, node.peers_report if node is not None else None)
@@ -475,7 +486,8 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
         try:
             with progress.Progress("recovery: metadata rows", meta.count_rows(), "rows", log) as loading:
                 meta.progress = loading.advance
-                daemon = await assemble(config, nvme_log, meta)
+                with full_collections_held():  # the tree, the index, the buffers' arrays
+                    daemon = await assemble(config, nvme_log, meta, freeze_loaded=True)
                 meta.progress = None
             await daemon.blocks.commit(durable=True)
             log.info(

@@ -8,6 +8,14 @@ in a segment is not kept: compaction reads them from the segment itself
 (docs/benchmarks.md, "A million items"). It stages its rows in MetaDb's `blocks` table;
 committing them is the caller's job.
 
+The map holds plain tuples, (owner, number) -> (segment, offset, length), and hands out
+BlockKey and LogLocation: Python's cyclic garbage collector stops tracking a plain tuple
+of ints once it has seen it, but tracks a NamedTuple for good, and a full collection
+visits every tracked object. A million items held a BlockKey and a LogLocation each: 2
+million objects and 0.2 s of a full collection, during which the daemon answers nothing
+(docs/design.md, "The block index is invisible to the garbage collector"). A BlockKey
+finds its plain-tuple entry (same hash, equal).
+
 Invariants, for every state reachable through the methods below:
     live_bytes(s) == sum(HEADER.size + loc.length for loc in locations in segment s)
     lengths(o) == {key.number: loc.length for key, loc in the map if key.owner == o},
@@ -30,6 +38,10 @@ def record_bytes(location: LogLocation) -> int:
     return HEADER.size + location.length
 
 
+_key = BlockKey._make  # a plain (owner, number) as a BlockKey, no check
+_location = LogLocation._make  # a plain (segment, offset, length) as a LogLocation
+
+
 class BlockIndex:
     """The block index, its per-segment and per-owner views, and its staged rows.
 
@@ -43,7 +55,7 @@ class BlockIndex:
 
     def __init__(self, meta: MetaDb) -> None:
         self._meta = meta
-        self._locations: dict[BlockKey, LogLocation] = {}
+        self._locations: dict[tuple[int, int], tuple[int, int, int]] = {}  # plain tuples: see above
         self._seg_live: dict[int, int] = {}
         self._owned: dict[int, dict[int, int]] = {}  # owner -> block number -> payload length
 
@@ -54,9 +66,8 @@ class BlockIndex:
         self = cls(meta)
         locations, seg_live, owned = self._locations, self._seg_live, self._owned
         header = HEADER.size
-        new_key, new_location = BlockKey._make, LogLocation._make
         for owner, number, segment, offset, length in meta.rows("blocks"):
-            locations[new_key((owner, number))] = new_location((segment, offset, length))
+            locations[(owner, number)] = (segment, offset, length)
             seg_live[segment] = seg_live.get(segment, 0) + header + length
             numbers = owned.get(owner)
             if numbers is None:
@@ -67,10 +78,11 @@ class BlockIndex:
     # --- reading --------------------------------------------------------------------------
 
     def get(self, key: BlockKey) -> LogLocation | None:
-        return self._locations.get(key)
+        location = self._locations.get(key)
+        return None if location is None else _location(location)
 
     def __getitem__(self, key: BlockKey) -> LogLocation:
-        return self._locations[key]
+        return _location(self._locations[key])
 
     def __contains__(self, key: object) -> bool:
         return key in self._locations
@@ -79,7 +91,7 @@ class BlockIndex:
         return len(self._locations)
 
     def __iter__(self) -> Iterator[BlockKey]:
-        return iter(self._locations)
+        return map(_key, self._locations)
 
     def numbers(self, owner: int) -> set[int]:
         """Block numbers of `owner` with a record (a copy: safe to keep)."""
@@ -104,28 +116,34 @@ class BlockIndex:
 
     # --- changing ---------------------------------------------------------------------------
 
-    def _add(self, key: BlockKey, location: LogLocation) -> None:
+    def _add(self, key: tuple[int, int], location: tuple[int, int, int]) -> None:
         self._locations[key] = location
-        self._seg_live[location.segment] = self._seg_live.get(location.segment, 0) + record_bytes(location)
-        self._owned.setdefault(key.owner, {})[key.number] = location.length
+        owner, number = key
+        segment, _offset, length = location
+        self._seg_live[segment] = self._seg_live.get(segment, 0) + HEADER.size + length
+        self._owned.setdefault(owner, {})[number] = length
 
     def _drop(self, key: BlockKey) -> LogLocation | None:
         old = self._locations.pop(key, None)
-        if old is not None:
-            self._seg_live[old.segment] -= record_bytes(old)
-            owned = self._owned[key.owner]
-            del owned[key.number]
-            if not owned:
-                del self._owned[key.owner]
-        return old
+        if old is None:
+            return None
+        segment, _offset, length = old
+        self._seg_live[segment] -= HEADER.size + length
+        owned = self._owned[key[0]]
+        del owned[key[1]]
+        if not owned:
+            del self._owned[key[0]]
+        return _location(old)
 
     def set(self, key: BlockKey, location: LogLocation, stage: bool = True) -> LogLocation | None:
         """Point `key` at `location` (its old record turns dead); returns the old location.
         `stage` False when the row was committed already (persist writes rows itself)."""
         old = self._drop(key)
-        self._add(key, location)
+        plain_key = (key[0], key[1])  # exact tuples (the module's note)
+        plain_location = (location[0], location[1], location[2])
+        self._add(plain_key, plain_location)
         if stage:
-            self._meta.put("blocks", tuple(key), tuple(location))
+            self._meta.put("blocks", plain_key, plain_location)
         return old
 
     def delete(self, key: BlockKey) -> LogLocation | None:

@@ -113,7 +113,9 @@ class DramCache:
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
-        self._blocks: OrderedDict[BlockKey, Block] = OrderedDict()
+        # Keyed by plain (owner, number) tuples, which a BlockKey finds: the garbage
+        # collector stops tracking those once seen (tiers/block_index.py says why it matters).
+        self._blocks: OrderedDict[tuple[int, int], Block] = OrderedDict()
         self.used_bytes = 0
         self.dirty_bytes = 0
         self.reserved_bytes = 0  # held outside the LRU (a stream's prefetched records)
@@ -121,7 +123,7 @@ class DramCache:
         self._hits = 0
         self._misses = 0
         self._evictions = 0
-        self._transient: OrderedDict[BlockKey, int] = OrderedDict()  # key -> hits since its load
+        self._transient: OrderedDict[tuple[int, int], int] = OrderedDict()  # key -> hits since its load
         self.transient_bytes = 0
         self.transient_budget = min(TRANSIENT_MAX_BYTES, budget_bytes // 2)
         self.spare_size = 0  # the capacity of a reusable buffer (the block tier's block size)
@@ -187,7 +189,8 @@ class DramCache:
         `transient`: a one-pass reader's (see the module's doc), which has read it
         `reads` times (0: loaded ahead of it; 1: loaded for the read that asked)."""
         assert key not in self._blocks
-        self._blocks[key] = block
+        plain = (key[0], key[1])
+        self._blocks[plain] = block
         self.used_bytes += block.capacity_bytes
         if block.borrowed:
             self.borrowed_bytes += block.capacity_bytes
@@ -195,7 +198,7 @@ class DramCache:
             self.dirty_bytes += block.capacity_bytes
         if transient and not block.dirty:
             block.transient = True
-            self._transient[key] = reads
+            self._transient[plain] = reads
             self.transient_bytes += block.capacity_bytes
             self._trim_transient()
 
@@ -276,12 +279,12 @@ class DramCache:
         else:
             self._watchers[owner] = left
 
-    def remove(self, key: BlockKey) -> Block | None:
+    def remove(self, key: tuple[int, int]) -> Block | None:
         block = self._blocks.pop(key, None)
         if block is not None:
-            watcher = self._watchers.get(key.owner)
+            watcher = self._watchers.get(key[0])
             if watcher is not None:
-                watcher(key.number)
+                watcher(key[1])
             if block.transient:
                 del self._transient[key]
                 self.transient_bytes -= block.capacity_bytes
@@ -350,26 +353,26 @@ class DramCache:
         for key in self._victims(need_bytes, reuse):
             self._evict_one(key, reuse)
 
-    def _evict_one(self, key: BlockKey, reuse: bool) -> None:
+    def _evict_one(self, key: tuple[int, int], reuse: bool) -> None:
         """Evict the clean block at `key`: counted, told to `evicted`, and with `reuse`
         its buffer kept as a spare when nothing else holds it."""
         victim = self.remove(key)
         assert victim is not None
         self._evictions += 1
         if self.evicted is not None:
-            self.evicted(key, victim)
+            self.evicted(BlockKey._make(key), victim)
         if reuse:
             self.recycle(victim)
 
-    def _victims(self, need_bytes: int, reuse: bool) -> list[BlockKey]:
+    def _victims(self, need_bytes: int, reuse: bool) -> list[tuple[int, int]]:
         """The keys `_evict` evicts. Walks from the least recently used end and stops as
         soon as there is room: a full cache of a million items costs a few steps per
         call, not a copy of its keys. Dirty blocks met on the way cannot go; they move to
         the other end, so the next walk does not step over them again (they are in use
         anyway). (Keys only: a victim's reference count must be the cache's alone when
         `recycle` looks at it.)"""
-        victims: list[BlockKey] = []
-        passed: list[BlockKey] = []
+        victims: list[tuple[int, int]] = []
+        passed: list[tuple[int, int]] = []
         freed = 0
         for key, block in self._blocks.items():
             if block.dirty:
@@ -400,7 +403,7 @@ class DramCache:
         self.reserved_bytes -= nbytes
 
     def owner_bytes(self, owner: int) -> int:
-        return sum(b.capacity_bytes for k, b in self._blocks.items() if k.owner == owner)
+        return sum(b.capacity_bytes for k, b in self._blocks.items() if k[0] == owner)
 
     def statistics(self) -> DramStatistics:
         return DramStatistics(

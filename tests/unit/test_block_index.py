@@ -4,6 +4,7 @@ reload into the same index."""
 
 from __future__ import annotations
 
+import gc
 import tempfile
 
 import trio
@@ -60,4 +61,37 @@ def test_a_segment_is_forgotten_only_once_it_holds_nothing_live() -> None:
         assert index.live_bytes(7) == 0
         index.forget_segment(7)
         assert index.live_bytes(8) == record_bytes(LogLocation(8, 0, 100))
+        meta.close()
+
+
+def test_entries_are_not_tracked_by_the_garbage_collector_and_come_out_typed() -> None:
+    """A full collection visits every tracked object while the daemon answers nothing: a
+    million items' index entries (a BlockKey and a LogLocation each, NamedTuples, which
+    the collector tracks for good) made it 0.2 s. Entries loaded and set are plain
+    tuples, which it stops tracking once seen; what the index hands out is typed."""
+    count = 20_000
+    with tempfile.TemporaryDirectory() as tmp:
+        meta = MetaDb.open(tmp + "/meta.sqlite")
+        seed = BlockIndex(meta)
+        for number in range(count // 2):
+            seed.set(BlockKey(1, number), LogLocation(3, number * 4096, 4096))
+        trio.run(meta.commit)
+        del seed
+        gc.collect()
+        before = len(gc.get_objects())
+        index = BlockIndex.load(meta)  # half loaded from rows ...
+        for number in range(count // 2, count):  # ... half set while running
+            index.set(BlockKey(2, number), LogLocation(4, number * 4096, 4096))
+        gc.collect()
+        assert len(gc.get_objects()) - before < 100, "the index's entries are tracked by the garbage collector"
+        assert len(index) == count
+        key = next(iter(index))
+        assert type(key) is BlockKey
+        assert key == BlockKey(1, 0)
+        assert type(index[key]) is LogLocation
+        assert index[key] == LogLocation(3, 0, 4096)
+        assert type(index.get(BlockKey(2, count - 1))) is LogLocation
+        assert index.get(BlockKey(2, count)) is None
+        assert type(index.delete(key)) is LogLocation
+        assert key not in index
         meta.close()

@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
+import weakref
 
+import pytest
 import trio
 
-from distorefs.memory import rss_bytes, run_memory_trim
+from distorefs.memory import collect_young, full_collections_held, gc_statistics, rss_bytes, run_memory_trim
 from distorefs.tiers.dram import Block, DramCache
 from distorefs.types import BlockKey
 
@@ -66,3 +69,44 @@ def test_freed_memory_is_kept_for_the_next_allocation() -> None:
     pages = 100 * 3 * (1 << 20) // 4096
     assert _faults("default") > pages // 4
     assert _faults("keep") < pages // 100
+
+
+def test_held_full_collections_nest_and_young_garbage_still_goes() -> None:
+    """`full_collections_held` turns Python's automatic collections off for a bulk load,
+    nested and across an exception; `collect_young` between chunks still frees cycles."""
+    assert gc.isenabled()
+
+    class Cycle:
+        other: object = None
+
+    def cycle() -> weakref.ref[Cycle]:
+        a, b = Cycle(), Cycle()
+        a.other, b.other = b, a
+        return weakref.ref(a)
+
+    with full_collections_held():
+        assert not gc.isenabled()
+        with pytest.raises(KeyError), full_collections_held():
+            raise KeyError("a load that fails")
+        assert not gc.isenabled()  # the outer hold is still on
+        gone = cycle()
+        assert gone() is not None  # no automatic collection
+        collect_young()
+        assert gone() is None
+    assert gc.isenabled()
+    gc.disable()  # (no automatic collection may free it meanwhile)
+    try:
+        kept = cycle()
+        collect_young()  # not held: nothing
+        assert kept() is not None
+    finally:
+        gc.enable()
+    gc.collect()
+    assert kept() is None
+
+
+def test_gc_statistics_name_frozen_objects_and_collections() -> None:
+    status = gc_statistics()["gc"]
+    assert isinstance(status, dict)
+    assert status["frozen_objects"] == gc.get_freeze_count()
+    assert len(status["collections"]) == 3

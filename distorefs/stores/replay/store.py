@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import trio
 
+from distorefs import memory
 from distorefs.errors import Exists, NotFound
 from distorefs.ids import BUFFER_OWNER_BASE
 from distorefs.news import Outbox
@@ -147,16 +148,18 @@ class BufferStore:
         each cold item from the log. Returns how many items it read."""
         room = dram_budget_bytes // 2
         warmed = 0
-        for buf in sorted(self._buffers.values(), key=lambda b: b.stored_bytes):
-            if buf.stored_bytes > room:
-                break
-            room -= buf.stored_bytes
-            live = buf.live_indices()
-            for start in range(0, len(live), WARM_CHUNK):
-                if buf.deleted:
+        with memory.full_collections_held():  # a block object per item (memory.py says why)
+            for buf in sorted(self._buffers.values(), key=lambda b: b.stored_bytes):
+                if buf.stored_bytes > room:
                     break
-                await buf.warm(live[start : start + WARM_CHUNK])
-                warmed += min(WARM_CHUNK, len(live) - start)
+                room -= buf.stored_bytes
+                live = buf.live_indices()
+                for start in range(0, len(live), WARM_CHUNK):
+                    if buf.deleted:
+                        break
+                    await buf.warm(live[start : start + WARM_CHUNK])
+                    warmed += min(WARM_CHUNK, len(live) - start)
+                    memory.collect_young()
         if warmed:
             log.info("buffers: %d items read into DRAM after the start", warmed)
         return warmed
