@@ -81,6 +81,12 @@ def warmed(mnt: Path, items: int, timeout_s: float = 120.0) -> float:
     return time.perf_counter() - started
 
 
+def full_collections(mnt: Path) -> int | None:
+    """The daemon's generation-2 collections so far (None: a daemon without `gc` in status)."""
+    gc = json.loads((mnt / ".distore" / "status").read_text()).get("gc")
+    return None if gc is None else int(gc["collections"][2])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--items", type=int, default=1_000_000)
@@ -106,8 +112,11 @@ def main() -> int:
             report["mount_s"].append(round(time.perf_counter() - started, 2))
             try:
                 report.setdefault("warm_s", []).append(round(warmed(mnt, args.items + 20_000), 1))
+                before = full_collections(mnt)
                 for name, key in (("million", "million_per_s"), ("small", "small_per_s")):
                     report[key].append(round(sample_rate(mnt / "buffers" / name, args.batches)))
+                if before is not None:  # the daemon's full (generation 2) collections while sampling
+                    report.setdefault("full_collections", []).append(full_collections(mnt) - before)  # type: ignore[operator]
             finally:
                 subprocess.run([*DISTORE, "umount", str(mnt)], check=False, stdout=subprocess.DEVNULL)
     finally:

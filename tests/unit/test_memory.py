@@ -93,6 +93,8 @@ def test_held_full_collections_nest_and_young_garbage_still_goes() -> None:
         assert gone() is not None  # no automatic collection
         collect_young()
         assert gone() is None
+        full = gc.get_stats()[2]["collections"]
+    assert gc.get_stats()[2]["collections"] == full + 1  # the last hold ends with a full collection
     assert gc.isenabled()
     gc.disable()  # (no automatic collection may free it meanwhile)
     try:

@@ -1008,7 +1008,8 @@ async def test_warm_up_reads_restored_buffers_into_dram_while_they_fit_in_half_t
 async def test_the_warm_up_runs_no_full_collection_and_gives_collections_back(tmp_path: Path) -> None:
     """A block object per item read in: Python's automatic full collections, each visiting
     every object, took 4.7 s of a million items' 10 s warm-up. The warm-up holds them off
-    (memory.full_collections_held) and collects only the young generations between chunks."""
+    (memory.full_collections_held), collects only the young generations between chunks
+    and runs one full collection as it ends."""
     _log, blocks, meta = open_tiers(tmp_path, budget=256 << 20)
     store = BufferStore.load(blocks, meta)
     items = 60_000
@@ -1030,7 +1031,7 @@ async def test_the_warm_up_runs_no_full_collection_and_gives_collections_back(tm
         assert await store.warm_up(256 << 20) == items
     finally:
         gc.callbacks.remove(seen)
-    assert full == [], f"{len(full)} full collections during the warm-up"
+    assert len(full) == 1, f"{len(full)} full collections during the warm-up, not only the one that ends it"
     assert gc.isenabled()
     assert blocks.dram_bytes(store.get("many").owner) > 0
     await blocks.close()
