@@ -10,7 +10,9 @@ or numpy code, with the same results.
 Not at the mount: numba's import holds the GIL for most of 0.4-2 s (longer with a cold
 page cache) and reads its own files from the disk, and a cold read of a checkpoint
 right after a mount (a training job resuming) ran at 276-479 MB/s beside it against
-1,057-1,431 MB/s after it. A daemon serving only files never loads them.
+1,057-1,431 MB/s after it. A daemon serving only files never loads them. One whose
+data dir holds a buffer or a dataset also loads them once its mount has been idle for a
+second (daemon.load_kernels_when_idle), before a restarted job's first call needs them.
 """
 
 from __future__ import annotations
@@ -81,6 +83,17 @@ def load_on_first_use(loader: Callable[[], None] | None) -> None:
     time any `Kernels.module` is asked for while not loaded. None: forget it."""
     global _loader
     _loader = loader
+
+
+def start_loading() -> None:
+    """Start the registered loading now, once, as a first use would (the daemon's
+    preload when its mount is idle: daemon.load_kernels_when_idle)."""
+    _first_use()
+
+
+def loading_started() -> bool:
+    """Whether the registered loading has started (by a first use or `start_loading`)."""
+    return _started.is_set()
 
 
 def _first_use() -> None:

@@ -254,6 +254,28 @@ def load_kernels() -> None:
     copy_ranges.load_compiled()
 
 
+KERNELS_IDLE_S = 1.0  # a mount this quiet, with a buffer or a dataset in it, loads the compiled kernels
+
+
+async def load_kernels_when_idle(ops: FsOperations, wanted: Callable[[], bool], idle_s: float = KERNELS_IDLE_S) -> None:
+    """Background task: once the mount is up, start the compiled kernels' loading (as
+    their first use would) as soon as no request has come for `idle_s` while `wanted()`
+    (the data dir holds a replay buffer or a dataset). A job restarted on its data dir
+    (its trainer importing torch meanwhile) then finds them loaded at its first append,
+    which otherwise started numba's import and waited on it: appends of up to 26 ms for
+    0.3-1 s (benchmarks.md, "Nineteenth session"). A daemon with only files never loads
+    them; one busy from its start (a cold read right after the mount) loads them at
+    their first use, or when it goes quiet."""
+    await ops.initialized.wait()
+    ready = time.perf_counter()
+    while not compiled.loading_started():
+        quiet = time.perf_counter() - max(ready, ops.request_started)
+        if quiet >= idle_s and wanted():
+            compiled.start_loading()
+            return
+        await trio.sleep(idle_s - quiet if quiet < idle_s else idle_s)
+
+
 def kernels_status() -> dict[str, Any]:
     """`kernels` in `.distore/status`: which compiled kernels run yet (false: their plain
     versions, until the start-up's thread has loaded them, or for good without numba)."""
@@ -327,6 +349,12 @@ class Daemon:
         start("snapshots", self.buffers.run_snapshots, config.snapshot_interval_s)
         start("buffer warm-up", self.buffers.warm_up, config.dram_budget_bytes)
         start("dataset streams", self.datasets.run_streams)
+        start(
+            "kernels when idle",
+            load_kernels_when_idle,
+            self.ops,
+            lambda: bool(self.buffers.names() or self.datasets.names()),
+        )
         if self.shared.sessions is not None:
             start("shm sampling sessions", self.shared.sessions.serve)
             start("weights' shared copies", self.weights.run_sharing)
