@@ -13,7 +13,7 @@ BlockKey and LogLocation: Python's cyclic garbage collector stops tracking a pla
 of ints once it has seen it, but tracks a NamedTuple for good, and a full collection
 visits every tracked object. A million items held a BlockKey and a LogLocation each: 2
 million objects and 0.2 s of a full collection, during which the daemon answers nothing
-(docs/design.md, "The block index is invisible to the garbage collector"). A BlockKey
+(docs/design.md, "Pauses of Python's garbage collector"). A BlockKey
 finds its plain-tuple entry (same hash, equal).
 
 Invariants, for every state reachable through the methods below:
