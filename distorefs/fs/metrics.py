@@ -50,7 +50,7 @@ class DaemonCollector(Collector):
         self._weights = weights
         self._peers = peers
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         status = self._status()
         for key, value in status.items():
             if isinstance(value, bool):
@@ -63,6 +63,15 @@ class DaemonCollector(Collector):
                 for key, value in numbers.items():
                     if isinstance(value, (int, float)) and not isinstance(value, bool):
                         yield GaugeMetricFamily(f"distorefs_{part}_{key}", f"{what}: {key}", value=float(value))
+        gc = status.get("gc")
+        if isinstance(gc, dict):  # Python's cyclic garbage collector (memory.gc_statistics)
+            frozen = gc["frozen_objects"]
+            yield GaugeMetricFamily("distorefs_gc_frozen_objects", "objects frozen at start-up", value=frozen)
+            what = "collections per generation (2: full, every object visited)"
+            collections = CounterMetricFamily("distorefs_gc_collections", what, labels=["generation"])
+            for generation, count in enumerate(gc["collections"]):
+                collections.add_metric([str(generation)], count)
+            yield collections
         families = {
             name: GaugeMetricFamily(f"distorefs_buffer_{name}", f"replay buffer: {name}", labels=["buffer"])
             for name in BUFFER_GAUGES
