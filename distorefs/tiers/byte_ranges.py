@@ -18,7 +18,7 @@ import trio
 from distorefs.errors import InvalidArgument
 from distorefs.memory import unzeroed
 from distorefs.tiers.block_base import BlockTierBase
-from distorefs.tiers.copy_ranges import copy_ranges
+from distorefs.tiers.copy_ranges import check_inside, copy_ranges
 from distorefs.types import BlockKey, LogLocation, Writable
 
 PREFETCH_BLOCKS = 32  # how far a sequential reader's next blocks are loaded ahead
@@ -172,9 +172,8 @@ class ByteRanges(BlockTierBase):
         # block shorter than the index says) is not copied, and its range stays unchecked,
         # so the caller's check fails it instead of serving what lies beyond.
         copied = cached & (inner + length <= np.asarray(valid + [0], dtype=np.int64)[source])  # [-1]: not cached
+        check_inside(out, at, length, "gather")
         view = memoryview(out)
-        if len(at) and (int(at.min()) < 0 or int((at + length).max()) > view.nbytes):
-            raise AssertionError(f"gather: a range lies outside the output's {view.nbytes} bytes")
         unchecked = np.ones(len(starts), dtype=bool)  # empty ranges included: nothing vouches for them
         unchecked[rng[copied]] = False
         unchecked[rng[~copied]] = True  # a range with any piece from the log, or not copied

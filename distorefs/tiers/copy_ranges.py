@@ -59,17 +59,28 @@ def copy_ranges(
         view[to : to + n] = memoryview(sources[s])[at : at + n]
 
 
+def check_inside(out: Writable, out_at: np.ndarray, lengths: np.ndarray, who: str) -> None:
+    """Raise AssertionError (a bug: never a write or a read past the buffer) unless every
+    range, `lengths[i]` bytes at `out_at[i]`, lies inside `out`. The compiled kernels
+    check no bounds; their callers check here first."""
+    size = memoryview(out).nbytes
+    if len(out_at) and (int(out_at.min()) < 0 or int((out_at + lengths).max()) > size):
+        raise AssertionError(f"{who}: a range lies outside the output's {size} bytes")
+
+
 def pread_ranges(
     fds: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, out: Writable, out_at: np.ndarray, ahead: int
 ) -> int:
     """Read range i, `lengths[i]` bytes at `offsets[i]` of file `fds[i]`, to `out_at[i]` of
     `out`, in order, skipping ranges whose fd is -1; with `ahead`, each read first hints
-    (WILLNEED) the range `ahead` places on. The caller keeps every range inside `out`.
+    (WILLNEED) the range `ahead` places on. A range outside `out` raises AssertionError
+    before anything is read (`check_inside`), compiled or not.
 
     Returns how far it got: `len(fds)` when every range is read, else the first range
     that did not read whole (an error or a short read), for the caller to read again and
     raise what it meets; 0 when the compiled kernel is not loaded (nothing read). Call it
     from a worker thread: the compiled reads run without the GIL."""
+    check_inside(out, out_at, lengths, "pread_ranges")
     jit = KERNELS.module
     if jit is None or not len(fds):
         return 0
@@ -79,9 +90,10 @@ def pread_ranges(
 
 def first_bad_crc(out: Writable, out_at: np.ndarray, lengths: np.ndarray, crcs: np.ndarray) -> int:
     """The first i whose range, `lengths[i]` bytes at `out_at[i]` of `out`, has a crc32c
-    other than `crcs[i]`; -1 when all match. The caller keeps every range inside `out`.
-    Compiled (without the GIL) where the kernels are loaded and the crc32c package uses
-    its hardware function; else a Python loop of crc32c calls."""
+    other than `crcs[i]`; -1 when all match. A range outside `out` raises AssertionError
+    (`check_inside`). Compiled (without the GIL) where the kernels are loaded and the
+    crc32c package uses its hardware function; else a Python loop of crc32c calls."""
+    check_inside(out, out_at, lengths, "first_bad_crc")
     jit = KERNELS.module
     if jit is not None and jit.check is not None:
         crcs = np.ascontiguousarray(crcs, dtype=np.uint32)

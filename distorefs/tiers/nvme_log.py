@@ -938,8 +938,6 @@ class NvmeLog:
         reads those another way.
         """
         count = len(segments)
-        if count and (int(out_at.min()) < 0 or int((out_at + lengths).max()) > memoryview(out).nbytes):
-            raise AssertionError(f"read_ranges: a range lies outside the output's {memoryview(out).nbytes} bytes")
         wanted = np.unique(segments)
         held = {segment: self._acquire(segment) for segment in wanted.tolist()}
         try:
@@ -947,7 +945,7 @@ class NvmeLog:
             fds = fd_of[np.searchsorted(wanted, segments)] if count else fd_of
             at = offsets + HEADER.size
             ahead = READ_AHEAD_PARTS if read_ahead else 0
-            first = pread_ranges(fds, at, lengths, out, out_at, ahead)
+            first = pread_ranges(fds, at, lengths, out, out_at, ahead)  # checks the ranges fit `out` first
             if first < count:  # not compiled, or the compiled reads stopped at a range that failed
                 rest = slice(first, count)
                 _pread_each(fds[rest], at[rest], lengths[rest], out, out_at[rest], segments[rest], ahead)
