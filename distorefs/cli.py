@@ -222,9 +222,9 @@ def check_mountpoint(mountpoint: str, nonempty: bool = False) -> None:
 
 
 def _is_mount(path: str) -> bool:
-    target = os.path.abspath(path)
-    with open("/proc/self/mountinfo", encoding="utf-8") as f:
-        return any(line.split()[4].replace("\\040", " ") == target for line in f)
+    from distorefs.daemon import mount_device  # (mountinfo's escapes undone, all of them)
+
+    return mount_device(path) is not None
 
 
 def _cluster_config(args: argparse.Namespace) -> Any:
