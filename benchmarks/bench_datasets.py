@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 from bench_posix import disk_read_speeds, drop_caches  # the script's own directory is on sys.path
+from daemon import wait_for_kernels
 
 from distorefs.stores.datasets.formats import shuffled
 from distorefs.units import parse_size
@@ -81,12 +82,7 @@ class Daemon:
         # versions run meanwhile), here a first byte of the stream
         with open(stream, "rb", buffering=0) as f:
             f.read(1)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            kernels = json.loads((self.mnt / ".distore" / "status").read_text()).get("kernels", {})
-            if kernels and all(kernels.values()):
-                break
-            time.sleep(0.1)
+        wait_for_kernels(self.mnt)
 
     def umount(self) -> None:
         distore("umount", str(self.mnt))

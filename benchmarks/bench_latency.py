@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.daemon import mounted  # noqa: E402
+from benchmarks.daemon import mounted, wait_for_kernels  # noqa: E402
 
 RECORD = np.dtype([("obs", "<f4", (128,)), ("action", "<i8"), ("reward", "<f4"), ("next_obs", "<f4", (125,))])
 
@@ -51,16 +51,6 @@ def timed(call: object, calls: int) -> dict[str, float]:
         call()  # type: ignore[operator]
         out.append(time.perf_counter() - started)
     return percentiles(out)
-
-
-def wait_for_kernels(mnt: Path, timeout_s: float = 60.0) -> float:
-    """Seconds until `.distore/status` says every compiled kernel runs (at most `timeout_s`)."""
-    started = time.perf_counter()
-    while time.perf_counter() - started < timeout_s:
-        if all(json.loads((mnt / ".distore" / "status").read_text())["kernels"].values()):
-            break
-        time.sleep(0.05)
-    return round(time.perf_counter() - started, 2)
 
 
 def main() -> int:

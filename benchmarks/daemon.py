@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,3 +24,17 @@ def mounted(base: Path, *options: str) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run([*DISTORE, "umount", str(mnt)], check=False, stdout=subprocess.DEVNULL)
+
+
+def wait_for_kernels(mnt: Path, timeout_s: float = 60.0) -> float:
+    """Seconds until `.distore/status` says every compiled kernel runs (at most
+    `timeout_s`; a daemon that shows no `kernels` counts as never). They load in a thread
+    at their first use: a benchmark that measures the daemon as it runs once started
+    makes that use, then waits here."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        kernels = json.loads((mnt / ".distore" / "status").read_text()).get("kernels", {})
+        if kernels and all(kernels.values()):
+            break
+        time.sleep(0.05)
+    return round(time.monotonic() - started, 2)
