@@ -173,19 +173,28 @@ def bench_plain(mnt: Path, w: Workload, seconds: float, payloads: list[bytes]) -
         appended += len(records)
     adds = rate(appended, time.perf_counter() - started)
     out = {"adds_per_s": adds}
-    for name, value in recipe_rates(path, seconds).items():
+    for name, value in recipe_rates(*plain_recipes(path), seconds).items():
         out[f"{name}_per_s"] = value
     # The same in a process of their own, as a learner is: this one holds the
     # benchmark's payloads (hundreds of MB), and its allocator's state changes what a
     # fresh batch buffer costs (docs/benchmarks.md).
-    for prefix, extra in (("fresh", {}), ("kept", KEEP_FREED_MEMORY)):
-        fresh = subprocess.run(
-            [sys.executable, __file__, "--learner", str(path), "--seconds", str(seconds)],
-            capture_output=True, text=True, timeout=600, check=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1", **extra},
-        )  # fmt: skip
-        for name, value in json.loads(fresh.stdout).items():
-            out[f"{prefix}_{name}_per_s"] = value
+    # The np.load recipes on tmpfs, for the baseline: one batch copied to /dev/shm, read
+    # the same way by a learner process of its own (a fresh process's allocator hands
+    # each batch new memory, which this VM makes slow on any file system).
+    copy = Path("/dev/shm") / f"distorefs-bench-{os.getpid()}-{w.name.lower()}.npy"
+    copy.write_bytes((path / "sample").read_bytes())
+    try:
+        for prefix, extra in (("fresh", {}), ("kept", KEEP_FREED_MEMORY)):
+            for flag, target, label in (("--learner", path, prefix), ("--learner-file", copy, f"tmpfs_{prefix}")):
+                fresh = subprocess.run(
+                    [sys.executable, __file__, flag, str(target), "--seconds", str(seconds)],
+                    capture_output=True, text=True, timeout=600, check=True,
+                    env={**os.environ, "OMP_NUM_THREADS": "1", **extra},
+                )  # fmt: skip
+                for name, value in json.loads(fresh.stdout).items():
+                    out[f"{label}_{name}_per_s"] = value
+    finally:
+        copy.unlink()
     shutil.rmtree(path, ignore_errors=True)
     return out
 
@@ -196,6 +205,16 @@ def bench_plain(mnt: Path, w: Workload, seconds: float, payloads: list[bytes]) -
 KEEP_FREED_MEMORY = {"MALLOC_TRIM_THRESHOLD_": str(256 << 20), "MALLOC_MMAP_THRESHOLD_": str(256 << 20)}
 
 PLAIN_RECIPES = ("np_load_file", "np_load_bytes", "kept_buffer", "kept_stream")  # no distorefs import
+NP_LOAD_RECIPES = PLAIN_RECIPES[:2]  # also run on a batch in tmpfs, the baseline
+
+
+def np_load_recipes(sample_file: str) -> dict[str, Callable[[], int]]:
+    """The two `np.load` recipes of docs/namespace.md, each a step that returns the items
+    it read: of `sample_file` opened, and of its bytes read whole."""
+    return {
+        "np_load_file": lambda: len(np.load(open(sample_file, "rb"))),
+        "np_load_bytes": lambda: len(np.load(io.BytesIO(open(sample_file, "rb").read()))),
+    }
 
 
 def plain_recipes(path: Path) -> tuple[dict[str, Callable[[], int]], Callable[[], None]]:
@@ -234,8 +253,7 @@ def plain_recipes(path: Path) -> tuple[dict[str, Callable[[], int]], Callable[[]
         sampler.close()
 
     recipes: dict[str, Callable[[], int]] = {
-        "np_load_file": lambda: len(np.load(open(sample_file, "rb"))),
-        "np_load_bytes": lambda: len(np.load(io.BytesIO(open(sample_file, "rb").read()))),
+        **np_load_recipes(sample_file),
         "kept_buffer": kept_buffer,
         "kept_stream": lambda: read_into(stream_fd),
         "client": lambda: len(sampler.sample()),
@@ -243,20 +261,21 @@ def plain_recipes(path: Path) -> tuple[dict[str, Callable[[], int]], Callable[[]
     return recipes, close
 
 
-def learner(path: Path, seconds: float) -> int:
-    """`--learner`: each recipe of `plain_recipes` for `seconds`, as JSON rates."""
-    print(json.dumps(recipe_rates(path, seconds)))
+def learner(path: Path, seconds: float, one_file: bool) -> int:
+    """`--learner`: each recipe of `plain_recipes` for `seconds`, as JSON rates;
+    `--learner-file`: the `np.load` recipes on one batch's file (tmpfs)."""
+    recipes, close = (np_load_recipes(str(path)), lambda: None) if one_file else plain_recipes(path)
+    print(json.dumps(recipe_rates(recipes, close, seconds)))
     return 0
 
 
 RECIPE_ROUNDS = 3
 
 
-def recipe_rates(path: Path, seconds: float) -> dict[str, float]:
-    """Samples/s of each recipe of `plain_recipes`: RECIPE_ROUNDS rounds of
-    seconds / RECIPE_ROUNDS each, the recipes interleaved, the median round of each (one
-    recipe's churn of new memory does not weigh on the next one alone)."""
-    recipes, close = plain_recipes(path)
+def recipe_rates(recipes: dict[str, Callable[[], int]], close: Callable[[], None], seconds: float) -> dict[str, float]:
+    """Samples/s of each recipe: RECIPE_ROUNDS rounds of seconds / RECIPE_ROUNDS each,
+    the recipes interleaved, the median round of each (one recipe's churn of new memory
+    does not weigh on the next one alone); `close` at the end."""
     rounds: dict[str, list[float]] = {name: [] for name in recipes}
     try:
         for _ in range(RECIPE_ROUNDS):
@@ -317,9 +336,10 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--reverb-python", help="a Python with dm-reverb installed (optional)")
     parser.add_argument("--learner", help=argparse.SUPPRESS)  # a buffer dir: plain_recipes in this process
+    parser.add_argument("--learner-file", help=argparse.SUPPRESS)  # a batch's file: np_load_recipes
     args = parser.parse_args()
-    if args.learner:
-        return learner(Path(args.learner), args.seconds)
+    if args.learner or args.learner_file:
+        return learner(Path(args.learner or args.learner_file), args.seconds, one_file=bool(args.learner_file))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     base = Path(tempfile.mkdtemp(prefix="distorefs-bench-replay-", dir="/var/tmp"))
     mnt = base / "mnt"
@@ -386,15 +406,20 @@ def main() -> int:
             f"| {name} | {r['adds_per_s']:,.0f} | {' | '.join(f'{x:,.0f}' for x in rates)} | {r['client_per_s']:,.0f} |"
             f" {min(rates[:2]) / r['client_per_s']:.2f}x | {max(rates) / r['client_per_s']:.2f}x |"
         )
-    print("\n| workload (schema buffer), a learner process of its own |" + columns)
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "\n| workload (schema buffer), a learner process of its own |" + columns
+        + " tmpfs: np.load(file) | tmpfs: np.load(BytesIO(read())) | np.load recipes vs tmpfs |"
+    )  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for prefix, label in (("fresh", ""), ("kept", ", MALLOC_* keep freed memory")):
         for name, r in plain.items():
             rates = [r[f"{prefix}_{k}_per_s"] for k in PLAIN_RECIPES]
+            tmpfs = [r[f"tmpfs_{prefix}_{k}_per_s"] for k in NP_LOAD_RECIPES]
             c = r[f"{prefix}_client_per_s"]
             print(
                 f"| {name}{label} | {' | '.join(f'{x:,.0f}' for x in rates)} | {c:,.0f} |"
-                f" {min(rates[:2]) / c:.2f}x | {max(rates) / c:.2f}x |"
+                f" {min(rates[:2]) / c:.2f}x | {max(rates) / c:.2f}x | {tmpfs[0]:,.0f} | {tmpfs[1]:,.0f} |"
+                f" {rates[0] / tmpfs[0]:.2f}x, {rates[1] / tmpfs[1]:.2f}x |"
             )
     hot, cold = results["DQN"]["mount"]["samples_per_s"], results["DQN-3x-DRAM"]["mount"]["samples_per_s"]
     print(f"\nDQN sampling with the buffer 3x the DRAM budget: {cold:,.0f}/s ({cold / hot:.2f}x of in-DRAM)")

@@ -29,6 +29,7 @@ import trio
 
 from distorefs import compiled, progress, service
 from distorefs.errors import ConfigError, DistorefsError
+from distorefs.fs import kernel
 from distorefs.fs.buffers import BuffersDir
 from distorefs.fs.datasets import DatasetsDir
 from distorefs.fs.ops import FsOperations
@@ -547,6 +548,7 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
                     nursery.cancel_scope.cancel()
             finally:
                 pyfuse3.close(unmount=True)
+                kernel.detach()
                 log.info("unmounted %s; persisting", config.mountpoint)
                 with trio.CancelScope(shield=True):
                     report = await daemon.close(report_fd)

@@ -304,7 +304,7 @@ class SampleHandle(VirtualHandle):
             await self._draw(nonblocking=True)
         except DistorefsError:  # drawn again at the first read, which reports it
             return
-        data = self._data.tobytes() if isinstance(self._data, ScatteredBytes) else self._data
+        data = self._data
         if data is None or len(data) != size or node.opens > 1:
             return
         if size < node.widest:
@@ -313,7 +313,7 @@ class SampleHandle(VirtualHandle):
             if not kernel.invalidate(node.ino, attr_only=False):
                 return
             node.widest = size
-        if kernel.store(node.ino, data):
+        if kernel.store(node.ino, data.pieces() if isinstance(data, ScatteredBytes) else [data]):
             self.direct_io, self.keep_cache = False, True
             if isinstance(node.governor, BufferDir):
                 node.governor.page_cache_batches += 1

@@ -211,7 +211,9 @@ class FsOperations(pyfuse3.Operations):
         """pyfuse3 calls this while it handles the kernel's INIT, before libfuse writes the
         reply: what waits on `initialized` runs once the reply is written (the event loop
         gets control back only then), which is when the kernel has applied INIT's
-        settings (read-ahead among them)."""
+        settings (read-ahead among them). The mount's /dev/fuse descriptor exists by now:
+        `kernel.attach` finds it."""
+        kernel.attach()
         self.initialized.set()
 
     def _count_internal_error(self, op: str, exc: Exception) -> None:

@@ -383,6 +383,37 @@ def test_a_sample_opened_alone_is_read_from_the_page_cache(mounted: Mount, buffe
     assert counts["page_cache_batches"] == 13
 
 
+def test_a_batch_of_big_records_goes_to_the_page_cache_piece_by_piece(mounted: Mount, buffer: Path) -> None:
+    """Records of 4 KiB and more stay views of the items in a batch (with each record's
+    `_index`/`_weight` between them); the open stores those pieces into the page cache
+    in one write to /dev/fuse, no joined copy first (design.md, "A sample's batch in the
+    page cache"). Pieces end inside pages (5,003-byte records), and a batch of more
+    pieces than one writev takes goes joined: every byte lands where the batch has it,
+    read without a READ request."""
+    dtype = np.dtype([("obs", "u1", (5000,)), ("tag", "<i2"), ("done", "?")])
+    configure(buffer, schema={"obs": ["uint8", [5000]], "tag": "int16", "done": "bool"}, batch_size=7)
+    items = np.zeros(300, dtype=dtype)
+    items["obs"] = (np.arange(300) * 7 % 251)[:, None] + np.arange(5000) % 5
+    items["tag"] = np.arange(300) * 3
+    items["done"] = np.arange(300) % 2 == 0
+    client.append(buffer, items)
+    with open(buffer / "sample", "rb") as f:  # looks it up and caches its attributes
+        np.load(f)
+    reads, cached = data_requests(mounted, "buffers", "read"), stats(buffer)["page_cache_batches"]
+    for name, count in (("sample", 7), ("sample.2", 2), ("sample.600", 600)):  # 600: 1,201 pieces
+        for _ in range(2):
+            with open(buffer / name, "rb") as f:
+                batch = np.load(io.BytesIO(f.read()))
+            assert len(batch) == count
+            index = batch["_index"]
+            assert (batch["obs"] == items["obs"][index]).all()
+            assert (batch["tag"] == items["tag"][index]).all()
+            assert (batch["done"] == items["done"][index]).all()
+            assert (batch["_weight"] > 0).all()
+    assert data_requests(mounted, "buffers", "read") == reads
+    assert stats(buffer)["page_cache_batches"] == cached + 6
+
+
 def test_opens_of_a_sample_at_once_each_read_their_own_batch(mounted: Mount, buffer: Path) -> None:
     """Only an open with no other open of the file beside it reads from the page cache
     (the kernel keeps one cache per file); the others read from the daemon, and each
