@@ -392,6 +392,7 @@ SHM_MAGIC = b"DSSHM1"
 SHM_SESSION_MAGIC = b"DSSHM2"
 SHM_READ_BYTES = 512  # a read of sample.shm must take at least this much (one descriptor line)
 SHM_INPUT_BYTES = 64 * 1024
+SLOT_DIGITS = 18  # a slot number in a release line (Python parses no more than 4,300 digits)
 SHM_INLINE_COPY_BYTES = 4 << 20  # bigger batches (over ~0.4 ms of copying) go into their slot from a thread
 
 
@@ -494,7 +495,7 @@ class ShmSampleHandle(VirtualHandle):
             if words == [b"session", b"2"]:
                 self._start_session()
                 continue
-            if words[0] != b"release" or not all(w.isdigit() for w in words[1:]):
+            if words[0] != b"release" or not all(w.isdigit() and len(w) <= SLOT_DIGITS for w in words[1:]):
                 raise _recorded(
                     self._buffer,
                     InvalidArgument(

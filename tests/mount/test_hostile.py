@@ -208,6 +208,32 @@ def test_a_keep_last_of_5000_digits_is_einval(mounted: Mount) -> None:
         run.rmdir()
 
 
+def test_numbers_of_5000_digits_are_einval_wherever_a_control_file_takes_one(
+    mounted: Mount, buffer: Path, dataset: Path
+) -> None:
+    """Python parses no integer of more than 4,300 digits (a ValueError, which a request
+    would turn into EIO and an internal error): a slot to release, a shuffle's seed, a
+    priority's index and a config value of 5,000 digits are each refused with EINVAL,
+    change nothing and count no internal error."""
+    internal = mounted.status()["internal_errors"]
+    digits = b"9" * 5000
+    before, order = snapshot(buffer), (dataset / "order").read_bytes()
+    fd = os.open(buffer / "sample.shm", os.O_RDWR)
+    try:
+        assert refused(lambda: os.write(fd, b"release " + digits + b"\n")) == errno.EINVAL
+    finally:
+        assert refused(lambda: os.close(fd)) == errno.EINVAL  # the close reports it again
+    assert refused(lambda: write_all(dataset / "order", b"shuffle " + digits + b"\n")) == errno.EINVAL
+    assert (dataset / "order").read_bytes() == order
+    assert refused(lambda: write_all(buffer / "priority", digits + b" 1.0\n")) == errno.EINVAL
+    assert refused(lambda: write_all(buffer / "config", b'{"capacity": ' + digits + b"}")) == errno.EINVAL
+    assert snapshot(buffer) == before
+    assert mounted.status()["internal_errors"] == internal
+    write_all(dataset / "order", b"shuffle " + b"9" * 40 + b"\n")  # the longest seed taken
+    assert json.loads(client.read_all(dataset / "stats"))["order"].startswith("shuffle " + "9" * 40)
+    healthy(mounted)
+
+
 def test_np_save_of_bad_priorities_fails_at_close(mounted: Mount, buffer: Path) -> None:
     before = snapshot(buffer)
     with pytest.raises(OSError) as excinfo:  # noqa: PT012 - the close is the point

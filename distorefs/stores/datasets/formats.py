@@ -55,6 +55,9 @@ class OrderSpec:
         return "sequential"
 
 
+SEED_DIGITS = 40  # a shuffle's seed: 128 bits and more; Python parses no more than 4,300 digits
+
+
 def shuffled(seed: int, count: int) -> np.ndarray:
     """The permutation `shuffle SEED` stands for: the same on every node and every run."""
     return np.random.default_rng(seed).permutation(count).astype(np.int64)
@@ -131,11 +134,12 @@ class OrderInput:
                 raise self._bad("`shuffle SEED` and `sequential` must be the whole input")
             if words[0] == b"sequential" and len(words) == 1:
                 self._word = ("sequential", 0)
-            elif words[0] == b"shuffle" and len(words) == 2 and words[1].isdigit():
+            elif words[0] == b"shuffle" and len(words) == 2 and words[1].isdigit() and len(words[1]) <= SEED_DIGITS:
                 self._word = ("shuffle", int(words[1]))
             else:
                 raise self._bad(
-                    f"expected `shuffle SEED` (a non-negative integer) or `sequential`, got {describe(text)}"
+                    f"expected `shuffle SEED` (a non-negative integer of up to {SEED_DIGITS} digits) or"
+                    f" `sequential`, got {describe(text)}"
                 )
             return
         try:
