@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import stat
 from collections.abc import Callable, Iterator
@@ -175,16 +176,54 @@ def test_config_input_past_its_limit_is_efbig_at_once(mounted: Mount, buffer: Pa
         {"schema": {"x": {"dtype": ["int64"]}}},
         {"batch_size": 99999999999999999999},
         {"batch_size": (1 << 20) + 1},
+        {"sampler": []},  # (was a TypeError: EIO and an internal error)
+        {"sampler": {"prioritized": 1}},
+        {"compression": "zstd:\u00b2"},  # a digit to str.isdigit, not to int()
+        {"compression": "zstd:" + "9" * 5000},
+        {"alpha": 1e308},  # priorities 1..10 would scale to infinity
+        {"epsilon": 1e300, "alpha": 2},
     ],
 )
 def test_configs_the_buffer_could_not_serve_are_refused_at_write_time(
     mounted: Mount, buffer: Path, changes: dict[str, object]
 ) -> None:
-    before = snapshot(buffer)
+    internal, before = mounted.status()["internal_errors"], snapshot(buffer)
     assert refused(lambda: write_all(buffer / "config", json.dumps(changes).encode())) == errno.EINVAL
     assert snapshot(buffer) == before
     with open(buffer / "sample", "rb") as f:
         assert len(np.load(f)) == 32
+    assert mounted.status()["internal_errors"] == internal
+    healthy(mounted)
+
+
+def test_extreme_alpha_beta_and_priorities_sample_with_weights_in_0_1(mounted: Mount, buffer: Path) -> None:
+    """A beta of 1e308 overflowed (N * P_min)^-beta and every sample failed with EIO; a
+    priority whose (p + epsilon)^alpha overflows made the sum tree's total infinite. Now
+    weights are (P / P_min)^-beta, in [0, 1], and an update that would scale past 1e290
+    is EINVAL with nothing applied."""
+    internal = mounted.status()["internal_errors"]
+    priorities = np.arange(1, 11, dtype=np.float64)  # the fixture's, of items 0..9
+    for alpha, beta in ((0.6, 1e308), (0.6, 1e-300), (100.0, 1.0), (1e-300, 1.0)):
+        write_all(buffer / "config", json.dumps({"alpha": alpha, "beta": beta}).encode())
+        scaled = np.power(priorities + 1e-6, alpha)
+        with np.errstate(all="ignore"):
+            expected = np.power(scaled / scaled.min(), -beta)  # (N P / N P_min)^-beta
+        for _ in range(3):
+            with open(buffer / "sample", "rb") as f:
+                batch = np.load(f)
+            weights = batch["_weight"]
+            assert np.isfinite(weights).all()
+            assert ((weights >= 0) & (weights <= 1)).all()
+            assert weights == pytest.approx(expected[batch["_index"]].astype(np.float32), rel=1e-4, abs=1e-30)
+    write_all(buffer / "config", b'{"alpha": 100.0}')
+    before = snapshot(buffer)
+    assert refused(lambda: write_all(buffer / "priority", b"0 1.0\n1 1e300\n")) == errno.EINVAL
+    assert snapshot(buffer) == before
+    stats = json.loads(client.read_all(buffer / "stats"))
+    assert "scales past 1e+290" in stats["errors"][-1]
+    write_all(buffer / "priority", b"0 1.0\n1 1e2\n")  # 1e200: taken
+    assert math.isfinite(json.loads(client.read_all(buffer / "stats"))["total_priority"])
+    assert mounted.status()["internal_errors"] == internal
     healthy(mounted)
 
 

@@ -435,6 +435,29 @@ async def test_importance_weights_are_normalised_to_the_rarest_item(tiers: tuple
         assert weight == pytest.approx(1.0 if index == 0 else 1 / 3, rel=1e-6)
 
 
+async def test_weights_stay_in_0_1_for_any_beta_and_scaled_priorities_stay_finite(
+    tiers: tuple[BlockStore, MetaDb],
+) -> None:
+    """(N P_min)^-beta overflowed for a large beta (the draw raised OverflowError); and a
+    priority whose (p + epsilon)^alpha overflows would make the tree's total infinite:
+    refused whole, as a config whose alpha or epsilon would do it to the held items."""
+    buf = make(tiers, sampler="prioritized", alpha=1.0, beta=1e308, epsilon=0.0, batch_size=16)
+    await buf.append([b"a", b"b"])
+    await buf.update_priorities(np.array([0, 1]), np.array([1.0, 3.0]))
+    batch = await buf.sample(16)
+    assert {int(i): float(w) for i, w in zip(batch.indices, batch.weights, strict=True)} == {0: 1.0, 1: 0.0}
+    tree_total, priorities = buf._tree.total, buf._priority.copy()
+    with pytest.raises(InvalidArgument, match=r"priority 1e\+300 scales past 1e\+290 .*; none applied"):
+        await buf.update_priorities(np.array([0, 1]), np.array([2.0, 1e300]))
+    buf.reconfigure({"alpha": 2.0})  # 3^2: fine
+    with pytest.raises(InvalidArgument, match=r"alpha, epsilon: priority 3 scales past .*; the config stays"):
+        buf.reconfigure({"alpha": 1000.0})
+    assert buf.config.alpha == 2.0
+    assert buf._tree.total == 10.0
+    assert (buf._priority == priorities).all()
+    assert tree_total == 4.0
+
+
 async def test_priority_update_with_one_bad_pair_applies_none(tiers: tuple[BlockStore, MetaDb], pairs: bool) -> None:
     buf = make(tiers, sampler="prioritized")
     await buf.append([b"a", b"b"])

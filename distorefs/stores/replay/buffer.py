@@ -55,6 +55,7 @@ from distorefs.stores.replay.draws import (
     ShardState,
     Spread,
     check_priorities,
+    check_scalable,
     encode_batch,
     importance_weights,
     uniform_weights,
@@ -583,6 +584,7 @@ class ReplayBuffer:
         past the capacity, max_times_sampled: the learner sampled it just before) is
         skipped and counted in `priority_updates_skipped`, as Reverb does; an index never
         appended is a bad pair. Returns the indices it set and their priorities before."""
+        check_scalable(f"buffers/{self.name}", priorities, self.config.alpha, self.config.epsilon)
         jit = PAIRS.module
         if jit is not None and len(indices) and indices.dtype == np.int64 and priorities.dtype == np.float64:
             return self._set_compiled(jit, indices, priorities)
@@ -978,6 +980,9 @@ class ReplayBuffer:
         live = self.live_indices()
         slots = live % self.config.capacity
         priorities, times, sizes = self._priority[slots], self._times[slots], self._size[slots]
+        if new.alpha != self.config.alpha or new.epsilon != self.config.epsilon:
+            what = f"buffers/{self.name}.alpha, epsilon"
+            check_scalable(what, priorities, new.alpha, new.epsilon, outcome="the config stays as it was")
         self._apply_config(new, live, priorities, times, sizes)
         self.stage_row()
         self._notify()

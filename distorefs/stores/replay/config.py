@@ -195,7 +195,7 @@ class BufferConfig:
 
         if not is_int(self.capacity) or not 0 < self.capacity <= MAX_CAPACITY:
             raise bad("capacity", f"an integer in 1..{MAX_CAPACITY}", self.capacity)
-        if self.sampler not in SAMPLERS:
+        if not isinstance(self.sampler, str) or self.sampler not in SAMPLERS:
             raise bad("sampler", f"one of {', '.join(SAMPLERS)}", self.sampler)
         if not is_int(self.batch_size) or not 0 < self.batch_size <= MAX_BATCH_SIZE:
             raise bad("batch_size", f"an integer in 1..{MAX_BATCH_SIZE}", self.batch_size)
@@ -230,7 +230,7 @@ class BufferConfig:
             if (
                 not isinstance(compression, str)
                 or not compression.startswith("zstd")
-                or not level.isdigit()
+                or not (level.isascii() and level.isdigit() and len(level) <= 2)
                 or not 1 <= int(level) <= 22
             ):
                 raise bad("compression", '"none", "zstd" or "zstd:LEVEL" (1..22)', compression)

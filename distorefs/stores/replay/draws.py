@@ -63,11 +63,44 @@ def importance_weights(
     probabilities: np.ndarray | None, count: int, size: int, min_probability: float, beta: float
 ) -> np.ndarray:
     """(N * P)^-beta normalised by the largest possible weight, (N * P_min)^-beta, over a
-    buffer of N items; all ones where the draw was not prioritized."""
+    buffer of N items; all ones where the draw was not prioritized.
+
+    Computed as (P / P_min)^-beta, the same number, which cannot overflow: each ratio is
+    at least 1 (P_min is the smallest probability), so each weight is in [0, 1] whatever
+    beta is. (N * P_min)^-beta itself overflowed for a large beta or a tiny P_min, and a
+    sample failed with EIO.) A ratio of 0/0 (two probabilities that underflowed to 0:
+    both of the least likely items) weighs 1, as the rarest item does."""
     if probabilities is None:
         return uniform_weights(count)
-    weights: np.ndarray = np.power(size * probabilities, -beta) / math.pow(size * min_probability, -beta)
-    return weights.astype(np.float32)
+    with np.errstate(over="ignore", under="ignore", divide="ignore", invalid="ignore"):
+        weights = np.power(probabilities / min_probability, -beta) if min_probability > 0 else np.zeros(count)
+    return np.nan_to_num(weights.astype(np.float32), nan=1.0)
+
+
+SCALED_PRIORITY_MAX = 1e290  # (priority + epsilon) ** alpha: 2**28 slots of it still sum to a finite float
+
+
+def check_scalable(
+    what: str, priorities: np.ndarray, alpha: float, epsilon: float, outcome: str = "none applied"
+) -> None:
+    """EINVAL unless every finite priority >= 0 of `priorities` scales, as (p + epsilon) **
+    alpha, to at most SCALED_PRIORITY_MAX: past it the sum tree's total would overflow to
+    infinity and no draw could be made. (NaN and negative priorities are
+    `check_priorities`' to refuse.)"""
+    if not len(priorities) or alpha == 0:
+        return
+    highest = float(np.max(priorities))
+    if not 0 <= highest < math.inf:
+        return
+    try:
+        scaled = math.pow(highest + epsilon, alpha)
+    except OverflowError:
+        scaled = math.inf
+    if scaled > SCALED_PRIORITY_MAX:
+        raise InvalidArgument(
+            f"{what}: priority {highest:g} scales past {SCALED_PRIORITY_MAX:g} with alpha {alpha:g} and epsilon"
+            f" {epsilon:g} ((priority + epsilon) ** alpha); {outcome}"
+        )
 
 
 def check_priorities(name: str, indices: np.ndarray, priorities: np.ndarray) -> None:
