@@ -55,6 +55,12 @@ MAX_HELD = 16  # batches one session may hold at once
 MAX_TICKETS = 4096
 TICKET_BYTES = 32
 HELLO_TIMEOUT_S = 5.0
+# Connections not past their ticket yet, at once: the socket is open to every local user
+# (the ticket decides who may draw), so one user's connections that never send a ticket
+# must neither pile up the daemon's descriptors nor lock other users out.
+MAX_HELLOS_PER_UID = 32
+MAX_HELLOS = 1024
+ACCEPT_RETRY_S = 0.5  # after accept() failed (out of descriptors or memory): the socket stays
 COPY_RESPONSE = struct.Struct("<iQ")  # 0 and the memfd's size, the memfd with it (a refusal: RESPONSE)
 COPY_TICKET_S = 30.0  # a weights reader's ticket is good this long
 MAX_COPY_TICKETS_PER_UID = 64  # unused ones a user may hold; past it their oldest is void
@@ -107,6 +113,8 @@ class SampleSessions:
         self._listener: trio.socket.SocketType | None = None
         self._nursery: trio.Nursery | None = None
         self.sessions = 0
+        self.hellos: dict[int, int] = {}  # uid -> its connections waiting for their ticket
+        self.refused_connections = 0  # closed at once (MAX_HELLOS_PER_UID or MAX_HELLOS were waiting)
         # called with time.perf_counter() at a draw's request once it is answered: the
         # daemon's busy poller (fs/polling.py) then polls for the next as after a FUSE request
         self.served: Callable[[float], None] | None = None
@@ -185,21 +193,52 @@ class SampleSessions:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 while True:
-                    conn, _ = await listener.accept()
-                    nursery.start_soon(self._session, conn, name="shm sampling session")
+                    try:
+                        conn, _ = await listener.accept()
+                    except OSError as exc:  # EMFILE, ENFILE, ENOBUFS, ENOMEM: the sessions go on
+                        log.warning("shm sampling: accept failed (%s); trying again", exc)
+                        await trio.sleep(ACCEPT_RETRY_S)
+                        continue
+                    try:
+                        uid = _peer_uid(conn)
+                    except OSError:
+                        conn.close()
+                        continue
+                    if self.hellos.get(uid, 0) >= MAX_HELLOS_PER_UID or sum(self.hellos.values()) >= MAX_HELLOS:
+                        conn.close()
+                        self.refused_connections += 1
+                        if self.refused_connections % 1000 == 1:
+                            log.warning(
+                                "shm sampling: uid %d has %d connections without a ticket yet; closed a new one"
+                                " (%d so far)", uid, self.hellos.get(uid, 0), self.refused_connections,
+                            )  # fmt: skip
+                        continue
+                    self.hellos[uid] = self.hellos.get(uid, 0) + 1  # (given back once its ticket is checked)
+                    nursery.start_soon(self._session, conn, uid, name="shm sampling session")
         finally:
             self._listening = False
             listener.close()
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
 
-    async def _session(self, accepted: trio.socket.SocketType) -> None:
+    def _hello_done(self, uid: int) -> None:
+        left = self.hellos[uid] - 1
+        if left:
+            self.hellos[uid] = left
+        else:
+            del self.hellos[uid]
+
+    async def _session(self, accepted: trio.socket.SocketType, uid: int) -> None:
         held: dict[int, _Held] = {}
         ticket: Ticket | None = None
-        conn = _Channel(accepted)
+        waiting = True  # counted in `hellos` until its ticket is checked
         try:
-            with conn:
-                found = await self._hello(conn)
+            with _Channel(accepted) as conn:
+                try:
+                    found = await self._hello(conn, uid)
+                finally:
+                    waiting = False
+                    self._hello_done(uid)
                 if isinstance(found, CopyTicket):
                     await self._hand_over(conn, found)
                     return
@@ -215,17 +254,19 @@ class SampleSessions:
         except Exception:  # a session's failure is its own: it never ends the daemon
             log.exception("shm sampling session failed")
         finally:
+            if waiting:  # (the socket could not even be wrapped)
+                self._hello_done(uid)
             for h in held.values():
                 h.mirror.release(h.arena_slots, h.repeated)
             held.clear()
             if ticket is not None and ticket.used:
                 self.sessions -= 1
 
-    async def _hello(self, conn: _Channel) -> Ticket | CopyTicket | None:
-        """The first datagram is the ticket; its owner's uid must be the peer's."""
+    async def _hello(self, conn: _Channel, uid: int) -> Ticket | CopyTicket | None:
+        """The first datagram is the ticket; its owner's uid must be the peer's (`uid`,
+        SO_PEERCRED at the accept)."""
         with trio.move_on_after(HELLO_TIMEOUT_S):
             token = await conn.recv(TICKET_BYTES + 1)
-            uid = conn.peer_uid()
             ticket: Ticket | CopyTicket | None = self._tickets.get(token)
             if ticket is None:
                 ticket = self._copy_tickets.pop(token, None)
@@ -263,6 +304,12 @@ async def _fill(buffer: ReplayBuffer, mirror: Mirror) -> None:
         log.exception("buffers/%s: filling the shared-memory arena failed", buffer.name)
 
 
+def _peer_uid(sock: trio.socket.SocketType) -> int:
+    """The connecting process's uid, from the kernel (SO_PEERCRED), not from anything it says."""
+    _pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return int(uid)
+
+
 async def _send_error(conn: _Channel, code: int, message: str) -> None:
     await conn.send([RESPONSE.pack(code, 0, 0, 0, 0, 0) + message.encode()[:1024]])
 
@@ -275,10 +322,6 @@ class _Channel:
     def __init__(self, accepted: trio.socket.SocketType) -> None:
         self._sock = socket.socket(fileno=accepted.detach())
         self._sock.setblocking(False)
-
-    def peer_uid(self) -> int:
-        _pid, uid, _gid = _UCRED.unpack(self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-        return int(uid)
 
     async def recv(self, size: int) -> bytes:
         while True:

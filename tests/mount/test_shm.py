@@ -380,6 +380,66 @@ def test_version2_hostile_session_input_is_refused_and_ends_only_that_session(bu
         assert len(sampler.sample()) == 2
 
 
+def test_version2_connections_without_a_ticket_are_capped_per_user(mounted: Mount, buffer: Path) -> None:
+    """The socket is open to every local user: one user's connections that never send a
+    ticket are held up to MAX_HELLOS_PER_UID (each for HELLO_TIMEOUT_S at most), more are
+    closed at once, so they neither pile up the daemon's descriptors nor lock another
+    user out; the user's own sessions work again once theirs are gone."""
+    from distorefs.fs.shm_sessions import MAX_HELLOS_PER_UID
+
+    (buffer / "config").write_text(json.dumps({"batch_size": 2}))
+    client.append(buffer, [b"a" * 100] * 10)
+    fd = os.open(buffer / "sample.shm", os.O_RDWR)
+    try:
+        path, _ticket = ticket_for(fd)
+    finally:
+        os.close(fd)
+    daemon_fds = Path(f"/proc/{mounted.proc.pid}/fd")
+    before = len(os.listdir(daemon_fds))
+    with contextlib.ExitStack() as stack:
+        flood = []
+        for _ in range(4 * MAX_HELLOS_PER_UID):
+            conn = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET))
+            conn.settimeout(10)
+            conn.connect(path)
+            flood.append(conn)
+        time.sleep(0.5)  # (well within HELLO_TIMEOUT_S of the first)
+        held = sum(1 for conn in flood if still_open(conn))
+        assert held == MAX_HELLOS_PER_UID  # the rest were closed at once (EOF)
+        assert len(os.listdir(daemon_fds)) <= before + MAX_HELLOS_PER_UID + 4
+        # Another user is not locked out: their bad ticket gets its EACCES, not a closed socket.
+        other = textwrap.dedent(f"""
+            import socket, struct
+            codes = []
+            for _ in range(3):
+                with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+                    conn.settimeout(10)
+                    conn.connect({path!r})
+                    conn.send(b"0" * 32)
+                    data = conn.recv(4096)
+                    codes.append(struct.unpack_from("<i", data)[0] if data else -1)
+            print(codes)
+        """)
+        out = subprocess.run(["/usr/bin/python3", "-c", other], user=65534, capture_output=True, text=True, timeout=30)
+        assert out.stdout.strip() == str([errno.EACCES] * 3), out.stderr
+    with client.Sampler(buffer, transport="shm") as sampler:  # the flood closed: sessions as before
+        assert sampler.shm_version == 2
+        assert len(sampler.sample()) == 2
+
+
+def still_open(conn: socket.socket) -> bool:
+    """Whether the daemon holds `conn` still: nothing to read, not even its close."""
+    conn.setblocking(False)
+    try:
+        return conn.recv(4096) != b""
+    except BlockingIOError:
+        return True
+    except ConnectionResetError:
+        return False
+    finally:
+        conn.settimeout(10)
+
+
 def test_a_compressed_buffer_samples_through_version1(buffer: Path) -> None:
     (buffer / "config").write_text(json.dumps({"batch_size": 2, "compression": "zstd"}))
     client.append(buffer, [b"z" * 1000] * 4)
