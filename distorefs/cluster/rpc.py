@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import mmap
 import struct
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -78,6 +79,9 @@ async def send_frame(stream: trio.SocketStream, rid: int, meta: dict[str, Any], 
 
 
 async def recv_frame(stream: trio.SocketStream) -> tuple[int, dict[str, Any], memoryview]:
+    """One frame: ProtocolError for anything that is not a frame of ours (a bad header,
+    a meta that is not a msgpack map), OSError (ENOMEM) for a body the system cannot
+    map, EOFError when the other side closed."""
     header = bytearray(HEADER.size)
     await _recv_exactly(stream, memoryview(header))
     magic, rid, meta_len, body_len = HEADER.unpack(header)
@@ -85,12 +89,28 @@ async def recv_frame(stream: trio.SocketStream) -> tuple[int, dict[str, Any], me
         raise ProtocolError(f"bad frame header {bytes(header)!r}")
     meta_buf = bytearray(meta_len)
     await _recv_exactly(stream, memoryview(meta_buf))
-    body = memoryview(bytearray(body_len))
+    body = _body_buffer(body_len)
     await _recv_exactly(stream, body)
-    meta = msgpack.unpackb(meta_buf, raw=False)
+    try:
+        meta = msgpack.unpackb(meta_buf, raw=False)
+    except Exception as exc:  # msgpack's FormatError, ExtraData, StackError, TypeError of a list key ...
+        raise ProtocolError(f"frame meta is not msgpack: {type(exc).__name__}: {str(exc)[:200]}") from None
     if not isinstance(meta, dict):
         raise ProtocolError("frame meta is not a map")
     return rid, meta, body
+
+
+LAZY_BODY_BYTES = 1 << 20  # bodies past this go into an anonymous mapping
+
+
+def _body_buffer(size: int) -> memoryview:
+    """Where a body of `size` bytes is received. Small: a bytearray. Past LAZY_BODY_BYTES
+    an anonymous mapping, whose pages the kernel supplies only as bytes arrive: a header
+    that claims 60 GiB and sends nothing costs no memory, where a bytearray of that size
+    is zeroed, every page touched, before the first byte comes (the OOM killer's pick)."""
+    if size <= LAZY_BODY_BYTES:
+        return memoryview(bytearray(size))
+    return memoryview(mmap.mmap(-1, size))
 
 
 def split_payload(payload: memoryview, sizes: Sequence[int]) -> list[memoryview]:
@@ -126,6 +146,16 @@ class PeerServer:
         await trio.serve_listeners(self._connection, listeners)
 
     async def _connection(self, stream: trio.SocketStream) -> None:
+        """Serve one connection until it closes or sends what is not a frame of ours.
+        Nothing a connection sends can end the server: an unexpected error drops that
+        connection alone (the port is open to whoever can reach it)."""
+        try:
+            await self._serve_connection(stream)
+        except Exception:
+            self.errors += 1
+            log.exception("peers: a connection failed; dropped")
+
+    async def _serve_connection(self, stream: trio.SocketStream) -> None:
         async with stream:
             while True:
                 try:
@@ -133,6 +163,7 @@ class PeerServer:
                 except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                     return
                 except ProtocolError as exc:
+                    self.errors += 1
                     log.warning("peers: dropping a connection: %s", exc)
                     return
                 reply, parts = await self._dispatch(meta, body)

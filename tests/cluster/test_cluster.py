@@ -71,6 +71,31 @@ def test_a_name_taken_by_a_live_node_is_refused(cluster_node: NodeFactory, tmp_p
     assert b"node name 'dup' is taken by a live daemon" in other.stderr
 
 
+def test_garbage_on_a_nodes_peer_port_leaves_the_daemon_serving(cluster_node: NodeFactory) -> None:
+    """One frame whose meta was not msgpack ended the peer server, and with it the
+    daemon (anyone who reaches the port could unmount it): now each bad connection is
+    dropped alone and counted."""
+    import socket
+
+    from distorefs.cluster.rpc import HEADER, MAGIC
+
+    node = cluster_node("g0")
+    host, port = str(peers(node)["listen"]).rsplit(":", 1)
+    http = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+    frames = [HEADER.pack(MAGIC, 1, 1, 0) + b"\xc1", HEADER.pack(MAGIC, 1, 2, 0) + b"\x91\x01", http]
+    for frame in frames:
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(frame)
+            try:
+                assert conn.recv(4096) == b""  # dropped without a reply
+            except ConnectionResetError:
+                pass  # (dropped with bytes of ours unread: the kernel resets)
+    assert node.proc.poll() is None, "the daemon died"
+    (node.path / "still-here").write_bytes(b"ok")
+    assert (node.path / "still-here").read_bytes() == b"ok"
+    assert wait_for(lambda: peers(node)["request_errors"] == 3, what="3 refused connections")
+
+
 def test_a_directory_made_on_one_node_appears_on_every_node(three: list[Mount]) -> None:
     a, b, c = three
     (a.path / "buffers" / "replay").mkdir()

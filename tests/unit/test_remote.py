@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import errno
+import os
 from collections.abc import Sequence
 from typing import Any
 
+import msgpack
 import pytest
 import trio
 
-from distorefs.cluster.rpc import Payload, PeerServer, PeerTransport, choose_transport
+from distorefs.cluster.rpc import HEADER, MAGIC, Payload, PeerServer, PeerTransport, choose_transport
 from distorefs.errors import NotFound, PeerUnavailable, RemoteError
 
 
@@ -106,6 +108,47 @@ async def test_the_client_reconnects_after_the_peer_restarts() -> None:
         assert reply["tag"] == "again"
         peers.close()
         outer.cancel_scope.cancel()
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def test_garbage_on_the_peer_port_drops_that_connection_and_the_server_goes_on() -> None:
+    """The peer port is open to whoever reaches it: a meta that is not msgpack (this
+    ended the server, and with it the daemon, before), a meta that is not a map, a bad
+    header, and a header claiming a 32 GiB body that never comes (received into memory
+    the kernel supplies as bytes arrive: no 32 GiB zeroed at once) each drop their own
+    connection; calls keep working."""
+    meta = msgpack.packb({"op": "echo"})
+    frames = [
+        HEADER.pack(MAGIC, 1, 1, 0) + b"\xc1",  # a byte msgpack never uses
+        HEADER.pack(MAGIC, 1, 3, 0) + b"\x93\x01\x02",  # an array cut short
+        HEADER.pack(MAGIC, 1, 5, 0) + b"\xdd\xff\xff\xff\xff",  # an array of 4 billion
+        HEADER.pack(MAGIC, 1, 2, 0) + b"\x91\x01",  # a list, not a map
+        HEADER.pack(b"HTTP", 1, 0, 0),
+    ]
+    async with trio.open_nursery() as nursery:
+        server = await start_server(nursery)
+        for frame in frames:
+            stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+            await stream.send_all(frame)
+            with trio.fail_after(5):
+                assert await stream.receive_some(4096) == b""  # dropped, no reply
+            await stream.aclose()
+        before = resident_bytes()
+        claim = await trio.open_tcp_stream("127.0.0.1", server.port)
+        await claim.send_all(HEADER.pack(MAGIC, 1, len(meta), 32 << 30) + meta + b"x" * 4096)
+        peers = PeerTransport(lambda node: ("127.0.0.1", server.port))
+        reply, body = await peers.call("b", "echo", {"tag": "after"}, [b"abc"])
+        assert reply == {"ok": True, "got": 3, "tag": "after"}
+        assert bytes(body) == b"abc!"
+        assert resident_bytes() - before < 256 << 20
+        assert server.errors == len(frames)
+        await claim.aclose()
+        peers.close()
+        nursery.cancel_scope.cancel()
 
 
 def test_transport_choice_falls_back_to_tcp_without_an_rdma_device() -> None:
