@@ -37,7 +37,7 @@ from typing import Any
 import msgpack
 import trio
 
-from distorefs.errors import DistorefsError, PeerUnavailable, RemoteError
+from distorefs.errors import DistorefsError, InvalidArgument, PeerUnavailable, RemoteError
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,25 @@ def _body_buffer(size: int) -> memoryview:
     return memoryview(mmap.mmap(-1, size))
 
 
+def meta_int(meta: dict[str, Any], key: str, low: int, high: int) -> int:
+    """A request's integer field, in low..high; EINVAL otherwise (missing, another kind)."""
+    value = meta.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise InvalidArgument(f"peer request: {key} must be an integer in {low}..{high}, got {str(value)[:40]}")
+    return value
+
+
+def meta_bytes(meta: dict[str, Any], key: str) -> bytes:
+    """A request's bytes (or str, as UTF-8) field; EINVAL otherwise. (`bytes(n)` of an
+    integer n would make n zero bytes: a field of 2**33 asked for 8 GiB.)"""
+    value = meta.get(key)
+    if isinstance(value, str):
+        return value.encode()
+    if not isinstance(value, bytes):
+        raise InvalidArgument(f"peer request: {key} must be bytes or a string, got {type(value).__name__}")
+    return value
+
+
 def split_payload(payload: memoryview, sizes: Sequence[int]) -> list[memoryview]:
     """The parts of a payload that carries several items back to back (views, no copy)."""
     ends = list(itertools.accumulate(sizes, initial=0))
@@ -184,6 +203,13 @@ class PeerServer:
         except DistorefsError as exc:
             self.errors += 1
             return {"ok": False, "errno": exc.errno, "error": str(exc)}, ()
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
+            # a field missing or of the wrong kind (the port is open to whoever reaches it):
+            # EINVAL and one line, where a traceback per request would flood the log
+            self.errors += 1
+            why = f"{type(exc).__name__}: {str(exc)[:200]}"
+            log.warning("peers: op %s: a malformed request (%s)", op, why, exc_info=log.isEnabledFor(logging.DEBUG))
+            return {"ok": False, "errno": 22, "error": f"{op}: a malformed request ({why})"}, ()  # EINVAL
         except Exception as exc:
             self.errors += 1
             log.exception("peers: op %s failed", op)

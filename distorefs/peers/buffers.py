@@ -23,11 +23,11 @@ import trio
 
 from distorefs import scheduling
 from distorefs.cluster.etcd import WatchEvent
-from distorefs.cluster.rpc import Payload, PeerServer, split_payload
+from distorefs.cluster.rpc import Payload, PeerServer, meta_int, split_payload
 from distorefs.errors import DistorefsError, NotFound, RemoteError, TryAgain
 from distorefs.peers.core import ClusterNode
 from distorefs.stores.replay.buffer import ReplayBuffer
-from distorefs.stores.replay.config import BufferConfig
+from distorefs.stores.replay.config import MAX_BATCH_SIZE, BufferConfig
 from distorefs.stores.replay.draws import Drawn, ShardState
 from distorefs.stores.replay.store import BufferStore
 
@@ -185,7 +185,7 @@ class BufferSync:
         return asdict(self._shard(meta).shard_state()), ()
 
     async def _on_pick(self, meta: dict[str, Any], body: memoryview) -> Reply:
-        drawn = await self._shard(meta).pick(int(meta["count"]), nonblocking=True)
+        drawn = await self._shard(meta).pick(meta_int(meta, "count", 1, MAX_BATCH_SIZE), nonblocking=True)
         probabilities = None if drawn.probabilities is None else drawn.probabilities.astype(np.float64).tobytes()
         reply = {
             "indices": drawn.indices.astype(np.int64).tobytes(),

@@ -20,7 +20,7 @@ from typing import Any
 import trio
 
 from distorefs.cluster.etcd import WatchEvent
-from distorefs.cluster.rpc import Payload, PeerServer
+from distorefs.cluster.rpc import Payload, PeerServer, meta_bytes, meta_int
 from distorefs.errors import DistorefsError, PeerUnavailable
 from distorefs.peers.core import ClusterNode
 from distorefs.stores.checkpoints import CheckpointPolicy
@@ -106,5 +106,5 @@ class CheckpointSync:
                 log.warning("cluster: background replication of inode %d failed: %s", ino, exc)
 
     async def _on_put(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
-        ino = await self._checkpoints.receive_replica(bytes(meta["path"]), int(meta["mode"]), body)
+        ino = await self._checkpoints.receive_replica(meta_bytes(meta, "path"), meta_int(meta, "mode", 0, 0o7777), body)
         return {"ino": ino}, ()

@@ -24,7 +24,7 @@ import numpy as np
 import trio
 
 from distorefs.cluster.etcd import WatchEvent
-from distorefs.cluster.rpc import Payload, PeerServer, split_payload
+from distorefs.cluster.rpc import Payload, PeerServer, meta_int, split_payload
 from distorefs.errors import Corrupted, DistorefsError, NotFound
 from distorefs.peers.core import ClusterNode
 from distorefs.stores.datasets.dataset import Dataset, DatasetConfig
@@ -183,5 +183,6 @@ class DatasetSync:
 
     async def _on_read(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
         ds = self.datasets.get(str(meta["name"]))
-        entries, data = await ds.read_run(int(meta["start"]), int(meta["max_bytes"]))
+        start = meta_int(meta, "start", 0, (1 << 63) - 1)
+        entries, data = await ds.read_run(start, min(meta_int(meta, "max_bytes", 1, (1 << 63) - 1), RUN_BYTES))
         return {"index": entries.tobytes()}, [data]

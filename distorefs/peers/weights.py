@@ -18,7 +18,7 @@ from typing import Any
 import trio
 
 from distorefs.cluster.etcd import WatchEvent
-from distorefs.cluster.rpc import Payload, PeerServer, split_payload
+from distorefs.cluster.rpc import Payload, PeerServer, meta_bytes, split_payload
 from distorefs.errors import DistorefsError
 from distorefs.peers.core import ClusterNode
 from distorefs.stores.weights import WeightStore
@@ -113,7 +113,7 @@ class WeightSync:
             self._fetching.discard(name)
 
     async def _on_fetch(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
-        model = self._weights.model(bytes(meta["model"]))
+        model = self._weights.model(meta_bytes(meta, "model"))
         files = dict(model.files)
         version = model.version
         for wf in files.values():

@@ -96,6 +96,71 @@ def test_garbage_on_a_nodes_peer_port_leaves_the_daemon_serving(cluster_node: No
     assert wait_for(lambda: peers(node)["request_errors"] == 3, what="3 refused connections")
 
 
+def peer_call(address: tuple[str, int], meta: dict[str, object], body: bytes = b"") -> dict[str, object]:
+    """One request on a connection of its own, as a stranger would send it; the reply's map."""
+    import socket
+
+    import msgpack
+
+    from distorefs.cluster.rpc import HEADER, MAGIC
+
+    packed = msgpack.packb(meta, use_bin_type=True)
+    with socket.create_connection(address, timeout=10) as conn:
+        conn.sendall(HEADER.pack(MAGIC, 7, len(packed), len(body)) + packed + body)
+        data = b""
+        while len(data) < HEADER.size or len(data) < HEADER.size + HEADER.unpack_from(data)[2]:
+            chunk = conn.recv(1 << 20)
+            assert chunk, f"no reply to {meta}"
+            data += chunk
+    reply = msgpack.unpackb(data[HEADER.size : HEADER.size + HEADER.unpack_from(data)[2]], raw=False)
+    assert isinstance(reply, dict)
+    return reply
+
+
+def test_malformed_peer_requests_are_refused_and_none_is_an_internal_error(cluster_node: NodeFactory) -> None:
+    """Every op with fields missing or of every wrong kind (a seeded choice of 1,800):
+    each gets its errno, none an internal error (EIO with a traceback in the log, before:
+    KeyError, TypeError ...), and sizes a stranger sends are bounded (a pick of a billion
+    items, a name given as the integer 2**33, which bytes() made 8 GiB of zeros)."""
+    import random
+
+    node = cluster_node("m0")
+    buffer = node.path / "buffers" / "b"
+    buffer.mkdir()
+    (buffer / "config").write_text(json.dumps({"sampler": "prioritized"}))
+    client.append(buffer, [b"x" * 10] * 20)
+    host, port = str(peers(node)["listen"]).rsplit(":", 1)
+    address = (host, int(port))
+    assert peer_call(address, {"op": "buffer.pick", "name": "b", "count": 10**9})["errno"] == errno.EINVAL
+    assert peer_call(address, {"op": "weights.fetch", "model": 2**33})["errno"] == errno.EINVAL
+    assert peer_call(address, {"op": "ckpt.put", "path": 2**33, "mode": 0o644})["errno"] == errno.EINVAL
+    values: list[object] = [
+        None, True, -1, 0, 2**62, 2**64 - 1, 1.5, float("nan"), "", "b", "x" * 300, b"", b"\0" * 8,
+        [], [1], [[1, 2]], [[2**63 - 1, 2**63 - 1]], {}, {"a": 1}, [["b", 1]],
+    ]  # fmt: skip
+    ops = {
+        "weights.fetch": ["model"], "buffer.state": ["name"], "buffer.pick": ["name", "count"],
+        "buffer.commit": ["name", "indices"], "buffer.append": ["name", "sizes"],
+        "buffer.priority": ["name", "indices", "priorities"], "ckpt.put": ["path", "mode"],
+        "mem.put": ["from", "keys", "sizes", "drop"], "mem.get": ["from", "keys"], "mem.drop": ["from", "keys"],
+        "dataset.read": ["name", "start", "max_bytes"], "no.such.op": ["x"],
+    }  # fmt: skip
+    rng = random.Random(20)
+    internal = []
+    for op, fields in ops.items():
+        for _ in range(150):
+            meta: dict[str, object] = {"op": op}
+            meta.update({f: rng.choice(values) for f in fields if rng.random() < 0.9})
+            if "name" in meta and rng.random() < 0.5:
+                meta["name"] = "b"
+            reply = peer_call(address, meta, rng.choice([b"", b"\0" * 8, b"x" * 100]))
+            if "internal error" in str(reply.get("error", "")):
+                internal.append((meta, reply))
+    assert not internal, internal[:5]
+    assert node.proc.poll() is None, "the daemon died"
+    assert client.sample(buffer, 4)  # the buffer serves as before
+
+
 def test_a_directory_made_on_one_node_appears_on_every_node(three: list[Mount]) -> None:
     a, b, c = three
     (a.path / "buffers" / "replay").mkdir()
