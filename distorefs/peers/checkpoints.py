@@ -106,5 +106,6 @@ class CheckpointSync:
                 log.warning("cluster: background replication of inode %d failed: %s", ino, exc)
 
     async def _on_put(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
-        ino = await self._checkpoints.receive_replica(meta_bytes(meta, "path"), meta_int(meta, "mode", 0, 0o7777), body)
+        mode = meta_int(meta, "mode", 0, 0xFFFFFFFF)  # the sender's st_mode: the permission bits are kept
+        ino = await self._checkpoints.receive_replica(meta_bytes(meta, "path"), mode, body)
         return {"ino": ino}, ()
