@@ -33,6 +33,7 @@ from distorefs.errors import (
     NotFound,
     NotPermitted,
     NotSupported,
+    StoreFull,
     TooBig,
 )
 from distorefs.tiers.blocks import BlockStore
@@ -44,6 +45,12 @@ log = logging.getLogger(__name__)
 ROOT_INODE = InodeId(1)
 NAME_MAX = 255
 XATTR_VALUE_MAX = 64 * 1024
+# Extended attributes live in the daemon's memory (and SQLite), outside the DRAM budget:
+# bounded per file, as ext4 and XFS bound them, and in all, so that no user can grow the
+# daemon without end through setxattr (ENOSPC past either; docs/namespace.md).
+XATTR_NAMES_MAX = 64 * 1024  # a file's names, each with its NUL: what one listxattr (XATTR_LIST_MAX) returns
+XATTR_FILE_BYTES = 1 << 20  # a file's names and values together
+XATTR_TOTAL_BYTES = 256 << 20  # every file's together
 MAX_FILE_BYTES = 1 << 44  # 16 TiB
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
@@ -114,6 +121,8 @@ class FileStore:
         self._dirs: dict[int, dict[bytes, int]] = {}
         self._parent: dict[int, int] = {}
         self._xattrs: dict[int, dict[bytes, bytes]] = {}
+        self._xattr_sizes: dict[int, tuple[int, int]] = {}  # ino -> (names with NULs, names + values)
+        self.xattr_bytes = 0  # names + values of every file's attributes
         self._refs: dict[int, int] = {}
         self._next_ino = 2
 
@@ -131,6 +140,7 @@ class FileStore:
                 self._parent[ino] = parent
         for ino, name, value in meta.rows("xattrs"):
             self._xattrs.setdefault(ino, {})[name] = value
+            self._count_xattr(ino, name, None, value)
         self._next_ino = max([ROOT_INODE, *self._inodes]) + 1
         if ROOT_INODE not in self._inodes:
             now = time.time_ns()
@@ -426,6 +436,8 @@ class FileStore:
         self._meta.delete("inodes", (ino,))
         for name in self._xattrs.pop(ino, {}):
             self._meta.delete("xattrs", (ino, name))
+        _names, held = self._xattr_sizes.pop(ino, (0, 0))
+        self.xattr_bytes -= held
 
     # --- attributes ---------------------------------------------------------------------
 
@@ -573,10 +585,38 @@ class FileStore:
             raise NameTooLong(f"attribute name of {len(name)} bytes exceeds {NAME_MAX}")
         if len(value) > XATTR_VALUE_MAX:
             raise TooBig(f"attribute value of {len(value)} bytes exceeds {XATTR_VALUE_MAX}")
-        self._xattrs.setdefault(ino, {})[name] = value
+        attrs = self._xattrs.setdefault(ino, {})
+        old = attrs.get(name)
+        names, held = self._xattr_sizes.get(ino, (0, 0))
+        more = len(value) - (len(old) if old is not None else -len(name))
+        if old is None and names + len(name) + 1 > XATTR_NAMES_MAX:
+            raise StoreFull(f"no room for another attribute name on inode {ino} ({XATTR_NAMES_MAX} bytes of names)")
+        if held + more > XATTR_FILE_BYTES:
+            raise StoreFull(f"no room for {len(value)} more attribute bytes on inode {ino} ({XATTR_FILE_BYTES} a file)")
+        if self.xattr_bytes + more > XATTR_TOTAL_BYTES:
+            raise StoreFull(
+                f"extended attributes hold {self.xattr_bytes} bytes, the daemon's limit is {XATTR_TOTAL_BYTES}"
+            )
+        attrs[name] = value
+        self._count_xattr(ino, name, old, value)
         self._meta.put("xattrs", (ino, name), (value,))
         inode.ctime_ns = time.time_ns()
         self._stage(inode)
+
+    def _count_xattr(self, ino: int, name: bytes, old: bytes | None, new: bytes | None) -> None:
+        """Account attribute `name` of `ino` going from `old` to `new` (None: absent)."""
+        names, held = self._xattr_sizes.get(ino, (0, 0))
+        if old is None:
+            names, held = names + len(name) + 1, held + len(name)
+        if new is None:
+            names, held = names - len(name) - 1, held - len(name)
+        more = (len(new) if new is not None else 0) - (len(old) if old is not None else 0)
+        held += more
+        self.xattr_bytes += more + (len(name) if old is None else 0) - (len(name) if new is None else 0)
+        if names:
+            self._xattr_sizes[ino] = (names, held)
+        else:
+            self._xattr_sizes.pop(ino, None)
 
     def listxattr(self, ino: int) -> list[bytes]:
         self.get(ino)
@@ -587,7 +627,7 @@ class FileStore:
         attrs = self._xattrs.get(ino, {})
         if name not in attrs:
             raise NoSuchAttribute(f"no attribute {name.decode(errors='replace')!r} on inode {ino}")
-        del attrs[name]
+        self._count_xattr(ino, name, attrs.pop(name), None)
         self._meta.delete("xattrs", (ino, name))
         inode.ctime_ns = time.time_ns()
         self._stage(inode)

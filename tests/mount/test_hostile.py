@@ -273,6 +273,26 @@ def test_numbers_of_5000_digits_are_einval_wherever_a_control_file_takes_one(
     healthy(mounted)
 
 
+def test_extended_attributes_past_a_files_room_are_enospc(mounted: Mount) -> None:
+    """Attributes are held in the daemon's memory: a file takes 1 MiB of them (names and
+    values), past it setxattr is ENOSPC and the file keeps what it had; removing one
+    makes room again."""
+    path = mounted.path / "xattr-room"
+    path.write_bytes(b"x")
+    value = bytes(60_000)
+    try:
+        for i in range(17):
+            os.setxattr(path, f"user.v{i:04d}", value)
+        assert refused(lambda: os.setxattr(path, "user.v0017", value)) == errno.ENOSPC
+        assert len(os.listxattr(path)) == 17
+        assert os.getxattr(path, "user.v0016") == value
+        os.removexattr(path, "user.v0000")
+        os.setxattr(path, "user.v0017", value)
+        healthy(mounted)
+    finally:
+        path.unlink()
+
+
 def test_np_save_of_bad_priorities_fails_at_close(mounted: Mount, buffer: Path) -> None:
     before = snapshot(buffer)
     with pytest.raises(OSError) as excinfo:  # noqa: PT012 - the close is the point

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from distorefs.errors import DistorefsError, InvalidArgument, NotEmpty
+from distorefs.errors import DistorefsError, InvalidArgument, NotEmpty, StoreFull
+from distorefs.stores import files as files_module
 from distorefs.stores.files import ROOT_INODE, FileStore
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.metadb import MetaDb
@@ -99,5 +100,55 @@ async def test_tree_survives_a_reload(tmp_path: Path) -> None:
     assert bytes(await store.read(f2.ino, 0, 100)) == bytes(5) + b"data"
     assert store.readlink(store.lookup(d.ino, b"l").ino) == b"f"
     assert store.getxattr(f2.ino, b"user.k") == b"v"
+    await blocks.close()
+    meta.close()
+
+
+def set_until_full(store: FileStore, ino: int, names: list[bytes], value: bytes) -> int:
+    """Set `names` to `value` in order until the store refuses with ENOSPC; how many it took."""
+    for taken, name in enumerate(names):
+        try:
+            store.setxattr(ino, name, value)
+        except StoreFull:
+            return taken
+    return len(names)
+
+
+async def test_extended_attributes_are_bounded_per_file_and_in_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attributes live in the daemon's memory, outside the DRAM budget: a file's names fit
+    one listxattr (64 KiB with their NULs), a file holds at most 1 MiB of names and
+    values, all files at most XATTR_TOTAL_BYTES; past any, ENOSPC and nothing changes.
+    Removing, replacing and unlinking give room back, and a reload counts the same."""
+    monkeypatch.setattr(files_module, "XATTR_TOTAL_BYTES", 3 << 20)
+    store, blocks, meta = open_files(tmp_path)
+    a = store.mknod(ROOT_INODE, b"a", 0o100644, 0, 0, 0)
+    value = bytes(60_000)
+    # 17 x (60,000 + 10) bytes fit in 1 MiB, an 18th does not
+    assert set_until_full(store, a.ino, [b"user.v%04d" % i for i in range(100)], value) == 17
+    assert len(store.listxattr(a.ino)) == 17
+    assert store.getxattr(a.ino, b"user.v0016") == value
+    store.setxattr(a.ino, b"user.v0000", b"small")  # a replacement makes room
+    store.setxattr(a.ino, b"user.v9999", value)
+    names = store.mknod(ROOT_INODE, b"names", 0o100644, 0, 0, 0)
+    long = [b"user." + b"n" * 241 + b"%04d" % i for i in range(1000)]  # 250 bytes, 251 with its NUL
+    assert set_until_full(store, names.ino, long, b"") == 64 * 1024 // 251
+    assert sum(len(n) + 1 for n in store.listxattr(names.ino)) <= 64 * 1024
+    others = [store.mknod(ROOT_INODE, b"o%d" % i, 0o100644, 0, 0, 0) for i in range(3)]
+    taken = [set_until_full(store, o.ino, [b"user.v%04d" % i for i in range(17)], value) for o in others]
+    assert taken[0] == 17
+    assert taken[-1] < 17  # the daemon's 3 MiB ran out
+    held = store.xattr_bytes
+    assert held <= 3 << 20
+    store.unlink(ROOT_INODE, b"a")  # its attributes go with it
+    assert store.xattr_bytes == held - (16 * 60_010 + 15 + 60_010)
+    store.removexattr(names.ino, long[0])
+    before_reload = store.xattr_bytes
+    await blocks.commit()
+    await blocks.close()
+    meta.close()
+    store, blocks, meta = open_files(tmp_path)
+    assert store.xattr_bytes == before_reload
     await blocks.close()
     meta.close()
