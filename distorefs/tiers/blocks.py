@@ -73,6 +73,7 @@ class BlockStatistics:
     moved_bytes: int
     blocks: int
     dram_reserved_bytes: int
+    dram_index_bytes: int  # of dram_used_bytes: replay buffers' rings (their per-slot arrays and trees)
     dram_borrowed_bytes: int  # of dram_used_bytes: staged files' memory taken over (BlockStore.adopt)
     gathered_dram_bytes: int
     gathered_log_parts: int
@@ -237,13 +238,14 @@ class BlockStore(ByteRanges, Compaction):
         self._read_end.pop(owner, None)
         self._spillable.discard(owner)
 
-    def reserve(self, nbytes: int) -> bool:
-        """Count `nbytes` that a store holds outside the block cache (prefetched records)
-        against the DRAM budget, evicting clean blocks for them; False when they do not fit."""
-        return self._dram.reserve(nbytes)
+    def reserve(self, nbytes: int, force: bool = False, index: bool = False) -> bool:
+        """Count `nbytes` that a store holds outside the block cache (prefetched records;
+        `index`: a replay buffer's ring) against the DRAM budget, evicting clean blocks for
+        them; False when they do not fit (unless `force`: DramCache.reserve)."""
+        return self._dram.reserve(nbytes, force, index)
 
-    def unreserve(self, nbytes: int) -> None:
-        self._dram.unreserve(nbytes)
+    def unreserve(self, nbytes: int, index: bool = False) -> None:
+        self._dram.unreserve(nbytes, index)
 
     def shed_spares(self) -> int:
         """Let idle reusable buffers go (see DramCache.shed_spares); the bytes let go."""
@@ -581,7 +583,7 @@ class BlockStore(ByteRanges, Compaction):
     def check_room(self, size: int) -> None:
         """OutOfMemory when `size` bytes could not fit in the DRAM budget even with every
         block that can go gone (what is reserved outside the LRU stays)."""
-        if size > self._dram.budget_bytes - self._dram.reserved_bytes:
+        if size > self._dram.budget_bytes - self._dram.reserved_bytes - self._dram.index_bytes:
             raise self._no_room(size)
 
     def _no_room(self, size: int) -> OutOfMemory:
@@ -709,6 +711,7 @@ class BlockStore(ByteRanges, Compaction):
             moved_bytes=self._moved_bytes,
             blocks=len(self._index),
             dram_reserved_bytes=dram.reserved_bytes,
+            dram_index_bytes=dram.index_bytes,
             dram_borrowed_bytes=dram.borrowed_bytes,
             gathered_dram_bytes=self._gathered_dram_bytes,
             gathered_log_parts=self._gathered_parts,

@@ -102,6 +102,7 @@ class DramStatistics:
     misses: int
     evictions: int
     reserved_bytes: int
+    index_bytes: int
     borrowed_bytes: int
     transient_bytes: int
     spare_bytes: int
@@ -119,6 +120,7 @@ class DramCache:
         self.used_bytes = 0
         self.dirty_bytes = 0
         self.reserved_bytes = 0  # held outside the LRU (a stream's prefetched records)
+        self.index_bytes = 0  # held outside the LRU for good: replay buffers' rings (arrays and trees)
         self.borrowed_bytes = 0  # of used_bytes: borrowed blocks (staged files' memory)
         self._hits = 0
         self._misses = 0
@@ -388,19 +390,28 @@ class DramCache:
             self._blocks.move_to_end(key)
         return victims
 
-    def reserve(self, nbytes: int) -> bool:
+    def reserve(self, nbytes: int, force: bool = False, index: bool = False) -> bool:
         """Count `nbytes` held outside the LRU against the budget, evicting clean blocks
-        to make room; False (nothing reserved) when they do not fit."""
-        if not self.make_room(nbytes):
+        to make room; False (nothing reserved) when they do not fit, unless `force`:
+        memory a store holds already (a buffer's ring at start-up) counts whatever room
+        there is, and the cache then keeps fewer blocks. `index`: a replay buffer's ring,
+        counted apart (`index_bytes`) from what `reserved_bytes` shares out."""
+        if not self.make_room(nbytes) and not force:
             return False
         self.used_bytes += nbytes
-        self.reserved_bytes += nbytes
+        if index:
+            self.index_bytes += nbytes
+        else:
+            self.reserved_bytes += nbytes
         return True
 
-    def unreserve(self, nbytes: int) -> None:
-        assert 0 <= nbytes <= self.reserved_bytes
+    def unreserve(self, nbytes: int, index: bool = False) -> None:
+        assert 0 <= nbytes <= (self.index_bytes if index else self.reserved_bytes)
         self.used_bytes -= nbytes
-        self.reserved_bytes -= nbytes
+        if index:
+            self.index_bytes -= nbytes
+        else:
+            self.reserved_bytes -= nbytes
 
     def owner_bytes(self, owner: int) -> int:
         return sum(b.capacity_bytes for k, b in self._blocks.items() if k[0] == owner)
@@ -415,6 +426,7 @@ class DramCache:
             misses=self._misses,
             evictions=self._evictions,
             reserved_bytes=self.reserved_bytes,
+            index_bytes=self.index_bytes,
             borrowed_bytes=self.borrowed_bytes,
             transient_bytes=self.transient_bytes,
             spare_bytes=len(self._spares) * self.spare_size,

@@ -181,6 +181,7 @@ def test_config_input_past_its_limit_is_efbig_at_once(mounted: Mount, buffer: Pa
         {"compression": "zstd:\u00b2"},  # a digit to str.isdigit, not to int()
         {"compression": "zstd:" + "9" * 5000},
         {"alpha": 1e308},  # priorities 1..10 would scale to infinity
+        {"capacity": 1 << 24},  # a ring of 1.6 GB of arrays and trees: past the 256 MiB budget
         {"epsilon": 1e300, "alpha": 2},
     ],
 )

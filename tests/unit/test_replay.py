@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from distorefs.errors import Busy, InvalidArgument, NotFound, TryAgain
 from distorefs.stores.replay import formats, sumtree
-from distorefs.stores.replay.buffer import ReplayBuffer
+from distorefs.stores.replay.buffer import ReplayBuffer, ring_index_bytes
 from distorefs.stores.replay.config import BufferConfig
 from distorefs.stores.replay.formats import (
     BlobStream,
@@ -764,7 +764,8 @@ async def test_compressed_items_sample_back_as_their_original_bytes(tiers: tuple
     buf = make(tiers, compression="zstd:3", batch_size=8)
     items = [bytes([i]) * 50_000 for i in range(4)]
     await buf.append(items)
-    assert buf._blocks.statistics().dram_used_bytes < 4 * 50_000  # stored compressed
+    stats = buf._blocks.statistics()
+    assert stats.dram_used_bytes - stats.dram_index_bytes < 4 * 50_000  # stored compressed (the ring aside)
     batch = decode_blob_batch((await buf.sample()).data.tobytes())  # type: ignore[union-attr]
     assert len(batch) == 8
     for index, _weight, item in batch:
@@ -1012,7 +1013,7 @@ async def test_tail_records_of_other_owners_are_not_adopted(tmp_path: Path) -> N
 async def test_warm_up_reads_restored_buffers_into_dram_while_they_fit_in_half_the_budget(tmp_path: Path) -> None:
     _log, blocks, meta = open_tiers(tmp_path, budget=4 << 20)
     store = BufferStore.load(blocks, meta)
-    small, big = store.create("small", BufferConfig()), store.create("big", BufferConfig())
+    small, big = store.create("small", BufferConfig(capacity=1000)), store.create("big", BufferConfig(capacity=1000))
     await small.append([b"s" * 1000] * 500)  # 0.5 MB: fits in half of 4 MiB
     await big.append([b"b" * 100_000] * 30)  # 3 MB: does not
     await blocks.close()
@@ -1199,3 +1200,26 @@ async def test_the_ring_slot_table_takes_no_block_whose_item_left_or_that_dram_l
     buf._held[:] = None  # type: ignore[index]
     await draw_and_check(buf)
     assert held_blocks_are_resident(buf, blocks) == 0
+
+
+async def test_a_rings_arrays_and_trees_count_against_the_dram_budget(tmp_path: Path) -> None:
+    """A capacity of 2**26 made 2 GB of arrays and trees for an empty buffer (3.5 s of the
+    event loop), outside the DRAM budget: now a ring's memory (ring_index_bytes) is counted
+    in it, a config whose ring does not fit is EINVAL with nothing changed, and the
+    ring's share is given back when the buffer goes."""
+    _log, blocks, meta = open_tiers(tmp_path, budget=64 << 20)
+    store = BufferStore.load(blocks, meta)
+    buf = store.create("r", BufferConfig(capacity=1000))
+    assert blocks.statistics().dram_index_bytes == ring_index_bytes(1000)
+    await buf.append([b"x" * 100] * 10)
+    with pytest.raises(InvalidArgument, match=r"capacity: a ring of 16777216 slots takes \d+ bytes"):
+        buf.reconfigure({"capacity": 1 << 24})
+    assert buf.config.capacity == 1000
+    assert blocks.statistics().dram_index_bytes == ring_index_bytes(1000)
+    buf.reconfigure({"capacity": 100_000})  # 11.6 MB: fits
+    assert blocks.statistics().dram_index_bytes == ring_index_bytes(100_000)
+    assert buf.size == 10
+    store.delete("r")
+    assert blocks.statistics().dram_index_bytes == 0
+    await blocks.close()
+    meta.close()

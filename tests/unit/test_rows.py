@@ -91,18 +91,24 @@ async def test_many_small_buffers_leave_three_quarters_of_the_budget_to_the_cach
 ) -> None:
     blocks, meta = tiers
     store = BufferStore(blocks, meta)
-    capacity = blocks.dram_budget_bytes // 8 // (RECORD.itemsize + 8)  # each ring at its own limit
+    # Records of 1 KiB: rows of an eighth of the budget each, whose rings (their arrays
+    # and trees, ~0.1 KiB a slot, counted apart: ring_index_bytes) leave the cache room.
+    schema = {"obs": {"dtype": "<f4", "shape": [254]}, "step": "<i8"}
+    dtype = np.dtype([("obs", "<f4", (254,)), ("step", "<i8")])
+    capacity = blocks.dram_budget_bytes // 8 // (dtype.itemsize + 8)  # each ring at its own limit
     made = [
         store.create(
-            f"r{i}", BufferConfig().updated(f"r{i}", {"schema": SCHEMA, "capacity": capacity}, has_items=False)
+            f"r{i}", BufferConfig().updated(f"r{i}", {"schema": schema, "capacity": capacity}, has_items=False)
         )
         for i in range(6)
     ]
     with_rows = [buf for buf in made if "record_rows" in buf.stats()]
     assert len(with_rows) == 2  # an eighth each: the third would pass a quarter
     assert blocks.dram_reserved_bytes <= blocks.dram_budget_bytes // 4
-    await made[-1].append([record(0)])  # the others still work, without rows
-    assert drawn((await made[-1].sample(1)).data)["step"].tolist() == [0]
+    one = np.zeros(1, dtype)
+    one["step"] = 7
+    await made[-1].append([one.tobytes()])  # the others still work, without rows
+    assert drawn((await made[-1].sample(1)).data)["step"].tolist() == [7]
 
 
 async def test_a_restarted_buffer_fills_its_rows_from_draws(tmp_path: Path) -> None:

@@ -107,6 +107,18 @@ RECENT_ERRORS = 5
 
 
 HELD_SLOT_BYTES = 8  # a ring slot's entry in the table of drawn blocks (an object reference)
+
+
+def ring_index_bytes(capacity: int) -> int:
+    """The memory of a ring of `capacity` slots: its four per-slot arrays (index,
+    priority, times sampled, size) and its trees (the sum tree with its min and max, and
+    the live-slot tree: 2 x the next power of two x 8 bytes each). Counted against the
+    DRAM budget, so that a config cannot take the daemon's memory (a capacity of 2**26
+    was 2 GB and 3.5 s of the event loop for an empty buffer)."""
+    size = 1 << max(capacity - 1, 0).bit_length()
+    return 4 * 8 * capacity + 4 * 2 * 8 * size
+
+
 HELD_BUDGET_SHARE = 64  # that table takes at most this share of the DRAM budget
 
 
@@ -164,6 +176,7 @@ class ReplayBuffer:
         self._held: np.ndarray | None = None
         blocks.watch(owner, self._block_left)
         self._row_mark: int | None = None  # MetaDb mark of the row's first staging (0: read from it)
+        self._ring_reserved = 0  # ring_index_bytes of the ring laid out, reserved in the DRAM budget
         self.config: BufferConfig = config  # (set again, with everything it implies, by _apply_config)
         self._apply_config(config, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64))
 
@@ -172,7 +185,10 @@ class ReplayBuffer:
     def _apply_config(
         self, config: BufferConfig, indices: np.ndarray, priorities: np.ndarray, times: np.ndarray, sizes: np.ndarray
     ) -> None:
-        """(Re)build the ring for `config` holding the given live items."""
+        """(Re)build the ring for `config` holding the given live items (its memory counted
+        in the DRAM budget whether it fits or not: `reconfigure` refuses one that does not
+        before it gets here)."""
+        self._reserve_ring(0 if self.deleted else ring_index_bytes(config.capacity), force=True)
         mirror = self.mirror
         if mirror is not None:
             same_items = config.zstd_level is None and config.itemsize == self.config.itemsize
@@ -201,6 +217,17 @@ class ReplayBuffer:
         self._make_rows()
         keep_blocks = self._rows is None and not self.deleted and cap * HELD_SLOT_BYTES <= self._held_limit()
         self._held = np.full(cap, None, dtype=object) if keep_blocks else None
+
+    def _reserve_ring(self, nbytes: int, force: bool) -> bool:
+        """Make the ring's reservation `nbytes`; False (nothing changed) when more does not
+        fit in the DRAM budget, unless `force`."""
+        more = nbytes - self._ring_reserved
+        if more > 0 and not self._blocks.reserve(more, force, index=True):
+            return False
+        if more < 0:
+            self._blocks.unreserve(-more, index=True)
+        self._ring_reserved = nbytes
+        return True
 
     def _make_rows(self) -> None:
         """Rows for this config's ring where its records are small and it fits their
@@ -983,6 +1010,12 @@ class ReplayBuffer:
         if new.alpha != self.config.alpha or new.epsilon != self.config.epsilon:
             what = f"buffers/{self.name}.alpha, epsilon"
             check_scalable(what, priorities, new.alpha, new.epsilon, outcome="the config stays as it was")
+        ring = ring_index_bytes(new.capacity)
+        if not self._reserve_ring(ring, force=False):  # (the last check: it reserves)
+            raise InvalidArgument(
+                f"buffers/{self.name}.capacity: a ring of {new.capacity} slots takes {ring} bytes of the DRAM"
+                f" budget ({budget} bytes), and they are not free"
+            )
         self._apply_config(new, live, priorities, times, sizes)
         self.stage_row()
         self._notify()
