@@ -436,7 +436,7 @@ async def test_importance_weights_are_normalised_to_the_rarest_item(tiers: tuple
 
 
 async def test_weights_stay_in_0_1_for_any_beta_and_scaled_priorities_stay_finite(
-    tiers: tuple[BlockStore, MetaDb],
+    tiers: tuple[BlockStore, MetaDb], pairs: bool
 ) -> None:
     """(N P_min)^-beta overflowed for a large beta (the draw raised OverflowError); and a
     priority whose (p + epsilon)^alpha overflows would make the tree's total infinite:
@@ -449,6 +449,8 @@ async def test_weights_stay_in_0_1_for_any_beta_and_scaled_priorities_stay_finit
     tree_total, priorities = buf._tree.total, buf._priority.copy()
     with pytest.raises(InvalidArgument, match=r"priority 1e\+300 scales past 1e\+290 .*; none applied"):
         await buf.update_priorities(np.array([0, 1]), np.array([2.0, 1e300]))
+    with pytest.raises(InvalidArgument, match=r"got nan for index 1"):  # a NaN is named before a priority too high
+        await buf.update_priorities(np.array([0, 1, 0]), np.array([1e300, np.nan, 1.0]))
     buf.reconfigure({"alpha": 2.0})  # 3^2: fine
     with pytest.raises(InvalidArgument, match=r"alpha, epsilon: priority 3 scales past .*; the config stays"):
         buf.reconfigure({"alpha": 1000.0})

@@ -57,7 +57,9 @@ from distorefs.stores.replay.draws import (
     check_priorities,
     check_scalable,
     encode_batch,
+    highest_priority,
     importance_weights,
+    too_high,
     uniform_weights,
 )
 from distorefs.stores.replay.formats import MAX_ITEM_BYTES, PAIRS
@@ -195,6 +197,7 @@ class ReplayBuffer:
             if config.capacity != mirror.capacity or not same_items:
                 self.close_mirror()  # laid out for the old ring or items: the next draw makes a new one
         self.config = config
+        self._highest_priority = highest_priority(config.alpha, config.epsilon)  # (draws.py)
         self._config_json = config.dumps()  # the row carries it on every append: once here
         self.limiter = RateLimiter.from_config(config)
         self._sampler = make_sampler(config.sampler)
@@ -611,11 +614,11 @@ class ReplayBuffer:
         past the capacity, max_times_sampled: the learner sampled it just before) is
         skipped and counted in `priority_updates_skipped`, as Reverb does; an index never
         appended is a bad pair. Returns the indices it set and their priorities before."""
-        check_scalable(f"buffers/{self.name}", priorities, self.config.alpha, self.config.epsilon)
         jit = PAIRS.module
         if jit is not None and len(indices) and indices.dtype == np.int64 and priorities.dtype == np.float64:
             return self._set_compiled(jit, indices, priorities)
         check_priorities(self.name, indices, priorities)
+        check_scalable(f"buffers/{self.name}", priorities, self.config.alpha, self.config.epsilon)
         if len(indices) == 0:
             return indices, priorities
         slots = indices % self.config.capacity
@@ -644,12 +647,15 @@ class ReplayBuffer:
         applied, slots = np.empty(count, np.int64), np.empty(count, np.int64)
         values, before = np.empty(count), np.empty(count)
         indices, priorities = compiled_array(indices, np.int64), compiled_array(priorities, np.float64)
+        cfg = self.config
         code, at, count = jit.set_pairs(
-            indices, priorities, self.next_index, self.config.capacity, self._slot_index, self._priority,
-            applied, slots, values, before,
+            indices, priorities, self._highest_priority, self.next_index, cfg.capacity, self._slot_index,
+            self._priority, applied, slots, values, before,
         )  # fmt: skip
         if code == jit.BAD_PRIORITY:
             check_priorities(self.name, indices[at : at + 1], priorities[at : at + 1])  # (raises: its message)
+        if code == jit.TOO_HIGH:
+            raise too_high(f"buffers/{self.name}", float(priorities[at]), cfg.alpha, cfg.epsilon, "none applied")
         if code == jit.NEVER_APPENDED:
             raise InvalidArgument(f"buffers/{self.name}: no live item {int(indices[at])}; none applied")
         assert code == jit.GOOD, f"set_pairs answered {code}"

@@ -80,27 +80,34 @@ def importance_weights(
 SCALED_PRIORITY_MAX = 1e290  # (priority + epsilon) ** alpha: 2**28 slots of it still sum to a finite float
 
 
+def highest_priority(alpha: float, epsilon: float) -> float:
+    """The largest priority p whose scaled value (p + epsilon) ** alpha stays within
+    SCALED_PRIORITY_MAX, past which the sum tree's total could overflow to infinity and
+    no draw could be made (inf: any priority; below 0: none)."""
+    if alpha == 0:
+        return math.inf
+    try:
+        return math.pow(SCALED_PRIORITY_MAX, 1.0 / alpha) - epsilon
+    except OverflowError:  # alpha below 1 takes past the float range whatever it can hold
+        return math.inf
+
+
+def too_high(what: str, priority: float, alpha: float, epsilon: float, outcome: str) -> InvalidArgument:
+    return InvalidArgument(
+        f"{what}: priority {priority:g} scales past {SCALED_PRIORITY_MAX:g} with alpha {alpha:g} and epsilon"
+        f" {epsilon:g} ((priority + epsilon) ** alpha); {outcome}"
+    )
+
+
 def check_scalable(
     what: str, priorities: np.ndarray, alpha: float, epsilon: float, outcome: str = "none applied"
 ) -> None:
-    """EINVAL unless every finite priority >= 0 of `priorities` scales, as (p + epsilon) **
-    alpha, to at most SCALED_PRIORITY_MAX: past it the sum tree's total would overflow to
-    infinity and no draw could be made. (NaN and negative priorities are
-    `check_priorities`' to refuse.)"""
-    if not len(priorities) or alpha == 0:
-        return
-    highest = float(np.max(priorities))
-    if not 0 <= highest < math.inf:
-        return
-    try:
-        scaled = math.pow(highest + epsilon, alpha)
-    except OverflowError:
-        scaled = math.inf
-    if scaled > SCALED_PRIORITY_MAX:
-        raise InvalidArgument(
-            f"{what}: priority {highest:g} scales past {SCALED_PRIORITY_MAX:g} with alpha {alpha:g} and epsilon"
-            f" {epsilon:g} ((priority + epsilon) ** alpha); {outcome}"
-        )
+    """EINVAL unless every priority of `priorities` is at most `highest_priority`. (NaN
+    and negative priorities are `check_priorities`' to refuse.)"""
+    if len(priorities) and alpha != 0:
+        above = priorities > highest_priority(alpha, epsilon)
+        if above.any():
+            raise too_high(what, float(priorities[int(np.argmax(above))]), alpha, epsilon, outcome)
 
 
 def check_priorities(name: str, indices: np.ndarray, priorities: np.ndarray) -> None:

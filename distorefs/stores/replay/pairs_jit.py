@@ -22,6 +22,7 @@ import numba
 GOOD = 0  # set_pairs: every pair applied or skipped (its item left)
 BAD_PRIORITY = 1  # a priority that is not finite, or below 0: none applied
 NEVER_APPENDED = 2  # an index below 0 or at or past next_index: none applied
+TOO_HIGH = 3  # a priority past `highest` (it would scale past the sum tree's bound): none applied
 
 INT64_BOUND = 2.0**63  # |index| below this fits in an int64
 
@@ -40,6 +41,7 @@ def _whole_indices(values: Any, out: Any) -> int:
 def _set_pairs(
     indices: Any,
     priorities: Any,
+    highest: float,
     next_index: int,
     capacity: int,
     slot_index: Any,
@@ -52,12 +54,15 @@ def _set_pairs(
     """Check every pair, then set priority[slot] for each pair whose item is still in
     its slot (a later pair for the same slot wins). Returns (GOOD, -1, n) with the n
     applied pairs' indices, slots, priorities and priorities before in the first n
-    places of `applied`, `slots`, `values` and `before`; or (BAD_PRIORITY or
+    places of `applied`, `slots`, `values` and `before`; or (BAD_PRIORITY, TOO_HIGH or
     NEVER_APPENDED, position of the first bad pair, 0) with nothing written."""
     n = len(indices)
     for i in range(n):
         if not (math.isfinite(priorities[i]) and priorities[i] >= 0):
             return BAD_PRIORITY, i, 0
+    for i in range(n):
+        if priorities[i] > highest:
+            return TOO_HIGH, i, 0
     for i in range(n):
         if indices[i] < 0 or indices[i] >= next_index:
             return NEVER_APPENDED, i, 0
@@ -80,7 +85,7 @@ whole_indices = numba.njit(  # a column of np.frombuffer's read-only array, or o
     [numba.int64(column, numba.int64[::1]) for column in _COLUMNS], cache=True, boundscheck=True
 )(_whole_indices)
 set_pairs = numba.njit(
-    "UniTuple(int64, 3)(int64[::1], float64[::1], int64, int64, int64[::1], float64[::1],"
+    "UniTuple(int64, 3)(int64[::1], float64[::1], float64, int64, int64, int64[::1], float64[::1],"
     " int64[::1], int64[::1], float64[::1], float64[::1])",
     cache=True,
     boundscheck=True,
