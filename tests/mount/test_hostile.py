@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import math
 import os
@@ -148,6 +149,26 @@ def test_a_bad_npy_order_is_einval_and_the_order_stays(mounted: Mount, dataset: 
     before = (dataset / "order").read_bytes()
     assert refused(lambda: write_all(dataset / "order", npy_with_header(BAD_NPY_HEADERS[case]))) == errno.EINVAL
     assert (dataset / "order").read_bytes() == before
+    healthy(mounted)
+
+
+def test_an_order_longer_than_its_bound_is_einval_at_its_header(mounted: Mount, dataset: Path) -> None:
+    """An order may repeat records, up to 16 indices a record (or 2**20 in all): a .npy
+    header announcing 2**40 indices is refused as soon as it arrives (before, the daemon
+    took every byte sent after it), and so is text past the bound."""
+    before = (dataset / "order").read_bytes()
+    header = npy_with_header("{'descr': '<i8', 'fortran_order': False, 'shape': (1099511627776,), }", b"")
+    fd = os.open(dataset / "order", os.O_WRONLY)
+    try:
+        assert refused(lambda: os.write(fd, header)) == errno.EINVAL
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    line = b"0 " * 4096 + b"\n"  # 8 KiB a write: 4,096 indices
+    assert refused(lambda: write_all(dataset / "order", line * (((1 << 20) // 4096) + 1))) == errno.EINVAL
+    assert (dataset / "order").read_bytes() == before
+    write_all(dataset / "order", line * 8)  # 32,768 indices of an 8-record dataset: taken
+    assert len(np.load(io.BytesIO((dataset / "order").read_bytes()))) == 32_768
     healthy(mounted)
 
 

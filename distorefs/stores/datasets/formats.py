@@ -26,6 +26,11 @@ from distorefs.types import Writable
 INDEX_DTYPE = np.dtype([("offset", "<u8"), ("length", "<u4"), ("crc", "<u4")])
 MAX_RECORD_BYTES = 64 * 1024 * 1024
 MAX_ORDER_TEXT_BYTES = 1 << 30
+# An order holds at most this many indices a record (or ORDER_MIN_LENGTH in all): a
+# stream's epoch may repeat records, but what a write to `order` makes the daemon hold
+# is bounded by the dataset, not by the writer (a .npy header may announce any length).
+ORDER_REPEATS = 16
+ORDER_MIN_LENGTH = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,8 @@ class OrderInput:
         self._parts: list[np.ndarray] = []
         self._word: tuple[str, int] | None = None
         self._text_bytes = 0
+        self._length = 0  # text indices taken so far
+        self.max_length = max(ORDER_REPEATS * count, ORDER_MIN_LENGTH)
 
     def _bad(self, why: str) -> InvalidArgument:
         self.reset()
@@ -87,7 +94,7 @@ class OrderInput:
 
     def reset(self) -> None:
         self._pending.clear()
-        self._npy, self._parts, self._word, self._text_bytes = None, [], None, 0
+        self._npy, self._parts, self._word, self._text_bytes, self._length = None, [], None, 0, 0
 
     def feed(self, data: bytes) -> tuple[OrderSpec, np.ndarray | None] | None:
         self._pending += data
@@ -116,6 +123,8 @@ class OrderInput:
             return None
         if parsed.dtype.kind not in "iu" or parsed.fortran_order or len(parsed.shape) != 1:
             raise self._bad(f"a .npy order must be a 1-d array of integers, got {parsed.dtype} {parsed.shape}")
+        if parsed.shape[0] > self.max_length:
+            raise self._bad(self._too_long(parsed.shape[0]))
         need = parsed.total_bytes
         if len(self._pending) < need:
             return None
@@ -148,7 +157,16 @@ class OrderInput:
             bad = next((w for w in words if not w.lstrip(b"-").isdigit()), words[0])
             raise self._bad(f"not an index: {bad[:40]!r}") from None
         self._check(indices)
+        self._length += len(indices)
+        if self._length > self.max_length:
+            raise self._bad(self._too_long(self._length))
         self._parts.append(indices)
+
+    def _too_long(self, length: int) -> str:
+        return (
+            f"an order of {length} indices or more is past its bound of {self.max_length}"
+            f" ({ORDER_REPEATS} a record, or {ORDER_MIN_LENGTH})"
+        )
 
     def _check(self, indices: np.ndarray) -> None:
         if len(indices) and (indices.min() < 0 or indices.max() >= self._count):
