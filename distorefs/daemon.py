@@ -256,6 +256,7 @@ def load_kernels() -> None:
 
 
 KERNELS_IDLE_S = 1.0  # a mount this quiet, with a buffer or a dataset in it, loads the compiled kernels
+KERNELS_QUIET_REQUESTS = 100  # fewer requests than this in KERNELS_IDLE_S count as quiet
 
 
 async def load_kernels_when_idle(ops: FsOperations, wanted: Callable[[], bool], idle_s: float = KERNELS_IDLE_S) -> None:
@@ -264,16 +265,25 @@ async def load_kernels_when_idle(ops: FsOperations, wanted: Callable[[], bool], 
     (the data dir holds a replay buffer or a dataset). A job restarted on its data dir
     (its trainer importing torch meanwhile) then finds them loaded at its first append,
     which otherwise started numba's import and waited on it: appends of up to 26 ms for
-    0.3-1 s (benchmarks.md, "Nineteenth session"). A daemon with only files never loads
+    0.3-1 s (benchmarks.md, "Nineteenth session"). Fewer than KERNELS_QUIET_REQUESTS
+    requests a KERNELS_IDLE_S count as quiet too: a status poller (bench_million's, a
+    readiness probe's) kept the load off for good before. A daemon with only files never loads
     them; one busy from its start (a cold read right after the mount) loads them at
     their first use, or when it goes quiet."""
     await ops.initialized.wait()
     ready = time.perf_counter()
+    seen, since = ops.requests, ready
     while not compiled.loading_started():
-        quiet = time.perf_counter() - max(ready, ops.request_started)
-        if quiet >= idle_s and wanted():
+        now = time.perf_counter()
+        quiet = now - max(ready, ops.request_started)
+        # A monitor that reads status ten times a second is light traffic, not a job at
+        # work: it must not keep the load away until the job's first sample meets it.
+        light = now - since >= idle_s and ops.requests - seen < KERNELS_QUIET_REQUESTS * (now - since) / idle_s
+        if (quiet >= idle_s or light) and wanted():
             compiled.start_loading()
             return
+        if now - since >= idle_s:
+            seen, since = ops.requests, now
         await trio.sleep(idle_s - quiet if quiet < idle_s else idle_s)
 
 

@@ -110,6 +110,7 @@ def _translate(mutates: bool) -> Callable[[Callable[P, Coroutine[Any, Any, R]]],
                 raise pyfuse3.FUSEError(errno.EROFS)
             started, failed = time.perf_counter(), 0
             self.request_started = started
+            self.requests += 1
             op = fn.__name__
             serving = scheduling.deferring_since(started)  # its schedule points come after the reply
             try:
@@ -205,6 +206,7 @@ class FsOperations(pyfuse3.Operations):
         self._next_fh = 1
         self.request_done = trio.Event()  # set at the end of every request (busy polling)
         self.request_started = 0.0  # time.perf_counter() at the start of the latest request
+        self.requests = 0  # requests begun since the start
         self.initialized = trio.Event()  # set during the kernel's INIT (see init)
 
     def init(self) -> None:
