@@ -60,7 +60,8 @@ class Handle:
     virtual: bool
     vhandle: VirtualHandle | None = None
     writable: bool = False
-    entries: list[tuple[bytes, int]] = field(default_factory=list)
+    prefix: list[tuple[bytes, int]] = field(default_factory=list)  # tree dirs: the dots (the root's kinds) ...
+    entries: Sequence[tuple[bytes, int]] = ()  # ... then the listing every open of the directory shares
     listing: Sequence[tuple[bytes, int, int, int]] | None = None  # virtual dirs: name, ino, mode, size
     write_errno: int = 0  # a control file refused a write: reported again at every close of this open
     kind: str = "tree"  # for metrics: tree, checkpoints, or the virtual handle's kind
@@ -654,13 +655,12 @@ class FsOperations(pyfuse3.Operations):
         vdir = self._virtual_dir(inode)
         if vdir is not None:
             return self._new_fh(Handle(inode, virtual=True, listing=vdir.listing()))
-        entries = self.tree.entries(inode)
+        prefix = [(b".", inode), (b"..", self.tree.parent_of(inode))]  # `ls -a` shows them
         if inode == ROOT_INODE:
-            entries = [(name, node.ino) for name, node in self.virtual.root_nodes.items()] + [
-                (name, ino) for name, ino in entries if name not in self.virtual.root_nodes
-            ]
-        dots = [(b".", inode), (b"..", self.tree.parent_of(inode))]  # `ls -a` shows them
-        return self._new_fh(Handle(inode, virtual=False, entries=dots + entries))
+            prefix += [(name, node.ino) for name, node in self.virtual.root_nodes.items()]
+        # (the tree's listing is shared, not copied: readdir skips a tree entry that a kind
+        # of the root would shadow)
+        return self._new_fh(Handle(inode, virtual=False, prefix=prefix, entries=self.tree.entries(inode)))
 
     @_translate(mutates=False)
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
@@ -668,9 +668,12 @@ class FsOperations(pyfuse3.Operations):
         if handle.listing is not None:
             self._readdir_virtual(handle.ino, handle.listing, start_id, token)
             return
-        entries = handle.entries
-        for position in range(start_id, len(entries)):
-            name, ino = entries[position]
+        prefix, entries = handle.prefix, handle.entries
+        shadowed = self.virtual.root_nodes if handle.ino == ROOT_INODE else {}
+        for position in range(start_id, len(prefix) + len(entries)):
+            name, ino = prefix[position] if position < len(prefix) else entries[position - len(prefix)]
+            if position >= len(prefix) and name in shadowed:
+                continue
             if ino in self.virtual:
                 try:
                     attrs = self._virtual_attrs(self.virtual.get(ino))

@@ -119,6 +119,10 @@ class FileStore:
         self.block_bytes = blocks.block_bytes
         self._inodes: dict[int, Inode] = {}
         self._dirs: dict[int, dict[bytes, int]] = {}
+        # A directory's entries as `entries` last listed them, until its next change: every
+        # open of an unchanged directory shares one listing (each opendir made its own,
+        # 64 bytes an entry: a million-entry directory opened a thousand times was 64 GB).
+        self._listings: dict[int, tuple[tuple[bytes, int], ...]] = {}
         self._parent: dict[int, int] = {}
         self._xattrs: dict[int, dict[bytes, bytes]] = {}
         self._xattr_sizes: dict[int, tuple[int, int]] = {}  # ino -> (names with NULs, names + values)
@@ -162,6 +166,7 @@ class FileStore:
         self._meta.put("inodes", (inode.ino,), inode.row())
 
     def _stage_dentry(self, parent: int, name: bytes, ino: int | None) -> None:
+        self._listings.pop(parent, None)  # (every change of a directory's entries comes here)
         if ino is None:
             self._meta.delete("dentries", (parent, name))
         else:
@@ -198,9 +203,13 @@ class FileStore:
             raise NotFound(f"no entry {name.decode(errors='replace')!r} in directory {parent}")
         return self._inodes[ino]
 
-    def entries(self, ino: int) -> list[tuple[bytes, int]]:
-        """A snapshot of a directory's entries, in creation order."""
-        return list(self._dir(ino).items())
+    def entries(self, ino: int) -> tuple[tuple[bytes, int], ...]:
+        """A snapshot of a directory's entries, in creation order: one shared by every
+        caller until the directory changes (so never to be changed by one)."""
+        listing = self._listings.get(ino)
+        if listing is None:
+            listing = self._listings[ino] = tuple(self._dir(ino).items())
+        return listing
 
     # --- creating -----------------------------------------------------------------------
 
@@ -296,6 +305,7 @@ class FileStore:
             inode.nlink = 0
             del self._dirs[inode.ino]
             del self._parent[inode.ino]
+            self._listings.pop(inode.ino, None)
         else:
             inode.nlink -= 1
         inode.ctime_ns = now

@@ -70,7 +70,7 @@ class PosixTree:
     def lookup(self, parent: int, name: bytes) -> Inode:
         return self._found(parent, self.files.lookup(parent, name))
 
-    def entries(self, ino: int) -> list[tuple[bytes, int]]:
+    def entries(self, ino: int) -> tuple[tuple[bytes, int], ...]:
         return self.files.entries(ino)
 
     def ref(self, ino: int, count: int = 1) -> None:

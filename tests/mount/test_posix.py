@@ -6,6 +6,7 @@ import errno
 import json
 import mmap
 import os
+import shutil
 import stat
 import subprocess
 import time
@@ -439,6 +440,39 @@ def test_create_list_remove_5000_entries(scratch: Path) -> None:
     for name in names:
         os.unlink(directory / name)
     assert os.listdir(directory) == []
+
+
+def test_open_directories_share_one_listing_until_the_directory_changes(mounted: Mount, scratch: Path) -> None:
+    """Each opendir made its own copy of the entries (about 64 bytes each): 400
+    descriptors open on a directory of 10,000 names held 256 MB in the daemon. Now every
+    open of an unchanged directory shares one listing; an open keeps the entries it began
+    with (a name made after it is not in its listing, and is in a new open's)."""
+    directory = scratch / "shared"
+    directory.mkdir()
+    for i in range(10_000):
+        os.mknod(directory / f"f{i:05d}", 0o644 | stat.S_IFREG)
+
+    def resident() -> int:
+        with open(f"/proc/{mounted.proc.pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident()
+    fds = [os.open(directory, os.O_RDONLY | os.O_DIRECTORY) for _ in range(400)]
+    try:
+        grown = resident() - before
+        (directory / "late").touch()
+        late = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            assert "late" in os.listdir(late)
+        finally:
+            os.close(late)
+        assert "late" not in os.listdir(fds[0])
+        assert len(os.listdir(fds[-1])) == 10_000
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert grown < 32 << 20, f"the daemon grew {grown >> 20} MiB for 400 opens of one directory"
+    shutil.rmtree(directory)
 
 
 def test_a_read_only_close_sends_no_flush_and_a_writing_one_does(mounted: Mount, scratch: Path) -> None:
