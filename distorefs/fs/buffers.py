@@ -21,7 +21,7 @@ import json
 import os
 import stat
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar
 
 import numpy as np
 import trio
@@ -43,8 +43,10 @@ from distorefs.fs.shm import Region, SharedMemory, no_room
 from distorefs.fs.virtual import (
     Access,
     ControlFile,
+    Entry,
     NamedDir,
     NamedKindDirectory,
+    PositionListing,
     VirtualDir,
     VirtualFile,
     VirtualHandle,
@@ -727,25 +729,17 @@ class ItemsDir(VirtualDir):
         self.buffer.delete_item(node.index)
 
 
-class ItemListing(Sequence[tuple[bytes, int, int, int]]):
+class ItemListing(PositionListing):
     """`items/` for readdir as of its open: the live indices and sizes as two arrays (16
     bytes an item), each entry made when readdir reaches it. A list of the entries, made
     at every opendir, was about 100 bytes an item: a million-item buffer's `items/`
     opened a hundred times held 10 GB."""
 
     def __init__(self, live: np.ndarray, sizes: np.ndarray, base: int, mode: int) -> None:
+        super().__init__(len(live))
         self._live, self._sizes, self._base, self._mode = live, sizes, base, mode
 
-    def __len__(self) -> int:
-        return len(self._live)
-
-    @overload
-    def __getitem__(self, position: int) -> tuple[bytes, int, int, int]: ...
-    @overload
-    def __getitem__(self, position: slice) -> Sequence[tuple[bytes, int, int, int]]: ...
-    def __getitem__(self, position: int | slice) -> tuple[bytes, int, int, int] | Sequence[tuple[bytes, int, int, int]]:
-        if isinstance(position, slice):
-            return [self[i] for i in range(*position.indices(len(self._live)))]
+    def _entry(self, position: int) -> Entry:
         index = int(self._live[position])
         return (b"%d" % index, self._base | index, self._mode, int(self._sizes[position]))
 

@@ -18,7 +18,7 @@ import os
 import stat
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any, overload
+from typing import Any
 
 import numpy as np
 
@@ -27,8 +27,10 @@ from distorefs.errors import DistorefsError, InvalidArgument, NotFound, ReadOnly
 from distorefs.fs.virtual import (
     Access,
     ControlFile,
+    Entry,
     NamedDir,
     NamedKindDirectory,
+    PositionListing,
     RenderedHandle,
     VirtualDir,
     VirtualFile,
@@ -301,26 +303,17 @@ class RecordNode(VirtualFile):
         return RecordHandle(self.ds, self.index)
 
 
-class RecordListing(Sequence[tuple[bytes, int, int, int]]):
+class RecordListing(PositionListing):
     """`records/` for readdir, computed per position: (name, inode, mode, size)."""
 
     def __init__(self, ds: Dataset, bits: int) -> None:
+        super().__init__(ds.count)
         self._mode = stat.S_IFREG | bits
-        self._count = ds.count
         self._base = record_ino(ds, 0)
         loaded = ds.index_loaded()
         self._lengths = loaded["length"] if loaded is not None else np.zeros(ds.count, np.uint32)
 
-    def __len__(self) -> int:
-        return self._count
-
-    @overload
-    def __getitem__(self, position: int) -> tuple[bytes, int, int, int]: ...
-    @overload
-    def __getitem__(self, position: slice) -> Sequence[tuple[bytes, int, int, int]]: ...
-    def __getitem__(self, position: int | slice) -> tuple[bytes, int, int, int] | Sequence[tuple[bytes, int, int, int]]:
-        if isinstance(position, slice):
-            return [self[i] for i in range(*position.indices(self._count))]
+    def _entry(self, position: int) -> Entry:
         return (b"%d" % position, self._base | position, self._mode, int(self._lengths[position]))
 
 

@@ -19,7 +19,7 @@ import stat
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Self
+from typing import Any, Self, overload
 
 from distorefs import __version__, scheduling
 from distorefs.errors import (
@@ -248,6 +248,35 @@ class WholeInputHandle(RenderedHandle):
             size = len(self._pending)
             self._pending.clear()
             raise self.recorded(InvalidArgument(f"{self.label}: {self.incomplete} ({size} bytes)"))
+
+
+Entry = tuple[bytes, int, int, int]  # a listing's (name, inode, mode, size)
+
+
+class PositionListing(Sequence[Entry]):
+    """A directory's listing for readdir whose entries are made as readdir reaches them
+    (`_entry`), for kinds with many (a dataset's records, a buffer's items): a list of
+    them made at every opendir held about 100 bytes an entry per open."""
+
+    def __init__(self, count: int) -> None:
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def _entry(self, position: int) -> Entry:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, position: int) -> Entry: ...
+    @overload
+    def __getitem__(self, position: slice) -> Sequence[Entry]: ...
+    def __getitem__(self, position: int | slice) -> Entry | Sequence[Entry]:
+        if isinstance(position, slice):
+            return [self._entry(i) for i in range(*position.indices(self._count))]
+        if not -self._count <= position < self._count:
+            raise IndexError(position)
+        return self._entry(position % self._count)
 
 
 class VirtualFile(VirtualNode):

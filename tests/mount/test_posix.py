@@ -71,20 +71,25 @@ def test_the_compiled_kernels_load_at_their_first_use_not_for_files(mount_factor
     assert mounted.unmount() == 0
 
 
-def test_a_mount_polled_ten_times_a_second_still_loads_the_kernels_before_its_first_call(
-    mount_factory: MountFactory,
-) -> None:
-    """A status poller (a readiness probe, bench_million's wait for the warm-up) never
-    left the mount a second without a request, so the kernels waited for the job's first
-    call; light traffic (under KERNELS_QUIET_REQUESTS a second) now counts as quiet."""
+def remounted_with_a_buffer(mount_factory: MountFactory) -> Mount:
+    """A data dir holding a buffer with one item, mounted by a new daemon (one that no
+    call has asked for a compiled kernel yet)."""
     mounted = mount_factory()
     buffer = mounted.path / "buffers" / "b"
     buffer.mkdir()
     with open(buffer / "append", "wb") as f:
         f.write(b"item")
     assert mounted.unmount() == 0
+    return mount_factory()
 
-    mounted = mount_factory()
+
+def test_a_mount_polled_ten_times_a_second_still_loads_the_kernels_before_its_first_call(
+    mount_factory: MountFactory,
+) -> None:
+    """A status poller (a readiness probe, bench_million's wait for the warm-up) never
+    left the mount a second without a request, so the kernels waited for the job's first
+    call; light traffic (under KERNELS_QUIET_REQUESTS a second) now counts as quiet."""
+    mounted = remounted_with_a_buffer(mount_factory)
     loaded: dict[str, bool] = {}
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -100,14 +105,7 @@ def test_a_quiet_mount_with_a_buffer_loads_the_kernels_before_its_first_call(mou
     """A job restarted on its data dir: the daemon finds a buffer, and once no request has
     come for KERNELS_IDLE_S it loads the compiled kernels, so the job's first append does
     not wait on numba's import (it held appends up to 26 ms)."""
-    mounted = mount_factory()
-    buffer = mounted.path / "buffers" / "b"
-    buffer.mkdir()
-    with open(buffer / "append", "wb") as f:
-        f.write(b"item")
-    assert mounted.unmount() == 0
-
-    mounted = mount_factory()  # a new daemon: nothing has asked for a kernel in it
+    mounted = remounted_with_a_buffer(mount_factory)  # a new daemon: nothing has asked for a kernel in it
     loaded: dict[str, bool] = {}
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
