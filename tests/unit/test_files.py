@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import random
 import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -150,5 +151,52 @@ async def test_extended_attributes_are_bounded_per_file_and_in_all(
     meta.close()
     store, blocks, meta = open_files(tmp_path)
     assert store.xattr_bytes == before_reload
+    await blocks.close()
+    meta.close()
+
+
+def counted(store: FileStore) -> tuple[int, int, int, int, int]:
+    """The statistics by a walk of every inode, as statistics() made them before."""
+    kinds = [0, 0, 0, 0]
+    size = 0
+    for inode in store._inodes.values():
+        kind = stat.S_IFMT(inode.mode)
+        kinds[0 if kind == stat.S_IFREG else 1 if kind == stat.S_IFDIR else 2 if kind == stat.S_IFLNK else 3] += 1
+        size += inode.size if kind == stat.S_IFREG else 0
+    return kinds[0], kinds[1], kinds[2], kinds[3], size
+
+
+async def test_statistics_are_kept_as_the_tree_changes_and_match_a_walk(tmp_path: Path) -> None:
+    """statistics() walked every inode (44 ms for 300,000 files at each statfs and each
+    status read, on the event loop); now counts kept at every create, size change and
+    purge give the same numbers as the walk, across changes and a reload."""
+    rng = random.Random(7)
+    store, blocks, meta = open_files(tmp_path)
+    d = store.mkdir(ROOT_INODE, b"d", 0o755, 0, 0)
+    files: list[int] = []
+    for step in range(400):
+        choice = rng.random()
+        if choice < 0.3 or not files:
+            files.append(store.mknod(d.ino, b"f%d" % step, 0o100644, 0, 0, 0).ino)
+        elif choice < 0.5:
+            await store.write(rng.choice(files), rng.randrange(100_000), bytes(rng.randrange(1, 5000)))
+        elif choice < 0.6:
+            await store.setattr(rng.choice(files), size=rng.randrange(200_000))
+        elif choice < 0.7:
+            ino = files.pop(rng.randrange(len(files)))
+            name = next(n for n, i in store.entries(d.ino) if i == ino)
+            store.unlink(d.ino, name)
+        elif choice < 0.8:
+            store.symlink(d.ino, b"l%d" % step, b"target-%d" % step, 0, 0)
+        elif choice < 0.9:
+            store.mkdir(d.ino, b"s%d" % step, 0o755, 0, 0)
+        else:
+            store.mknod(d.ino, b"p%d" % step, stat.S_IFIFO | 0o644, 0, 0, 0)
+        assert tuple(vars(store.statistics()).values()) == counted(store)
+    await blocks.commit()
+    await blocks.close()
+    meta.close()
+    store, blocks, meta = open_files(tmp_path)
+    assert tuple(vars(store.statistics()).values()) == counted(store)
     await blocks.close()
     meta.close()
