@@ -102,6 +102,17 @@ def check_name(name: bytes) -> None:
         raise InvalidArgument(f"invalid name {name!r}")
 
 
+def _xattr_change(name: bytes, old: bytes | None, new: bytes | None) -> tuple[int, int]:
+    """What attribute `name` going from `old` to `new` (None: absent) adds to a file's
+    names with their NULs (what listxattr returns), and to its names and values."""
+
+    def held(value: bytes | None) -> tuple[int, int]:
+        return (0, 0) if value is None else (len(name) + 1, len(name) + len(value))
+
+    (old_names, old_bytes), (new_names, new_bytes) = held(old), held(new)
+    return new_names - old_names, new_bytes - old_bytes
+
+
 class FileStore:
     """The POSIX tree over a BlockStore.
 
@@ -621,8 +632,8 @@ class FileStore:
         attrs = self._xattrs.setdefault(ino, {})
         old = attrs.get(name)
         names, held = self._xattr_sizes.get(ino, (0, 0))
-        more = len(value) - (len(old) if old is not None else -len(name))
-        if old is None and names + len(name) + 1 > XATTR_NAMES_MAX:
+        more_names, more = _xattr_change(name, old, value)
+        if names + more_names > XATTR_NAMES_MAX:
             raise StoreFull(f"no room for another attribute name on inode {ino} ({XATTR_NAMES_MAX} bytes of names)")
         if held + more > XATTR_FILE_BYTES:
             raise StoreFull(f"no room for {len(value)} more attribute bytes on inode {ino} ({XATTR_FILE_BYTES} a file)")
@@ -639,15 +650,10 @@ class FileStore:
     def _count_xattr(self, ino: int, name: bytes, old: bytes | None, new: bytes | None) -> None:
         """Account attribute `name` of `ino` going from `old` to `new` (None: absent)."""
         names, held = self._xattr_sizes.get(ino, (0, 0))
-        if old is None:
-            names, held = names + len(name) + 1, held + len(name)
-        if new is None:
-            names, held = names - len(name) - 1, held - len(name)
-        more = (len(new) if new is not None else 0) - (len(old) if old is not None else 0)
-        held += more
-        self.xattr_bytes += more + (len(name) if old is None else 0) - (len(name) if new is None else 0)
-        if names:
-            self._xattr_sizes[ino] = (names, held)
+        more_names, more = _xattr_change(name, old, new)
+        self.xattr_bytes += more
+        if names + more_names:
+            self._xattr_sizes[ino] = (names + more_names, held + more)
         else:
             self._xattr_sizes.pop(ino, None)
 
