@@ -109,6 +109,7 @@ RECENT_ERRORS = 5
 
 
 HELD_SLOT_BYTES = 8  # a ring slot's entry in the table of drawn blocks (an object reference)
+HELD_BUDGET_SHARE = 64  # that table takes at most this share of the DRAM budget
 
 
 def ring_index_bytes(capacity: int) -> int:
@@ -119,9 +120,6 @@ def ring_index_bytes(capacity: int) -> int:
     was 2 GB and 3.5 s of the event loop for an empty buffer)."""
     size = 1 << max(capacity - 1, 0).bit_length()
     return 4 * 8 * capacity + 4 * 2 * 8 * size
-
-
-HELD_BUDGET_SHARE = 64  # that table takes at most this share of the DRAM budget
 
 
 class ReplayBuffer:
@@ -618,7 +616,8 @@ class ReplayBuffer:
         if jit is not None and len(indices) and indices.dtype == np.int64 and priorities.dtype == np.float64:
             return self._set_compiled(jit, indices, priorities)
         check_priorities(self.name, indices, priorities)
-        check_scalable(f"buffers/{self.name}", priorities, self.config.alpha, self.config.epsilon)
+        cfg = self.config
+        check_scalable(f"buffers/{self.name}", priorities, self._highest_priority, cfg.alpha, cfg.epsilon)
         if len(indices) == 0:
             return indices, priorities
         slots = indices % self.config.capacity
@@ -1014,8 +1013,8 @@ class ReplayBuffer:
         slots = live % self.config.capacity
         priorities, times, sizes = self._priority[slots], self._times[slots], self._size[slots]
         if new.alpha != self.config.alpha or new.epsilon != self.config.epsilon:
-            what = f"buffers/{self.name}.alpha, epsilon"
-            check_scalable(what, priorities, new.alpha, new.epsilon, outcome="the config stays as it was")
+            what, highest = f"buffers/{self.name}.alpha, epsilon", highest_priority(new.alpha, new.epsilon)
+            check_scalable(what, priorities, highest, new.alpha, new.epsilon, outcome="the config stays as it was")
         ring = ring_index_bytes(new.capacity)
         if not self._reserve_ring(ring, force=False):  # (the last check: it reserves)
             raise InvalidArgument(

@@ -100,14 +100,14 @@ def too_high(what: str, priority: float, alpha: float, epsilon: float, outcome: 
 
 
 def check_scalable(
-    what: str, priorities: np.ndarray, alpha: float, epsilon: float, outcome: str = "none applied"
+    what: str, priorities: np.ndarray, highest: float, alpha: float, epsilon: float, outcome: str = "none applied"
 ) -> None:
-    """EINVAL unless every priority of `priorities` is at most `highest_priority`. (NaN
-    and negative priorities are `check_priorities`' to refuse.)"""
-    if len(priorities) and alpha != 0:
-        above = priorities > highest_priority(alpha, epsilon)
-        if above.any():
-            raise too_high(what, float(priorities[int(np.argmax(above))]), alpha, epsilon, outcome)
+    """EINVAL unless every priority of `priorities` is at most `highest` (the
+    `highest_priority` of `alpha` and `epsilon`). (NaN and negative priorities are
+    `check_priorities`' to refuse.)"""
+    above = priorities > highest
+    if above.any():
+        raise too_high(what, float(priorities[int(np.argmax(above))]), alpha, epsilon, outcome)
 
 
 def check_priorities(name: str, indices: np.ndarray, priorities: np.ndarray) -> None:
