@@ -5,13 +5,18 @@ Owns bytes on the wire and the failure rules; what an operation means is the han
 business (the daemon's cluster glue registers them). It never imports a store.
 
 Frame (docs/formats.md), little-endian:
-    magic  4s  b"DSP1"
+    magic  4s  b"DSP2"
     rid    u32 request id, echoed in the reply
     meta   u32 length of the msgpack map that follows
     body   u64 length of the payload that follows the map
 A request's map has `op`; a reply's has `ok` and, when not ok, `errno` and `error`.
 Payloads go to the socket as memoryviews of the caller's buffers and are received with
 recv_into a buffer of their exact size: no copy beyond the kernel's.
+
+A bytes value of the map longer than INLINE_BYTES (an array of indices, a dataset run's
+index) travels in the body instead, ahead of the payload, and is a memoryview of the body
+on arrival: the map stays under MAX_META_BYTES whatever the count of items, and the
+bytes are not copied through msgpack.
 
 Failure rules: one call has one deadline (`timeout_s`, default 5 s). Connection errors
 are retried (`retries`, with a short backoff) on a fresh connection within it; when it
@@ -25,26 +30,34 @@ choice and its reason are logged and shown in `.distore/peers` (docs/cluster.md)
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import math
 import mmap
 import struct
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import msgpack
+import numpy as np
 import trio
 
+from distorefs import memory
 from distorefs.errors import DistorefsError, InvalidArgument, PeerUnavailable, RemoteError
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"DSP1"
+MAGIC = b"DSP2"  # DSP1 had no moved fields: its nodes are refused, not misread
 HEADER = struct.Struct("<4sIIQ")
 MAX_META_BYTES = 1 << 20
 MAX_BODY_BYTES = 1 << 36
+INLINE_BYTES = 4096  # a bytes value of the map past this travels in the body
+MOVED_EXT = 1  # msgpack ext type of a moved value: its length, u64
+MOVED = struct.Struct("<Q")
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_RETRIES = 2
 BACKOFF_S = 0.05
@@ -58,46 +71,129 @@ class ProtocolError(Exception):
     """The other side sent something that is not a frame of ours."""
 
 
-async def _recv_exactly(stream: trio.SocketStream, view: memoryview) -> None:
+async def _recv_exactly(stream: trio.SocketStream, view: memoryview, stall_s: float = math.inf) -> None:
+    """Fill `view`; ProtocolError when no byte comes for `stall_s` (a frame begun and
+    left unfinished would hold its connection and its memory for ever)."""
     sock = stream.socket
     got = 0
     while got < len(view):
-        n = await sock.recv_into(view[got:])
-        if n == 0:
-            raise EOFError("peer closed the connection")
-        got += n
+        with trio.move_on_after(stall_s):
+            n = await sock.recv_into(view[got:])
+            if n == 0:
+                raise EOFError("peer closed the connection")
+            got += n
+            continue
+        raise ProtocolError(f"no byte for {stall_s:g} s in a frame ({got} of {len(view)} received)")
 
 
-async def send_frame(stream: trio.SocketStream, rid: int, meta: dict[str, Any], body: Sequence[Payload]) -> int:
-    packed = msgpack.packb(meta, use_bin_type=True)
-    length = sum(len(part) for part in body)
-    await stream.send_all(HEADER.pack(MAGIC, rid, len(packed), length) + packed)
-    for part in body:
-        if len(part):
-            await stream.send_all(part)
+async def send_frame(
+    stream: trio.SocketStream, rid: int, meta: dict[str, Any], body: Sequence[Payload], stall_s: float = math.inf
+) -> int:
+    """Send one frame; ProtocolError when the other side takes no byte for `stall_s`."""
+    inline, moved = _move_long_values(meta)
+    parts = [*moved, *body]
+    packed = msgpack.packb(inline, use_bin_type=True)
+    length = sum(memoryview(part).nbytes for part in parts)
+    await _send_all(stream, HEADER.pack(MAGIC, rid, len(packed), length) + packed, stall_s)
+    for part in parts:
+        await _send_all(stream, part, stall_s)
     return HEADER.size + len(packed) + length
 
 
-async def recv_frame(stream: trio.SocketStream) -> tuple[int, dict[str, Any], memoryview]:
-    """One frame: ProtocolError for anything that is not a frame of ours (a bad header,
-    a meta that is not a msgpack map), OSError (ENOMEM) for a body the system cannot
-    map, EOFError when the other side closed."""
+async def _send_all(stream: trio.SocketStream, data: Payload, stall_s: float) -> None:
+    if stall_s == math.inf:
+        await stream.send_all(data)
+        return
+    view = memoryview(data).cast("B")
+    sent = 0
+    while sent < len(view):
+        with trio.move_on_after(stall_s):
+            sent += await stream.socket.send(view[sent:])
+            continue
+        raise ProtocolError(f"the other side took no byte for {stall_s:g} s ({sent} of {len(view)} sent)")
+
+
+def _move_long_values(meta: dict[str, Any]) -> tuple[dict[str, Any], list[Payload]]:
+    """The map as sent (each long bytes value replaced by its length, as a MOVED_EXT) and
+    the values moved, in the map's order: they lead the body."""
+    inline: dict[str, Any] = {}
+    moved: list[Payload] = []
+    for key, value in meta.items():
+        if isinstance(value, bytes | bytearray | memoryview) and memoryview(value).nbytes > INLINE_BYTES:
+            view = memoryview(value).cast("B")
+            inline[key] = msgpack.ExtType(MOVED_EXT, MOVED.pack(view.nbytes))
+            moved.append(view)
+        else:
+            inline[key] = value
+    return inline, moved
+
+
+async def recv_header(stream: trio.SocketStream, stall_s: float = math.inf) -> tuple[int, int, int]:
+    """A frame's header: its rid, meta and body lengths. ProtocolError for one not of ours,
+    EOFError when the other side closed before it."""
     header = bytearray(HEADER.size)
-    await _recv_exactly(stream, memoryview(header))
+    view = memoryview(header)
+    first = await stream.socket.recv_into(view)  # an idle connection waits here, unbounded
+    if first == 0:
+        raise EOFError("peer closed the connection")
+    await _recv_exactly(stream, view[first:], stall_s)
     magic, rid, meta_len, body_len = HEADER.unpack(header)
     if magic != MAGIC or meta_len > MAX_META_BYTES or body_len > MAX_BODY_BYTES:
         raise ProtocolError(f"bad frame header {bytes(header)!r}")
+    return rid, meta_len, body_len
+
+
+async def recv_frame(
+    stream: trio.SocketStream, header: tuple[int, int, int] | None = None, stall_s: float = math.inf
+) -> tuple[int, dict[str, Any], memoryview]:
+    """One frame (the rest of it after `header`, when that was read already):
+    ProtocolError for anything that is not a frame of ours (a bad header, a meta that is
+    not a msgpack map, a stall of `stall_s`), OSError (ENOMEM) for a body the system
+    cannot map, EOFError when the other side closed."""
+    rid, meta_len, body_len = header or await recv_header(stream, stall_s)
     meta_buf = bytearray(meta_len)
-    await _recv_exactly(stream, memoryview(meta_buf))
+    await _recv_exactly(stream, memoryview(meta_buf), stall_s)
     body = _body_buffer(body_len)
-    await _recv_exactly(stream, body)
+    await _recv_exactly(stream, body, stall_s)
+    lengths: list[int] = []
     try:
-        meta = msgpack.unpackb(meta_buf, raw=False)
+        meta = msgpack.unpackb(meta_buf, raw=False, ext_hook=partial(_moved_value, lengths))
     except Exception as exc:  # msgpack's FormatError, ExtraData, StackError, TypeError of a list key ...
         raise ProtocolError(f"frame meta is not msgpack: {type(exc).__name__}: {str(exc)[:200]}") from None
     if not isinstance(meta, dict):
         raise ProtocolError("frame meta is not a map")
-    return rid, meta, body
+    return rid, meta, _put_back_moved(meta, lengths, body)
+
+
+@dataclass(frozen=True)
+class _Moved:
+    """A value of the map that travels in the body: the `position`-th of the frame's."""
+
+    position: int
+
+
+def _moved_value(lengths: list[int], code: int, data: bytes) -> _Moved:
+    if code != MOVED_EXT or len(data) != MOVED.size:
+        raise ProtocolError(f"unknown msgpack ext type {code} of {len(data)} bytes")
+    lengths.append(MOVED.unpack(data)[0])
+    return _Moved(len(lengths) - 1)
+
+
+def _put_back_moved(meta: dict[str, Any], lengths: list[int], body: memoryview) -> memoryview:
+    """Replace the map's moved values by their views of the body, which they lead in order;
+    what follows them is the payload. ProtocolError if they do not fit the body, or one
+    sits anywhere but as a value of the map itself."""
+    ends = list(itertools.accumulate(lengths, initial=0))
+    if ends[-1] > len(body):
+        raise ProtocolError(f"moved values of {ends[-1]} bytes in a body of {len(body)}")
+    found = 0
+    for key, value in meta.items():
+        if isinstance(value, _Moved):
+            meta[key] = body[ends[value.position] : ends[value.position + 1]]
+            found += 1
+    if found != len(lengths):
+        raise ProtocolError("a moved value inside a list or a nested map")
+    return body[ends[-1] :]
 
 
 LAZY_BODY_BYTES = 1 << 20  # bodies past this go into an anonymous mapping
@@ -127,13 +223,34 @@ def meta_bytes(meta: dict[str, Any], key: str) -> bytes:
     value = meta.get(key)
     if isinstance(value, str):
         return value.encode()
+    if isinstance(value, memoryview):  # a long one, moved to the body
+        return bytes(value)
     if not isinstance(value, bytes):
         raise InvalidArgument(f"peer request: {key} must be bytes or a string, got {type(value).__name__}")
     return value
 
 
+def ints_value(values: Iterable[int] | np.ndarray) -> bytes:
+    """Integers as a map value: int64 bytes (long ones travel in the body), where a
+    msgpack list would put a million items' sizes or keys into the map."""
+    array = values if isinstance(values, np.ndarray) else np.fromiter(values, dtype=np.int64)
+    return array.astype("<i8", copy=False).tobytes()
+
+
+def meta_ints(meta: dict[str, Any], key: str, width: int = 1) -> np.ndarray:
+    """A map value made by `ints_value`: int64s, in rows of `width` when more than one
+    (keys are (owner, number) pairs). EINVAL for anything else."""
+    value = meta.get(key)
+    if not isinstance(value, bytes | memoryview) or len(value) % (8 * width):
+        raise InvalidArgument(f"peer request: {key} must be int64 bytes in rows of {width}")
+    array = np.frombuffer(value, dtype="<i8")
+    return array.reshape(-1, width) if width > 1 else array
+
+
 def split_payload(payload: memoryview, sizes: Sequence[int]) -> list[memoryview]:
     """The parts of a payload that carries several items back to back (views, no copy)."""
+    if any(size < 0 for size in sizes):
+        raise PeerUnavailable("peer payload with a negative size")
     ends = list(itertools.accumulate(sizes, initial=0))
     if ends[-1] != len(payload):
         raise PeerUnavailable(f"peer payload of {len(payload)} bytes does not match its sizes ({ends[-1]})")
@@ -143,15 +260,74 @@ def split_payload(payload: memoryview, sizes: Sequence[int]) -> list[memoryview]
 # --- server -----------------------------------------------------------------------------
 
 
+MAX_CONNECTIONS = 256  # open at once; a cluster's nodes keep POOL_SIZE each to a peer
+MAX_CONNECTIONS_PER_HOST = 64  # so that one host cannot take every connection from the others
+FRAME_STALL_S = 30.0  # a frame begun must go on arriving
+RECEIVE_BUDGET_BYTES = 1 << 30  # bodies being received or served at once, all connections
+BULK_BODY_BYTES = 256 << 20  # a body past this is received alone among such, outside the budget
+
+
+class ByteBudget:
+    """Bytes that requests' bodies may hold at once. A body bigger than the whole budget
+    takes all of it (it is received alone), so what is held stays under the budget plus
+    one frame's body."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.free = total
+        self._waiting = trio.lowlevel.ParkingLot()
+
+    async def take(self, nbytes: int) -> int:
+        """Wait until `nbytes` (at most the total) are free and take them; returns what
+        to give back."""
+        nbytes = min(nbytes, self.total)
+        while self.free < nbytes:
+            await self._waiting.park()
+        self.free -= nbytes
+        return nbytes
+
+    def give(self, nbytes: int) -> None:
+        self.free += nbytes
+        self._waiting.unpark_all()
+
+
+def _host_of(stream: trio.SocketStream) -> str:
+    try:
+        return str(stream.socket.getpeername()[0])
+    except OSError:  # gone already
+        return ""
+
+
 class PeerServer:
     """Answers peers' requests with the registered handlers, one request at a time per
-    connection (a client opens several connections for parallel calls)."""
+    connection (a client opens several connections for parallel calls).
 
-    def __init__(self) -> None:
+    Bounded against whoever reaches the port (it has no authentication, docs/cluster.md):
+    at most `max_connections` open, `per_host` of them from one address (one more is
+    closed at once); a frame begun may stall `stall_s` at most; the bodies of requests
+    being received or answered hold at most `budget_bytes` (a frame waits `room_wait_s`
+    at most for its room), and one body past `bulk_bytes` more (at most half the memory
+    available; a second one waits)."""
+
+    def __init__(
+        self, max_connections: int = MAX_CONNECTIONS, per_host: int = MAX_CONNECTIONS_PER_HOST,
+        budget_bytes: int = RECEIVE_BUDGET_BYTES, bulk_bytes: int = BULK_BODY_BYTES, stall_s: float = FRAME_STALL_S,
+        room_wait_s: float = FRAME_STALL_S,
+    ) -> None:  # fmt: skip
         self.handlers: dict[str, Handler] = {}
         self.requests = 0
         self.errors = 0
         self.port = 0
+        self.max_connections = max_connections
+        self.per_host = per_host
+        self.connections = 0
+        self._hosts: dict[str, int] = {}  # open connections by the other side's address
+        self.refused_connections = 0
+        self.budget = ByteBudget(budget_bytes)
+        self.bulk_bytes = bulk_bytes
+        self._bulk = trio.Lock()
+        self.stall_s = stall_s
+        self.room_wait_s = room_wait_s
 
     def register(self, op: str, handler: Handler) -> None:
         self.handlers[op] = handler
@@ -168,28 +344,72 @@ class PeerServer:
         """Serve one connection until it closes or sends what is not a frame of ours.
         Nothing a connection sends can end the server: an unexpected error drops that
         connection alone (the port is open to whoever can reach it)."""
+        host = _host_of(stream)
+        from_host = self._hosts.get(host, 0)
+        if self.connections >= self.max_connections or from_host >= self.per_host:
+            self.refused_connections += 1
+            if self.refused_connections & (self.refused_connections - 1) == 0:  # 1, 2, 4, 8 ...
+                log.warning(
+                    "peers: %d connections open (%d from %s), the most allowed; closed another (%d so far)",
+                    self.connections, from_host, host, self.refused_connections,
+                )  # fmt: skip
+            await trio.aclose_forcefully(stream)
+            return
+        self.connections += 1
+        self._hosts[host] = from_host + 1
         try:
             await self._serve_connection(stream)
+        except ProtocolError as exc:
+            self.errors += 1
+            log.warning("peers: dropping a connection: %s", exc)
+        except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass  # the other side went away (or its body could not be mapped)
         except Exception:
             self.errors += 1
             log.exception("peers: a connection failed; dropped")
+        finally:
+            self.connections -= 1
+            left = self._hosts.pop(host) - 1
+            if left:
+                self._hosts[host] = left
 
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
         async with stream:
             while True:
-                try:
-                    rid, meta, body = await recv_frame(stream)
-                except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    return
-                except ProtocolError as exc:
-                    self.errors += 1
-                    log.warning("peers: dropping a connection: %s", exc)
-                    return
-                reply, parts = await self._dispatch(meta, body)
-                try:
-                    await send_frame(stream, rid, reply, parts)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    return
+                header = await recv_header(stream, self.stall_s)
+                async with self._room_for(header[2]):
+                    rid, meta, body = await recv_frame(stream, header, self.stall_s)
+                    reply, parts = await self._dispatch(meta, body)
+                    del body  # its room is free for others while the reply goes (as fast as the peer reads)
+                await send_frame(stream, rid, reply, parts, self.stall_s)
+
+    @contextlib.asynccontextmanager
+    async def _room_for(self, nbytes: int) -> AsyncIterator[None]:
+        """Hold room for a request's body of `nbytes` while it is received and answered:
+        a share of the budget, or for a body past `bulk_bytes` (a checkpoint replica) the
+        one bulk slot, so that it neither waits for small requests nor makes them wait.
+        ProtocolError when no room comes within `room_wait_s`, or at once for a body
+        of more than half the memory the system has available."""
+        bulk = nbytes > self.bulk_bytes
+        if bulk:
+            available = memory.available_bytes()
+            if available is not None and nbytes > available // 2:
+                raise ProtocolError(f"a body of {nbytes} bytes, more than half the memory available ({available})")
+        held = 0
+        with trio.move_on_after(self.room_wait_s) as waited:
+            if bulk:
+                await self._bulk.acquire()
+            else:
+                held = await self.budget.take(nbytes)
+        if waited.cancelled_caught:
+            raise ProtocolError(f"a body of {nbytes} bytes found no room in {self.room_wait_s:g} s")
+        try:
+            yield
+        finally:
+            if bulk:
+                self._bulk.release()
+            else:
+                self.budget.give(held)
 
     async def _dispatch(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
         self.requests += 1

@@ -23,7 +23,7 @@ import trio
 
 from distorefs import scheduling
 from distorefs.cluster.etcd import WatchEvent
-from distorefs.cluster.rpc import Payload, PeerServer, meta_int, split_payload
+from distorefs.cluster.rpc import Payload, PeerServer, ints_value, meta_int, meta_ints, split_payload
 from distorefs.errors import DistorefsError, NotFound, RemoteError, TryAgain
 from distorefs.peers.core import ClusterNode
 from distorefs.stores.replay.buffer import ReplayBuffer
@@ -66,7 +66,7 @@ class BufferPeers:
             raise
         indices = np.frombuffer(reply["indices"], dtype=np.int64)
         probabilities = None if reply["probabilities"] is None else np.frombuffer(reply["probabilities"], np.float64)
-        payloads: list[bytes | memoryview] = list(split_payload(payload, reply["sizes"]))
+        payloads: list[bytes | memoryview] = list(split_payload(payload, meta_ints(reply, "sizes").tolist()))
         return Drawn(indices, probabilities, payloads)
 
     async def commit(self, node: str, name: str, indices: np.ndarray) -> None:
@@ -74,9 +74,10 @@ class BufferPeers:
         await self._node.peers.call(node, "buffer.commit", meta)
 
     async def append(self, node: str, name: str, items: Sequence[bytes | bytearray], nonblocking: bool) -> list[int]:
-        meta = {"name": name, "sizes": [len(i) for i in items], "nonblocking": nonblocking}
+        meta = {"name": name, "sizes": ints_value(len(i) for i in items), "nonblocking": nonblocking}
         reply, _ = await self._node.peers.call(node, "buffer.append", meta, items)
-        return list(reply["indices"])
+        indices: list[int] = meta_ints(reply, "indices").tolist()
+        return indices
 
     async def update_priorities(self, node: str, name: str, indices: np.ndarray, priorities: np.ndarray) -> None:
         meta = {
@@ -190,7 +191,7 @@ class BufferSync:
         reply = {
             "indices": drawn.indices.astype(np.int64).tobytes(),
             "probabilities": probabilities,
-            "sizes": [len(p) for p in drawn.payloads],
+            "sizes": ints_value(len(p) for p in drawn.payloads),
         }
         return reply, drawn.payloads
 
@@ -200,11 +201,11 @@ class BufferSync:
         return {}, ()
 
     async def _on_append(self, meta: dict[str, Any], body: memoryview) -> Reply:
-        items = [bytes(part) for part in split_payload(body, meta["sizes"])]
+        items = [bytes(part) for part in split_payload(body, meta_ints(meta, "sizes").tolist())]
         buffer = self._shard(meta)
         indices = await buffer.append_local(items, nonblocking=bool(meta.get("nonblocking")))
         await buffer.persist_appends()
-        return {"indices": indices}, ()
+        return {"indices": ints_value(indices)}, ()
 
     async def _on_priority(self, meta: dict[str, Any], body: memoryview) -> Reply:
         indices = np.frombuffer(meta["indices"], dtype=np.int64)

@@ -264,6 +264,9 @@ class ClusterNode:
             "unreachable_or_gone": dead,
             "requests_served": self.server.requests,
             "request_errors": self.server.errors,
+            "connections": self.server.connections,
+            "refused_connections": self.server.refused_connections,
+            "receive_budget_free_bytes": self.server.budget.free,
         }
         for kind in self._kinds.values():
             report.update(kind.report())

@@ -30,7 +30,7 @@ import crc32c
 import trio
 
 from distorefs import scheduling
-from distorefs.cluster.rpc import Payload, PeerServer, PeerTransport, split_payload
+from distorefs.cluster.rpc import Payload, PeerServer, PeerTransport, ints_value, meta_ints, split_payload
 from distorefs.errors import DistorefsError
 from distorefs.types import BlockKey, LogLocation
 
@@ -41,6 +41,16 @@ DEFAULT_QUEUE_BYTES = 64 << 20  # evicted blocks waiting to be sent (beyond the 
 FAILED_NODE_PAUSE_S = 5.0  # a lender that failed gets no spills for this long
 
 ItemKey = tuple[int, int]  # (owner, number) of a BlockKey, as it travels
+
+
+def _keys_value(keys: Sequence[ItemKey]) -> bytes:
+    """Keys as a frame's map value: (owner, number) int64 pairs."""
+    return ints_value([number for key in keys for number in key])
+
+
+def _item_keys(meta: dict[str, Any], field: str) -> list[ItemKey]:
+    """A map value made by `_keys_value`, back as keys; EINVAL for anything else."""
+    return [(owner, number) for owner, number in meta_ints(meta, field, 2).tolist()]
 
 
 # --- the lender ---------------------------------------------------------------------------
@@ -134,19 +144,18 @@ class LentMemory:
     async def _on_put(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
         await scheduling.checkpoint()
         borrower = str(meta["from"])
-        self.drop(borrower, [tuple(k) for k in meta.get("drop", ())])
-        keys = [(int(k[0]), int(k[1])) for k in meta["keys"]]
-        return {"kept": self.put(borrower, keys, split_payload(body, meta["sizes"]))}, ()
+        self.drop(borrower, _item_keys(meta, "drop"))
+        parts = split_payload(body, meta_ints(meta, "sizes").tolist())
+        return {"kept": self.put(borrower, _item_keys(meta, "keys"), parts)}, ()
 
     async def _on_get(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
         await scheduling.checkpoint()
-        found = self.get(str(meta["from"]), [(int(k[0]), int(k[1])) for k in meta["keys"]])
-        return {"sizes": [-1 if p is None else len(p) for p in found]}, [p for p in found if p is not None]
+        found = self.get(str(meta["from"]), _item_keys(meta, "keys"))
+        return {"sizes": ints_value(-1 if p is None else len(p) for p in found)}, [p for p in found if p is not None]
 
     async def _on_drop(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
         await scheduling.checkpoint()
-        keys = meta.get("keys")
-        self.drop(str(meta["from"]), None if keys is None else [(int(k[0]), int(k[1])) for k in keys])
+        self.drop(str(meta["from"]), None if meta.get("keys") is None else _item_keys(meta, "keys"))
         return {}, ()
 
     def statistics(self) -> LentStatistics:
@@ -305,10 +314,8 @@ class RemoteMemory:
         self, node: str, keys: list[BlockKey], wanted: dict[BlockKey, LogLocation], got: dict[BlockKey, bytearray]
     ) -> None:
         try:
-            reply, payload = await self._transport.call(
-                node, "mem.get", {"from": self.me, "keys": [[k.owner, k.number] for k in keys]}
-            )
-            sizes = [int(s) for s in reply["sizes"]]
+            reply, payload = await self._transport.call(node, "mem.get", {"from": self.me, "keys": _keys_value(keys)})
+            sizes = meta_ints(reply, "sizes").tolist()
             parts = iter(split_payload(payload, [s for s in sizes if s >= 0]))
         except (DistorefsError, KeyError, TypeError, ValueError) as exc:
             self._fetch_failures += 1
@@ -372,9 +379,9 @@ class RemoteMemory:
         drops = self._drops.pop(node, [])
         meta = {
             "from": self.me,
-            "keys": [[k.owner, k.number] for k, _q in batch],
-            "sizes": [len(v) for v in views],
-            "drop": drops,
+            "keys": _keys_value([k for k, _q in batch]),
+            "sizes": ints_value(len(v) for v in views),
+            "drop": _keys_value(drops),
         }
         ok = False
         try:

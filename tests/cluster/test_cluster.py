@@ -94,6 +94,22 @@ def test_garbage_on_a_nodes_peer_port_leaves_the_daemon_serving(cluster_node: No
     (node.path / "still-here").write_bytes(b"ok")
     assert (node.path / "still-here").read_bytes() == b"ok"
     assert wait_for(lambda: peers(node)["request_errors"] == 3, what="3 refused connections")
+    # one address holds at most 64 connections: the 65th is closed at once, and counted
+    held = [socket.create_connection((host, int(port)), timeout=10) for _ in range(64)]
+    try:
+        wait_for(lambda: peers(node)["connections"] == 64, what="64 connections open")
+        with socket.create_connection((host, int(port)), timeout=10) as extra:
+            try:
+                assert extra.recv(16) == b""
+            except ConnectionResetError:
+                pass
+    finally:
+        for conn in held:
+            conn.close()
+    wait_for(lambda: peers(node)["connections"] == 0, what="the 64 closed")
+    assert peers(node)["refused_connections"] == 1
+    metrics = (node.path / ".distore" / "metrics").read_text()
+    assert "distorefs_peer_refused_connections 1.0" in metrics
 
 
 def peer_call(address: tuple[str, int], meta: dict[str, object], body: bytes = b"") -> dict[str, object]:
@@ -265,6 +281,42 @@ def test_a_sharded_buffer_samples_across_nodes_by_priority_with_global_weights(t
     fractions = counts / counts.sum()
     expected = np.array([{"n0": 100, "n1": 200, "n2": 300}[n] for n in layout]) / 600
     assert np.allclose(fractions, expected, atol=0.04), (fractions, expected)
+
+
+def test_a_hundred_thousand_items_cross_nodes_in_one_call(cluster_node: NodeFactory) -> None:
+    """A priority update of 100,000 pairs for another node's shard, a pick of 100,000 of
+    its items and a dataset run of 100,000 small records each put more than a MiB of
+    indices into one peer frame's map, whose header was then refused: EIO to the writer,
+    the sample and the dataset's copy. Long values now travel in the frame's body."""
+    a, b = cluster_node("w0"), cluster_node("w1")
+    buf = a.path / "buffers" / "big"
+    buf.mkdir()
+    configure(buf, schema={"x": "int64"}, sampler="prioritized", alpha=1.0, beta=1.0, epsilon=0.0, shards=2,
+              capacity=200_000)  # fmt: skip
+    wait_for(lambda: json.loads((b.path / "buffers" / "big" / "config").read_text())["shards"] == 2,
+             what="sharded config on w1")  # fmt: skip
+    layout = [s["node"] for s in json.loads((buf / "stats").read_text())["cluster"]["shards"]]
+    shard_of_b = layout.index("w1")
+    for k, mount in enumerate((a, b)):  # 100,000 items on each node's shard, valued by node
+        client.append(mount.path / "buffers" / "big", (np.arange(100_000) + 10**6 * k).astype([("x", "<i8")]))
+    # written on w0: every item of w1's shard, the first half to priority 0 (never drawn)
+    theirs = np.arange(100_000) * 2 + shard_of_b
+    client.update_priorities(buf, theirs.tolist(), (np.arange(100_000) >= 50_000).astype(float).tolist())
+    batch = np.load(io.BytesIO((buf / "sample.200000").read_bytes()))
+    from_b = batch["_index"] % 2 == shard_of_b
+    assert 50_000 < from_b.sum() < 80_000  # a third of the mass: about 66,667 items from w1
+    assert (batch["x"][from_b] // 10**6 == 1).all()
+    assert (batch["x"][from_b] % 10**6 >= 50_000).all()  # every pair of the update arrived
+
+    ds_a, ds_b = a.path / "datasets" / "small", b.path / "datasets" / "small"
+    ds_a.mkdir()
+    (ds_a / "config").write_text(json.dumps({"schema": {"x": "int64"}}))
+    wait_for(lambda: json.loads((ds_b / "config").read_text())["schema"] is not None, what="config on w1")
+    client.append(ds_a, (np.arange(100_000) * 5).astype([("x", "<i8")]))
+    (ds_a / "state").write_text("seal")
+    wait_for(lambda: (ds_b / "state").read_text().strip() == "sealed", what="sealed copy on w1", timeout_s=30)
+    assert (ds_b / "len").read_text().strip() == "100000"
+    assert np.load(io.BytesIO((ds_b / "stream").read_bytes()))["x"].tolist() == (np.arange(100_000) * 5).tolist()
 
 
 def test_kill9_keeps_replicated_checkpoints_and_fails_fast_on_unreplicated_data(three: list[Mount]) -> None:
