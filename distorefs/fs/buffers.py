@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import io
 import json
+import logging
 import os
 import stat
 from collections.abc import Awaitable, Callable, Sequence
@@ -60,6 +61,7 @@ from distorefs.stores.replay.buffer import ReplayBuffer
 from distorefs.stores.replay.draws import Batch
 from distorefs.stores.replay.formats import (
     MAX_ITEM_BYTES,
+    NPY_MAGIC,
     BlobStream,
     RecordStream,
     ScatteredBytes,
@@ -71,11 +73,13 @@ from distorefs.stores.replay.store import BufferStore
 
 T = TypeVar("T")
 
+log = logging.getLogger(__name__)
+
 SIGNAL_POLL_S = 0.05
 CONTROL_NAMES = (b"config", b"append", b"sample", b"priority", b"stats")
 MAX_SAMPLE_COUNT = 1 << 20
 PRIORITY_INPUT_BYTES = 64 << 20
-NPY_ALIASES = {b"append.npy": b"append", b"priority.npy": b"priority"}
+NPY_ALIASES = {b"append.npy": b"append"}
 
 
 def signal_pending(pid: int) -> bool:
@@ -541,23 +545,43 @@ class ShmSampleHandle(VirtualHandle):
 
 
 class PriorityHandle(WholeInputHandle):
-    """Applies each complete chunk of (index, priority) pairs whole, or none of it."""
+    """Applies each complete chunk of (index, priority) pairs whole, or none of it.
+
+    `priority.npy` (`npy_only`) takes .npy arrays only, and its closes send no FLUSH:
+    each array is applied (or refused, with its errno) at the write that completes it,
+    so a close has nothing left to do but report an array left incomplete, and that
+    report is what the FLUSH round trip cost (docs/namespace.md). An incomplete array
+    there is dropped at the release, recorded in `stats` errors and the log."""
 
     kind = "buffers"
 
     incomplete = "priority input ended mid-record; not applied"
     max_input_bytes = PRIORITY_INPUT_BYTES  # one chunk: a .npy, or lines up to a newline
 
-    def __init__(self, buffer: ReplayBuffer) -> None:
+    def __init__(self, buffer: ReplayBuffer, npy_only: bool = False) -> None:
         super().__init__(f"buffers/{buffer.name}", buffer.record_error)
         self._buffer = buffer
+        self._npy_only = npy_only
+        self.flushes = not npy_only
 
     async def _apply_if_complete(self, pending: bytearray) -> bool:
+        if self._npy_only and not NPY_MAGIC.startswith(bytes(pending[: len(NPY_MAGIC)])):
+            raise InvalidArgument(
+                f"buffers/{self._buffer.name}/priority.npy: takes .npy arrays of (index, priority) pairs;"
+                " write text to `priority`"
+            )
         parsed = parse_priorities(pending)
         if parsed is None:
             return False
         await self._buffer.update_priorities(*parsed)
         return True
+
+    async def release(self) -> None:
+        """Where no FLUSH came (priority.npy), what is still pending was never applied."""
+        try:
+            await self.flush()
+        except DistorefsError as exc:
+            log.warning("%s (a close of priority.npy, which reports nothing)", exc.message)
 
 
 class ItemHandle(VirtualHandle):
@@ -799,6 +823,8 @@ class BufferDir(NamedDir):
             count = name[7:-7]
             if count == b"" or count.isdigit():
                 return self._stream(int(count) if count else None)
+        if name == b"priority.npy":
+            return self._priority_npy()
         if name in NPY_ALIASES:  # np.save adds .npy to a path that lacks it
             return super().lookup(NPY_ALIASES[name])
         if name == b"sample.npz":
@@ -826,6 +852,23 @@ class BufferDir(NamedDir):
             node.batch_of = batch_of
             if len(self._unlisted) < MAX_KEPT_NODES:
                 self._unlisted[name] = node
+            self._tree.register(node)
+        return node
+
+    def _priority_npy(self) -> BufferFile:
+        """`priority.npy` (not listed): `priority` for .npy arrays, whose closes send no
+        FLUSH (PriorityHandle). np.save adds .npy to a path that lacks it, so
+        `np.save(f"{b}/priority", pairs)` writes here."""
+        node = self._unlisted.get(b"priority.npy")
+        if node is None:
+            b = self.buffer
+            node = BufferFile(
+                self._tree.new_ino(), b"priority.npy", 0o664, b, lambda flags, pid: PriorityHandle(b, npy_only=True),
+                True,
+            )  # fmt: skip
+            node.govern(self, Access.WRITE)
+            node.cache_s = CONTROL_CACHE_S
+            self._unlisted[b"priority.npy"] = node
             self._tree.register(node)
         return node
 

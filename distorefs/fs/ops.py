@@ -172,14 +172,14 @@ def _created_direct(flags: int, kind: str) -> bool:
 NOFLUSH = hasattr(pyfuse3.FileInfo(), "noflush")
 
 
-def _file_info(fh: FileHandle, direct_io: bool, keep_cache: bool, reads_only: bool) -> pyfuse3.FileInfo:
+def _file_info(fh: FileHandle, direct_io: bool, keep_cache: bool, no_flush: bool) -> pyfuse3.FileInfo:
     """The reply to an OPEN. An open that can only read (O_RDONLY, no O_TRUNC) has
-    nothing for a close to finish (every flush here acts on what an open wrote), so
-    its closes send no FLUSH request where pyfuse3 can say so (FOPEN_NOFLUSH; Linux >=
-    5.15): a read-only close costs no round trip (docs/design.md, "Read-only closes send
-    no FLUSH")."""
+    nothing for a close to finish (every flush here acts on what an open wrote), nor
+    has a handle that says so (`flushes`: priority.npy), so its closes send no FLUSH
+    request where pyfuse3 can say so (FOPEN_NOFLUSH; Linux >= 5.15): such a close costs
+    no round trip (docs/design.md, "Read-only closes send no FLUSH")."""
     info = pyfuse3.FileInfo(fh=fh, direct_io=direct_io, keep_cache=keep_cache)
-    if NOFLUSH and reads_only:
+    if NOFLUSH and no_flush:
         setattr(info, "noflush", True)  # noqa: B010 (stock pyfuse3's stubs lack it)
     return info
 
@@ -570,7 +570,7 @@ class FsOperations(pyfuse3.Operations):
             vhandle = await node.open(flags, ctx.pid)
             vhandle.opened_by(ctx.uid, ctx.gid)
             fh = self._new_fh(Handle(inode, virtual=True, vhandle=vhandle, kind=vhandle.kind))
-            return _file_info(fh, vhandle.direct_io, vhandle.keep_cache, _reads_only(flags))
+            return _file_info(fh, vhandle.direct_io, vhandle.keep_cache, _reads_only(flags) or not vhandle.flushes)
         if flags & os.O_TRUNC and self.degraded:
             raise ReadOnly("the mount is degraded (read-only) after an internal error")
         writable = await self.tree.open(inode, flags)

@@ -225,6 +225,47 @@ def test_a_learner_keeps_priority_open_and_each_npy_applies_as_it_arrives(buffer
         os.close(fd)
 
 
+def test_priority_npy_applies_each_array_at_its_write_and_its_close_sends_no_flush(
+    mounted: Mount, buffer: Path
+) -> None:
+    """`priority.npy` (where `np.save(f"{b}/priority", pairs)` writes): a close there has
+    nothing to finish, so it costs no FLUSH round trip (open, write, close: two round
+    trips where `priority` takes three). What a FLUSH would have reported is refused at
+    the write instead (text, a bad pair) or, for an array left incomplete at the close,
+    dropped and shown in `stats` errors."""
+    configure(buffer, schema=SCHEMA, sampler="prioritized", alpha=1.0, epsilon=0.0, batch_size=64)
+    client.append(buffer, records(4))
+    flushes = fuse_requests(mounted, "flush")
+    for hot in (3, 1, 2):
+        out = io.BytesIO()
+        np.save(out, np.array([[i, 1.0 if i == hot else 0.0] for i in range(4)]))
+        fd = os.open(buffer / "priority.npy", os.O_WRONLY)
+        os.write(fd, out.getvalue())
+        os.close(fd)
+        with open(buffer / "sample", "rb") as f:
+            assert set(np.load(f)["_index"].tolist()) == {hot}
+    np.save(buffer / "priority", np.array([[0, 1.0], [2, 0.0]]))  # numpy's own writes, to priority.npy
+    with open(buffer / "sample", "rb") as f:
+        assert set(np.load(f)["_index"].tolist()) == {0}
+    assert fuse_requests(mounted, "flush") == flushes, "a close of priority.npy sent FLUSH: is pyfuse3 patched?"
+    assert errno_of(lambda: (buffer / "priority.npy").write_text("1 1\n")) == errno.EINVAL  # text: to `priority`
+    out = io.BytesIO()
+    np.save(out, np.array([[1, 1.0], [9, 1.0]]))  # index 9 is not in the buffer
+    assert errno_of(lambda: (buffer / "priority.npy").write_bytes(out.getvalue())) == errno.EINVAL
+    out = io.BytesIO()
+    np.save(out, np.array([[1, 1.0], [0, 0.0]]))
+    fd = os.open(buffer / "priority.npy", os.O_WRONLY)
+    os.write(fd, out.getvalue()[:-8])  # the close leaves it incomplete: not applied
+    os.close(fd)
+    deadline = time.monotonic() + 10  # the kernel sends RELEASE after the close returns
+    while not any("ended mid-record" in str(e) for e in stats(buffer)["errors"]):  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, stats(buffer)["errors"]
+        time.sleep(0.01)
+    with open(buffer / "sample", "rb") as f:
+        assert set(np.load(f)["_index"].tolist()) == {0}
+    assert "priority.npy" not in os.listdir(buffer)
+
+
 def test_the_shell_recipes_of_the_namespace_reference_work(buffer: Path, tmp_path: Path) -> None:
     configure(buffer, schema=SCHEMA, sampler="prioritized", alpha=1.0, epsilon=0.0)
     client.append(buffer, records(8))
