@@ -49,6 +49,7 @@ from distorefs.stores.replay.formats import BlobStream, RecordStream
 
 RECORD_CACHE_S = 60.0  # records never change; a removed dataset's may stat this long
 CONTROL_NAMES = (b"config", b"append", b"state", b"order", b"len", b"stats", b"stream")
+NPY_ALIASES = {b"append.npy": b"append", b"order.npy": b"order"}  # as `np.save(f"{d}/append", records)` names them
 MAX_WORLD = 1 << 16
 
 
@@ -378,6 +379,8 @@ class DatasetDir(NamedDir):
     def lookup(self, name: bytes) -> VirtualNode:
         if name.startswith(b"stream-"):
             return self._shard(name)
+        if name in NPY_ALIASES:  # np.save adds .npy to a path that lacks it
+            return super().lookup(NPY_ALIASES[name])
         return super().lookup(name)
 
     def _shard(self, name: bytes) -> StreamFile:

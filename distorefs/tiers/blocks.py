@@ -666,7 +666,7 @@ class BlockStore(ByteRanges, Compaction):
             # A flush is writing the old buffer from a thread (or it is too small): copy.
             buf = self._new_buffer(capacity)
             buf[: block.length] = memoryview(block.buf)[: block.length]
-            self._dram.replace_buffer(block, buf)
+            self._dram.replace_buffer(key, block, buf)
         return block
 
     def _new_buffer(self, capacity: int) -> bytearray:

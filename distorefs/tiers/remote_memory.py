@@ -200,6 +200,49 @@ class _Spilled:
     crc: int
 
 
+class _SpilledIndex(dict[BlockKey, _Spilled]):
+    """Spilled items by key, with their bytes kept by owner as entries come and go (a
+    buffer's `stats` asks for its owner's, the metrics for the total: a walk of a million
+    entries at each would hold the event loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total_bytes = 0
+        self._by_owner: dict[int, int] = {}
+
+    def owner_bytes(self, owner: int) -> int:
+        return self._by_owner.get(owner, 0)
+
+    def _count(self, key: BlockKey, delta: int) -> None:
+        self.total_bytes += delta
+        left = self._by_owner.pop(key.owner, 0) + delta
+        if left:
+            self._by_owner[key.owner] = left
+
+    def __setitem__(self, key: BlockKey, value: _Spilled) -> None:
+        old = self.get(key)
+        if old is not None:
+            self._count(key, -old.location.length)
+        super().__setitem__(key, value)
+        self._count(key, value.location.length)
+
+    def __delitem__(self, key: BlockKey) -> None:
+        self._count(key, -self[key].location.length)
+        super().__delitem__(key)
+
+    def pop(self, key: BlockKey, default: Any = None) -> Any:
+        value = super().pop(key, None)
+        if value is None:
+            return default
+        self._count(key, -value.location.length)
+        return value
+
+    def clear(self) -> None:
+        super().clear()
+        self.total_bytes = 0
+        self._by_owner.clear()
+
+
 @dataclass
 class _Queued:
     location: LogLocation
@@ -231,7 +274,7 @@ class RemoteMemory:
         self._transport = transport
         self._lenders = lenders
         self.queue_bytes = queue_bytes
-        self._index: dict[BlockKey, _Spilled] = {}
+        self._index = _SpilledIndex()
         self._queue: OrderedDict[BlockKey, _Queued] = OrderedDict()
         self._queued_bytes = 0
         self._drops: dict[str, list[ItemKey]] = {}  # stale copies to tell each lender about
@@ -282,8 +325,8 @@ class RemoteMemory:
         self._drops.pop(node, None)
 
     def owner_bytes(self, owner: int) -> int:
-        """Bytes of `owner`'s blocks held by peers (walks the index: statistics only)."""
-        return sum(s.location.length for k, s in self._index.items() if k.owner == owner)
+        """Bytes of `owner`'s blocks held by peers."""
+        return self._index.owner_bytes(owner)
 
     # --- reading -----------------------------------------------------------------------
 
@@ -420,7 +463,7 @@ class RemoteMemory:
     def statistics(self) -> RemoteMemoryStatistics:
         return RemoteMemoryStatistics(
             remote_items=len(self._index),
-            remote_bytes=sum(s.location.length for s in self._index.values()),
+            remote_bytes=self._index.total_bytes,
             queued_items=len(self._queue),
             queued_bytes=self._queued_bytes,
             spilled_items=self._spilled_items,

@@ -103,6 +103,13 @@ def test_schema_dataset_takes_npy_and_raw_records(dataset: Path, tmp_path: Path)
     assert (dataset / "len").read_text() == "50\n"
     assert np.frombuffer((dataset / "records" / "42").read_bytes(), DTYPE)[0] == records[42]
     assert json.loads((dataset / "config").read_text())["schema"]["x"] == {"dtype": "<f4", "shape": [4]}
+    # numpy adds .npy to a path that lacks it: these were EROFS (a create in the dataset)
+    np.save(dataset / "append", schema_records(10))
+    assert (dataset / "len").read_text() == "60\n"
+    (dataset / "state").write_text("seal")
+    np.save(dataset / "order", np.arange(60)[::-1])
+    assert np.load(io.BytesIO(client.read_all(dataset / "stream")))["_index"].tolist() == list(range(59, -1, -1))
+    assert "append.npy" not in os.listdir(dataset)
 
 
 def test_seal_makes_appends_fail_with_erofs_and_stream_needs_it(dataset: Path) -> None:

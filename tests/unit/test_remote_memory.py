@@ -128,6 +128,9 @@ async def test_an_item_written_again_is_never_read_stale_from_the_lender(tmp_pat
         await pair.drain()
         assert await pair.read_all(60) == [item(i, 1) for i in range(60)]
         assert pair.lent.statistics().items == pair.remote.statistics().remote_items
+        # the bytes held by peers are kept as copies come and go stale, not walked
+        assert pair.blocks.remote_bytes(OWNER) == pair.remote.statistics().remote_items * ITEM
+        assert pair.remote.statistics().remote_bytes == pair.remote.statistics().remote_items * ITEM
 
 
 async def test_a_corrupt_copy_is_refused_and_the_log_answers(tmp_path: Path) -> None:
@@ -155,6 +158,7 @@ async def test_a_dead_lender_costs_one_failed_call_and_no_data(tmp_path: Path) -
         stats = pair.remote.statistics()
         assert stats.fetch_failures == 1
         assert stats.remote_items == 0  # nothing it held is asked for again
+        assert (stats.remote_bytes, pair.blocks.remote_bytes(OWNER)) == (0, 0)
         assert await pair.read_all(60) == [item(i) for i in range(60)]
         assert pair.remote.statistics().fetch_failures == 1
 
