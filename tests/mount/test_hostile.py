@@ -250,12 +250,27 @@ def test_extreme_alpha_beta_and_priorities_sample_with_weights_in_0_1(mounted: M
 
 
 def test_a_batch_that_would_not_fit_the_dram_budget_is_refused(mounted: Mount, request: pytest.FixtureRequest) -> None:
+    """`batch_size` is checked when configured; `sample.N` (N up to 2**20, drawn with
+    replacement) was not, nor was any blob buffer's batch: sample.1000000 of 1 MB items
+    asked the daemon for a terabyte. Each is EFBIG before anything is read or counted."""
     with dir_for_test(mounted.path / "buffers", request) as big:
         # 8 MiB records on a 256 MiB budget: a batch may take half of it, 16 records
         (big / "config").write_text(json.dumps({"schema": {"x": ["uint8", [8 << 20]]}, "batch_size": 16}))
         assert refused(lambda: write_all(big / "config", b'{"batch_size": 17}')) == errno.EINVAL
         assert json.loads((big / "config").read_text())["batch_size"] == 16
-        healthy(mounted)
+        client.append(big, np.zeros(2, dtype=[("x", "u1", (8 << 20,))]))
+        assert refused(lambda: client.read_all(big / "sample.17")) == errno.EFBIG
+        assert refused(lambda: client.read_all(big / "sample.1000000")) == errno.EFBIG
+        assert json.loads(client.read_all(big / "stats"))["samples"] == 0  # nothing counted
+        assert len(np.load(io.BytesIO(client.read_all(big / "sample.16")))) == 16
+    with dir_for_test(mounted.path / "buffers", request) as blobs:
+        client.append(blobs, [bytes([i]) * (4 << 20) for i in range(4)])  # blobs of 4 MiB
+        assert refused(lambda: client.read_all(blobs / "sample.33")) == errno.EFBIG  # 132 MiB
+        stats = json.loads(client.read_all(blobs / "stats"))
+        assert stats["samples"] == 0
+        assert "more than half the daemon's DRAM budget" in stats["errors"][-1]
+        assert len(client.sample(blobs, 32, copy=False)) == 32  # 128 MiB: taken
+    healthy(mounted)
 
 
 def test_a_keep_last_of_5000_digits_is_einval(mounted: Mount) -> None:

@@ -723,7 +723,12 @@ class ReplayBuffer:
     ) -> tuple[np.ndarray, np.ndarray | None, list[bytes | memoryview] | np.ndarray]:
         """`pick`'s indices and probabilities, and the items: their bytes (views), or for
         a buffer with rows (rows.py) its records as one (count, itemsize) uint8 array."""
+        itemsize = self.config.itemsize
+        if itemsize is not None:  # known before the draw
+            self._check_batch_bytes(count, count * itemsize)
         slots, probabilities = await self._pick_slots(count, nonblocking)
+        if itemsize is None:
+            self._check_batch_bytes(count, int(self._size[slots].sum()))
         indices = self._slot_index[slots].copy()
         rows = self._rows
         if rows is None:
@@ -736,6 +741,24 @@ class ReplayBuffer:
             if rows is self._rows:
                 rows.put_missing(wanted, payloads)
         return indices, probabilities, records
+
+    def _batch_limit(self) -> int:
+        """The most bytes one batch may have: half the DRAM budget (a batch is built in
+        the daemon's memory, beside the cache)."""
+        return self._blocks.dram_budget_bytes // 2
+
+    def _check_batch_bytes(self, count: int, nbytes: int) -> None:
+        """EFBIG, before anything is read or counted, for a batch past `_batch_limit`:
+        `batch_size` is checked against it at configuration, but `sample.N` (N up to
+        2**20, drawn with replacement) of 1 MB items asked for a terabyte, and a blob
+        buffer's batch has no size to check until its items are drawn."""
+        if nbytes > self._batch_limit():
+            message = (
+                f"buffers/{self.name}: a batch of {count} items is {nbytes} bytes, more than half the daemon's"
+                f" DRAM budget ({self._batch_limit()}); sample fewer items"
+            )
+            self.record_error(message)
+            raise FileTooLarge(message)
 
     # --- the shared-memory mirror (mirror.py) -------------------------------------------
 
@@ -999,10 +1022,10 @@ class ReplayBuffer:
         """Apply a JSON config update whole or not at all (EINVAL / EBUSY)."""
         new = self.config.updated(f"buffers/{self.name}", changes, has_items=self.size > 0)
         budget = self._blocks.dram_budget_bytes
-        if new.itemsize is not None and new.batch_size * new.itemsize > budget // 2:
+        if new.itemsize is not None and new.batch_size * new.itemsize > self._batch_limit():
             raise InvalidArgument(
                 f"buffers/{self.name}.batch_size: a batch of {new.batch_size} records of {new.itemsize} bytes"
-                f" must fit in half the DRAM budget ({budget // 2} bytes)"
+                f" must fit in half the DRAM budget ({self._batch_limit()} bytes)"
             )
         if new.shards > max(1, self._shard_limit()) and new.shards != self.config.shards:
             raise InvalidArgument(
