@@ -36,6 +36,7 @@ from distorefs.errors import (
     InvalidArgument,
     NotFound,
     NotSupported,
+    OutOfMemory,
     ReadOnly,
 )
 from distorefs.fs import kernel
@@ -260,21 +261,48 @@ def columnar_npz(batch: bytes) -> bytes:
 CACHED_BATCH_MAX_BYTES = 16 << 20  # a sample batch up to this size may be served from the page cache
 
 
+class HeldBatches:
+    """The bytes of the batches that open sample files hold (an open keeps its batch
+    until its release: the kernel may drop the pages it was given, and a read must then
+    find the same batch), mount-wide, at most `limit`: one process that opens sample
+    files and never closes them could otherwise hold any amount of the daemon's memory."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, nbytes: int, label: str) -> int:
+        """Count `nbytes` more, or ENOMEM (nothing counted) when they would pass the limit."""
+        if self.held + nbytes > self.limit:
+            raise OutOfMemory(
+                f"{label}: open sample files hold batches of {self.held} bytes; one more of {nbytes} would pass"
+                f" {self.limit} (the DRAM budget): close some"
+            )
+        self.held += nbytes
+        return nbytes
+
+    def give(self, nbytes: int) -> None:
+        self.held -= nbytes
+
+
 class SampleHandle(VirtualHandle):
     """Draws its batch at the first read, or at the open when the batch can be served
-    from the kernel's page cache (`draw_at_open`); the batch stays fixed for this open.
-    With `columnar`, a schema batch is served as an .npz of contiguous fields
-    (`sample.npz`)."""
+    from the kernel's page cache (`draw_at_open`); the batch stays fixed for this open,
+    counted in `held` until the release. With `columnar`, a schema batch is served as an
+    .npz of contiguous fields (`sample.npz`)."""
 
     kind = "buffers"
 
     def __init__(
-        self, buffer: ReplayBuffer, count: int | None, nonblocking: bool, pid: int, columnar: bool = False
-    ) -> None:
+        self, buffer: ReplayBuffer, count: int | None, nonblocking: bool, pid: int, held: HeldBatches,
+        columnar: bool = False,
+    ) -> None:  # fmt: skip
         self._buffer = buffer
         self._count = count
         self._nonblocking = nonblocking
         self._pid = pid
+        self._held = held
+        self._held_bytes = 0
         self._columnar = columnar
         self._data: bytearray | bytes | ScatteredBytes | None = None
         self._node: BufferFile | None = None
@@ -327,14 +355,24 @@ class SampleHandle(VirtualHandle):
     async def _draw(self, nonblocking: bool) -> None:
         buffer, count = self._buffer, self._count
         ready = buffer.can_sample(count)
-        batch = await run_waiting(self._pid, nonblocking, ready, lambda nb: buffer.sample(count, nonblocking=nb))
+        batch = await run_waiting(self._pid, nonblocking, ready, lambda nb: buffer.sample_into(count, nb, self._hold))
         self._data = batch.data
         if self._columnar:
             data = batch.data.tobytes() if isinstance(batch.data, ScatteredBytes) else bytes(batch.data)
             self._data = await trio.to_thread.run_sync(columnar_npz, data)
 
+    async def _hold(self, batch: Batch) -> Batch:
+        """Count the batch as held before its items count as sampled (a refusal counts
+        nothing: `sample_into`)."""
+        await scheduling.checkpoint()
+        self._held_bytes = self._held.take(len(batch.data), f"buffers/{self._buffer.name}")
+        return batch
+
     async def release(self) -> None:
         await scheduling.checkpoint()
+        self._held.give(self._held_bytes)
+        self._held_bytes = 0
+        self._data = None
         if self._node is not None:
             self._node.opens -= 1
             self._node = None
@@ -771,11 +809,14 @@ class ItemListing(PositionListing):
 class BufferDir(NamedDir):
     """`buffers/<name>/`: the control files and `items/`."""
 
-    def __init__(self, tree: VirtualTree, buffer: ReplayBuffer, shared: SharedMemory | None = None) -> None:
+    def __init__(
+        self, tree: VirtualTree, buffer: ReplayBuffer, held: HeldBatches, shared: SharedMemory | None = None
+    ) -> None:
         super().__init__(tree.new_ino(), buffer.name.encode(), stat.S_IFDIR | 0o755)
         self.own(tree.owners, b"buffers", tree.default_owner())
         self._tree = tree
         self.buffer = buffer
+        self._held = held
         b = buffer
         files = [
             (b"config", 0o664, lambda flags, pid: ConfigHandle(b), True, Access.READ_WRITE),
@@ -784,7 +825,8 @@ class BufferDir(NamedDir):
                 Access.WRITE,
             ),
             (
-                b"sample", 0o444, lambda flags, pid: SampleHandle(b, None, bool(flags & os.O_NONBLOCK), pid), False,
+                b"sample", 0o444,
+                lambda flags, pid: SampleHandle(b, None, bool(flags & os.O_NONBLOCK), pid, held), False,
                 Access.CHANGES_ON_READ,
             ),
             (b"priority", 0o664, lambda flags, pid: PriorityHandle(b), True, Access.WRITE),
@@ -879,7 +921,7 @@ class BufferDir(NamedDir):
         b = self.buffer
         node = self._sample_node(
             b"sample.npz",
-            lambda flags, pid: SampleHandle(b, None, bool(flags & os.O_NONBLOCK), pid, columnar=True),
+            lambda flags, pid: SampleHandle(b, None, bool(flags & os.O_NONBLOCK), pid, self._held, columnar=True),
             batch_of=0,
         )
         node.columnar = True
@@ -921,7 +963,7 @@ class BufferDir(NamedDir):
         b = self.buffer
         return self._sample_node(
             b"sample.%d" % count,
-            lambda flags, pid: SampleHandle(b, count, bool(flags & os.O_NONBLOCK), pid),
+            lambda flags, pid: SampleHandle(b, count, bool(flags & os.O_NONBLOCK), pid, self._held),
             batch_of=count,
         )
 
@@ -950,6 +992,7 @@ class BuffersDir(NamedKindDirectory):
         super().__init__(tree, b"buffers")
         self._store = store
         self._shared = shared
+        self.held_batches = HeldBatches(store.dram_budget_bytes)  # (each batch at most half of it)
         tree.add_resolver(ITEM_BASE, ITEM_BASE + ITEM_SPAN, self._resolve_item)
 
     def _names(self) -> list[str]:
@@ -959,7 +1002,7 @@ class BuffersDir(NamedKindDirectory):
         return self._store.get(name)
 
     def _make_dir(self, obj: Any) -> BufferDir:
-        return BufferDir(self._tree, obj, self._shared)
+        return BufferDir(self._tree, obj, self.held_batches, self._shared)
 
     async def mkdir(self, name: bytes, mode: int) -> VirtualNode:
         """A new buffer, its row committed before the mkdir returns: appends then persist

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import stat
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -270,6 +271,40 @@ def test_a_batch_that_would_not_fit_the_dram_budget_is_refused(mounted: Mount, r
         assert stats["samples"] == 0
         assert "more than half the daemon's DRAM budget" in stats["errors"][-1]
         assert len(client.sample(blobs, 32, copy=False)) == 32  # 128 MiB: taken
+    healthy(mounted)
+
+
+def test_sample_files_held_open_hold_at_most_half_the_dram_budget(
+    mounted: Mount, request: pytest.FixtureRequest
+) -> None:
+    """An open keeps its batch until it is closed, so one process opening sample files
+    and never closing them could hold any amount of the daemon's memory. Batches held
+    count against the DRAM budget (256 MiB here): past it an open's read is ENOMEM with
+    nothing counted, and a close makes room again."""
+    with dir_for_test(mounted.path / "buffers", request) as blobs:
+        client.append(blobs, [bytes([i]) * (4 << 20) for i in range(4)])  # blobs of 4 MiB
+        held = [os.open(blobs / "sample.24", os.O_RDONLY) for _ in range(2)]  # 96 MiB each
+        try:
+            for fd in held:
+                assert os.read(fd, 16)  # drawn
+            extra = os.open(blobs / "sample.24", os.O_RDONLY)
+            try:
+                assert refused(lambda: os.read(extra, 16)) == errno.ENOMEM
+            finally:
+                os.close(extra)
+            assert json.loads(client.read_all(blobs / "stats"))["samples"] == 48  # the refused one counted nothing
+        finally:
+            for fd in held:
+                os.close(fd)
+        deadline = time.monotonic() + 10  # RELEASE reaches the daemon after the close returns
+        while True:
+            try:
+                assert len(client.sample(blobs, 24, copy=False)) == 24
+                break
+            except OSError as exc:
+                if exc.errno != errno.ENOMEM or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
     healthy(mounted)
 
 
