@@ -285,7 +285,27 @@ class HeldBatches:
         self.held -= nbytes
 
 
-class SampleHandle(VirtualHandle):
+class BatchHolder(VirtualHandle):
+    """A handle that keeps the batch it drew (counted in `held` until it lets it go)."""
+
+    def __init__(self, buffer: ReplayBuffer, held: HeldBatches) -> None:
+        self._buffer = buffer
+        self._held = held
+        self._held_bytes = 0
+
+    async def _hold(self, batch: Batch) -> Batch:
+        """`sample_into`'s `place`: count the batch as held before its items count as
+        sampled (a refusal counts nothing)."""
+        await scheduling.checkpoint()
+        self._held_bytes = self._held.take(len(batch.data), f"buffers/{self._buffer.name}")
+        return batch
+
+    def _let_go(self) -> None:
+        self._held.give(self._held_bytes)
+        self._held_bytes = 0
+
+
+class SampleHandle(BatchHolder):
     """Draws its batch at the first read, or at the open when the batch can be served
     from the kernel's page cache (`draw_at_open`); the batch stays fixed for this open,
     counted in `held` until the release. With `columnar`, a schema batch is served as an
@@ -297,12 +317,10 @@ class SampleHandle(VirtualHandle):
         self, buffer: ReplayBuffer, count: int | None, nonblocking: bool, pid: int, held: HeldBatches,
         columnar: bool = False,
     ) -> None:  # fmt: skip
-        self._buffer = buffer
+        super().__init__(buffer, held)
         self._count = count
         self._nonblocking = nonblocking
         self._pid = pid
-        self._held = held
-        self._held_bytes = 0
         self._columnar = columnar
         self._data: bytearray | bytes | ScatteredBytes | None = None
         self._node: BufferFile | None = None
@@ -361,17 +379,9 @@ class SampleHandle(VirtualHandle):
             data = batch.data.tobytes() if isinstance(batch.data, ScatteredBytes) else bytes(batch.data)
             self._data = await trio.to_thread.run_sync(columnar_npz, data)
 
-    async def _hold(self, batch: Batch) -> Batch:
-        """Count the batch as held before its items count as sampled (a refusal counts
-        nothing: `sample_into`)."""
-        await scheduling.checkpoint()
-        self._held_bytes = self._held.take(len(batch.data), f"buffers/{self._buffer.name}")
-        return batch
-
     async def release(self) -> None:
         await scheduling.checkpoint()
-        self._held.give(self._held_bytes)
-        self._held_bytes = 0
+        self._let_go()
         self._data = None
         if self._node is not None:
             self._node.opens -= 1
@@ -388,7 +398,7 @@ class SampleHandle(VirtualHandle):
         return memoryview(self._data)[offset : offset + size]
 
 
-class StreamHandle(VirtualHandle):
+class StreamHandle(BatchHolder):
     """`sample.stream`: one open, endless batches. Reads go forward: a read at the end of
     the current batch draws the next one (waiting as `sample` does), so a learner keeps
     one descriptor and reads one batch per call (`os.read(fd, st_size)` for a schema
@@ -397,8 +407,8 @@ class StreamHandle(VirtualHandle):
 
     kind = "buffers"
 
-    def __init__(self, buffer: ReplayBuffer, count: int | None, nonblocking: bool, pid: int) -> None:
-        self._buffer = buffer
+    def __init__(self, buffer: ReplayBuffer, count: int | None, nonblocking: bool, pid: int, held: HeldBatches) -> None:
+        super().__init__(buffer, held)  # (the current batch is held)
         self._count = count
         self._nonblocking = nonblocking
         self._pid = pid
@@ -418,11 +428,13 @@ class StreamHandle(VirtualHandle):
             )
         if offset == end:
             buffer, count = self._buffer, self._count
+            self._let_go()  # read to its end: the next batch replaces it
+            self._start, self._data = end, b""
             ready = buffer.can_sample(count)
             batch = await run_waiting(
-                self._pid, self._nonblocking, ready, lambda nb: buffer.sample(count, nonblocking=nb)
+                self._pid, self._nonblocking, ready, lambda nb: buffer.sample_into(count, nb, self._hold)
             )
-            self._start, self._data = end, batch.data
+            self._data = batch.data
             self.batches += 1
         else:
             await scheduling.checkpoint()
@@ -430,6 +442,11 @@ class StreamHandle(VirtualHandle):
         if isinstance(self._data, ScatteredBytes):
             return self._data.read(at, size)
         return memoryview(self._data)[at : at + size]
+
+    async def release(self) -> None:
+        await scheduling.checkpoint()
+        self._let_go()
+        self._data = b""
 
 
 SHM_MAGIC = b"DSSHM1"
@@ -952,7 +969,7 @@ class BufferDir(NamedDir):
         b = self.buffer
         return self._sample_node(
             b"sample.stream" if count is None else b"sample.%d.stream" % count,
-            lambda flags, pid: StreamHandle(b, count, bool(flags & os.O_NONBLOCK), pid),
+            lambda flags, pid: StreamHandle(b, count, bool(flags & os.O_NONBLOCK), pid, self._held),
             batch_of=count or 0,
         )
 

@@ -283,7 +283,8 @@ def test_sample_files_held_open_hold_at_most_half_the_dram_budget(
     nothing counted, and a close makes room again."""
     with dir_for_test(mounted.path / "buffers", request) as blobs:
         client.append(blobs, [bytes([i]) * (4 << 20) for i in range(4)])  # blobs of 4 MiB
-        held = [os.open(blobs / "sample.24", os.O_RDONLY) for _ in range(2)]  # 96 MiB each
+        # 96 MiB each: a sample file's batch, and a stream's current one
+        held = [os.open(blobs / name, os.O_RDONLY) for name in ("sample.24", "sample.24.stream")]
         try:
             for fd in held:
                 assert os.read(fd, 16)  # drawn
