@@ -36,7 +36,6 @@ from distorefs.errors import (
     InvalidArgument,
     NotFound,
     NotSupported,
-    OutOfMemory,
     ReadOnly,
 )
 from distorefs.fs import kernel
@@ -44,6 +43,7 @@ from distorefs.fs.shm import SLOTS as SHM_SLOTS
 from distorefs.fs.shm import Region, SharedMemory, no_room
 from distorefs.fs.virtual import (
     Access,
+    Allowance,
     ControlFile,
     Entry,
     NamedDir,
@@ -206,13 +206,26 @@ class AppendHandle(VirtualHandle):
             items = self._stream.feed(offset, data)
         except InvalidArgument as exc:
             self._stream.reset()  # the bad input is dropped; later writes start afresh
+            self._follow_stream()
             raise _recorded(self._buffer, exc) from None
+        self._follow_stream()
         if items:
             await self._add(items)
             await self._buffer.persist_appends()
         else:
             await scheduling.checkpoint()
         return len(data)
+
+    def _follow_stream(self) -> None:
+        """Count what the stream holds of records not complete yet (ENOMEM, the partial
+        input dropped, when it does not fit)."""
+        label = f"buffers/{self._buffer.name}/append: a partial record"
+        self.hold_input(self._stream.pending_bytes, label, self._stream.reset)
+
+    async def release(self) -> None:
+        await scheduling.checkpoint()
+        self._stream.reset()
+        self._follow_stream()
 
     async def flush(self) -> None:
         """Every close of a descriptor of this open (dup'ed ones too: bash dup2s the
@@ -221,7 +234,9 @@ class AppendHandle(VirtualHandle):
         try:
             tail = self._stream.finish()
         except InvalidArgument as exc:
+            self._follow_stream()
             raise _recorded(self._buffer, exc) from None
+        self._follow_stream()
         if tail:
             await self._add(tail)
         await self._buffer.persist_appends()
@@ -261,34 +276,10 @@ def columnar_npz(batch: bytes) -> bytes:
 CACHED_BATCH_MAX_BYTES = 16 << 20  # a sample batch up to this size may be served from the page cache
 
 
-class HeldBatches:
-    """The bytes of the batches that open sample files hold (an open keeps its batch
-    until its release: the kernel may drop the pages it was given, and a read must then
-    find the same batch), mount-wide, at most `limit`: one process that opens sample
-    files and never closes them could otherwise hold any amount of the daemon's memory."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-
-    def take(self, nbytes: int, label: str) -> int:
-        """Count `nbytes` more, or ENOMEM (nothing counted) when they would pass the limit."""
-        if self.held + nbytes > self.limit:
-            raise OutOfMemory(
-                f"{label}: open sample files hold batches of {self.held} bytes; one more of {nbytes} would pass"
-                f" {self.limit} (the DRAM budget): close some"
-            )
-        self.held += nbytes
-        return nbytes
-
-    def give(self, nbytes: int) -> None:
-        self.held -= nbytes
-
-
 class BatchHolder(VirtualHandle):
     """A handle that keeps the batch it drew (counted in `held` until it lets it go)."""
 
-    def __init__(self, buffer: ReplayBuffer, held: HeldBatches) -> None:
+    def __init__(self, buffer: ReplayBuffer, held: Allowance) -> None:
         self._buffer = buffer
         self._held = held
         self._held_bytes = 0
@@ -297,7 +288,7 @@ class BatchHolder(VirtualHandle):
         """`sample_into`'s `place`: count the batch as held before its items count as
         sampled (a refusal counts nothing)."""
         await scheduling.checkpoint()
-        self._held_bytes = self._held.take(len(batch.data), f"buffers/{self._buffer.name}")
+        self._held_bytes = self._held.take(len(batch.data), f"buffers/{self._buffer.name}: a batch")
         return batch
 
     def _let_go(self) -> None:
@@ -314,7 +305,7 @@ class SampleHandle(BatchHolder):
     kind = "buffers"
 
     def __init__(
-        self, buffer: ReplayBuffer, count: int | None, nonblocking: bool, pid: int, held: HeldBatches,
+        self, buffer: ReplayBuffer, count: int | None, nonblocking: bool, pid: int, held: Allowance,
         columnar: bool = False,
     ) -> None:  # fmt: skip
         super().__init__(buffer, held)
@@ -407,7 +398,7 @@ class StreamHandle(BatchHolder):
 
     kind = "buffers"
 
-    def __init__(self, buffer: ReplayBuffer, count: int | None, nonblocking: bool, pid: int, held: HeldBatches) -> None:
+    def __init__(self, buffer: ReplayBuffer, count: int | None, nonblocking: bool, pid: int, held: Allowance) -> None:
         super().__init__(buffer, held)  # (the current batch is held)
         self._count = count
         self._nonblocking = nonblocking
@@ -637,6 +628,7 @@ class PriorityHandle(WholeInputHandle):
             await self.flush()
         except DistorefsError as exc:
             log.warning("%s (a close of priority.npy, which reports nothing)", exc.message)
+        await super().release()
 
 
 class ItemHandle(VirtualHandle):
@@ -827,7 +819,7 @@ class BufferDir(NamedDir):
     """`buffers/<name>/`: the control files and `items/`."""
 
     def __init__(
-        self, tree: VirtualTree, buffer: ReplayBuffer, held: HeldBatches, shared: SharedMemory | None = None
+        self, tree: VirtualTree, buffer: ReplayBuffer, held: Allowance, shared: SharedMemory | None = None
     ) -> None:
         super().__init__(tree.new_ino(), buffer.name.encode(), stat.S_IFDIR | 0o755)
         self.own(tree.owners, b"buffers", tree.default_owner())
@@ -1009,7 +1001,11 @@ class BuffersDir(NamedKindDirectory):
         super().__init__(tree, b"buffers")
         self._store = store
         self._shared = shared
-        self.held_batches = HeldBatches(store.dram_budget_bytes)  # (each batch at most half of it)
+        # An open keeps its batch until its release (the kernel may drop the pages it was
+        # given, and a read must then find the same batch): without a bound, one process
+        # opening sample files and never closing them could hold any amount of memory.
+        self.held_batches = Allowance(store.dram_budget_bytes, "open sample files hold batches")
+        tree.add_status(lambda: {"held_batch_bytes": self.held_batches.held})
         tree.add_resolver(ITEM_BASE, ITEM_BASE + ITEM_SPAN, self._resolve_item)
 
     def _names(self) -> list[str]:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from distorefs import scheduling
-from distorefs.errors import DistorefsError, InvalidArgument, NotFound, ReadOnly, describe
+from distorefs.errors import DistorefsError, FileTooLarge, InvalidArgument, NotFound, ReadOnly, describe
 from distorefs.fs.virtual import (
     Access,
     ControlFile,
@@ -49,6 +49,7 @@ from distorefs.stores.replay.formats import BlobStream, RecordStream
 
 RECORD_CACHE_S = 60.0  # records never change; a removed dataset's may stat this long
 CONTROL_NAMES = (b"config", b"append", b"state", b"order", b"len", b"stats", b"stream")
+STATE_INPUT_BYTES = 4096  # `seal` and a newline, with room for whitespace
 NPY_ALIASES = {b"append.npy": b"append", b"order.npy": b"order"}  # as `np.save(f"{d}/append", records)` names them
 MAX_WORLD = 1 << 16
 
@@ -119,19 +120,35 @@ class AppendHandle(VirtualHandle):
     async def write(self, offset: int, data: bytes) -> int:
         try:
             records = self._stream.feed(offset, data)
+            self._follow_stream()
             await self._ds.append(records)
         except InvalidArgument as exc:
             self._stream.reset()  # the bad input is dropped; later writes start afresh
+            self._follow_stream()
             raise _recorded(self._ds, exc) from None
         return len(data)
+
+    def _follow_stream(self) -> None:
+        """Count what the stream holds of records not complete yet (ENOMEM, the partial
+        input dropped, when it does not fit)."""
+        self.hold_input(
+            self._stream.pending_bytes, f"{_label(self._ds, 'append')}: a partial record", self._stream.reset
+        )
 
     async def flush(self) -> None:
         try:
             tail = self._stream.finish()
+            self._follow_stream()
             await self._ds.append(tail)
         except InvalidArgument as exc:
+            self._follow_stream()
             raise _recorded(self._ds, exc) from None
         await self._ds.persist()
+
+    async def release(self) -> None:
+        await scheduling.checkpoint()
+        self._stream.reset()
+        self._follow_stream()
 
     async def fsync(self) -> None:
         await self._ds.persist(durable=True)
@@ -159,6 +176,9 @@ class StateHandle(RenderedHandle):
             await scheduling.checkpoint()
 
     async def write(self, offset: int, data: bytes) -> int:
+        if len(self._pending) + len(data) > STATE_INPUT_BYTES:  # (it grew without bound)
+            self._pending = bytearray()
+            raise _recorded(self._ds, FileTooLarge(f"{_label(self._ds, 'state')}: write `seal`, not megabytes"))
         self._pending += data
         if b"\n" in self._pending:
             text, self._pending = bytes(self._pending), bytearray()
@@ -203,11 +223,27 @@ class OrderHandle(VirtualHandle):
             await scheduling.checkpoint()
 
     async def write(self, offset: int, data: bytes) -> int:
-        await self._apply(lambda: self._input.feed(data))
+        try:
+            await self._apply(lambda: self._input.feed(data))
+        finally:
+            self._follow_input()
         return len(data)
 
+    def _follow_input(self) -> None:
+        """Count what the order's input holds until it applies (ENOMEM, the input dropped,
+        when it does not fit)."""
+        self.hold_input(self._input.held_bytes, f"{_label(self._ds, 'order')}: input", self._input.reset)
+
     async def flush(self) -> None:
-        await self._apply(self._input.finish)
+        try:
+            await self._apply(self._input.finish)
+        finally:
+            self._follow_input()
+
+    async def release(self) -> None:
+        await scheduling.checkpoint()
+        self._input.reset()
+        self._follow_input()
 
 
 class StreamHandle(VirtualHandle):

@@ -569,6 +569,7 @@ class FsOperations(pyfuse3.Operations):
             node.check_open(flags)
             vhandle = await node.open(flags, ctx.pid)
             vhandle.opened_by(ctx.uid, ctx.gid)
+            vhandle.inputs = self.virtual.inputs
             fh = self._new_fh(Handle(inode, virtual=True, vhandle=vhandle, kind=vhandle.kind))
             return _file_info(fh, vhandle.direct_io, vhandle.keep_cache, _reads_only(flags) or not vhandle.flushes)
         if flags & os.O_TRUNC and self.degraded:
@@ -587,6 +588,7 @@ class FsOperations(pyfuse3.Operations):
         vdir = self._virtual_dir(parent_inode)
         if vdir is not None:
             node, vhandle = await vdir.create(name, mode, flags, ctx.pid)
+            vhandle.inputs = self.virtual.inputs
             fh = self._new_fh(Handle(node.ino, virtual=True, vhandle=vhandle, kind=vhandle.kind))
             info = pyfuse3.FileInfo(fh=fh, direct_io=vhandle.direct_io, keep_cache=vhandle.keep_cache)
             return info, self._virtual_entry(node)

@@ -16,6 +16,7 @@ import enum
 import json
 import os
 import stat
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -30,6 +31,7 @@ from distorefs.errors import (
     NoSuchAttribute,
     NotFound,
     NotPermitted,
+    OutOfMemory,
     ReadOnly,
 )
 from distorefs.ids import VIRTUAL_BASE
@@ -138,6 +140,35 @@ class VirtualNode:
         Nodes whose lifetime depends on them (versions of weights files) count them."""
 
 
+class Allowance:
+    """Bytes that open virtual files hold, mount-wide, at most `limit`: batches kept for
+    their opens (buffers' sample files), input not applied yet (a .npy of priorities
+    arriving in pieces, a record or frame cut between writes). Past it, ENOMEM for the
+    request that would pass it, with nothing applied or counted: without it, one process
+    holding many descriptors could make the daemon hold any amount of memory."""
+
+    def __init__(self, limit: int, what: str) -> None:
+        self.limit = limit
+        self.what = what
+        self.held = 0
+
+    def take(self, nbytes: int, label: str) -> int:
+        """Count `nbytes` more, or ENOMEM (nothing counted) when they would pass the limit."""
+        if nbytes > 0 and self.held + nbytes > self.limit:
+            raise OutOfMemory(
+                f"{label} of {nbytes} bytes: {self.what} of {self.held} bytes already, and together they may"
+                f" hold {self.limit} (the DRAM budget); close some"
+            )
+        self.held += nbytes
+        return nbytes
+
+    def give(self, nbytes: int) -> None:
+        self.held -= nbytes
+
+
+UNBOUNDED = Allowance(sys.maxsize, "unbounded")  # a handle's until the fs layer gives it the mount's
+
+
 class VirtualHandle:
     """One open of a virtual file. Reads and writes go here; `direct_io` means every read
     reaches the daemon (control files have size 0 and are read to EOF)."""
@@ -148,6 +179,25 @@ class VirtualHandle:
     # False: a close of this open has nothing to finish or report, so the kernel is told
     # to send no FLUSH (one round trip fewer; ops._file_info)
     flushes = True
+    inputs = UNBOUNDED  # input it holds not applied yet counts here (ops sets the mount's)
+    _input_held = 0  # of it, this open's
+
+    def hold_input(self, now: int, label: str, drop: Callable[[], None]) -> None:
+        """This open now holds `now` bytes of input not applied yet (0: none, at its
+        release). ENOMEM when more does not fit in `inputs`: then `drop()` lets the input
+        go and nothing of it stays counted."""
+        held = self._input_held
+        if now > held:
+            try:
+                self.inputs.take(now - held, label)
+            except OutOfMemory:
+                drop()
+                self.inputs.give(held)
+                self._input_held = 0
+                raise
+        else:
+            self.inputs.give(held - now)
+        self._input_held = now
 
     async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
         await scheduling.checkpoint()
@@ -231,26 +281,35 @@ class WholeInputHandle(RenderedHandle):
     async def write(self, offset: int, data: bytes) -> int:
         await scheduling.checkpoint()
         if len(self._pending) + len(data) > self.max_input_bytes:
-            self._pending.clear()
+            self._drop_pending()
             raise self.recorded(
                 FileTooLarge(f"{self.label}: input of more than {self.max_input_bytes} bytes; none of it applied")
             )
         self._pending += data
+        self.hold_input(len(self._pending), f"{self.label}: input", self._pending.clear)
         try:
             if await self._apply_if_complete(self._pending):
-                self._pending.clear()
+                self._drop_pending()
                 self.applied = True
         except DistorefsError as exc:
-            self._pending.clear()
+            self._drop_pending()
             raise self.recorded(exc) from None
         return len(data)
+
+    def _drop_pending(self) -> None:
+        self._pending.clear()
+        self.hold_input(0, "", self._pending.clear)
 
     async def flush(self) -> None:
         await scheduling.checkpoint()
         if bytes(self._pending).strip():
             size = len(self._pending)
-            self._pending.clear()
+            self._drop_pending()
             raise self.recorded(InvalidArgument(f"{self.label}: {self.incomplete} ({size} bytes)"))
+
+    async def release(self) -> None:
+        await scheduling.checkpoint()
+        self._drop_pending()
 
 
 Entry = tuple[bytes, int, int, int]  # a listing's (name, inode, mode, size)
@@ -528,6 +587,7 @@ class VirtualTree:
         self._status_parts: list[Callable[[], dict[str, Any]]] = []
         self._files = files
         self._blocks = blocks
+        self.inputs = Allowance(blocks.dram_budget_bytes, "open control files hold input not applied yet")
         control = self._add_root(VirtualDir(self.new_ino(), b".distore"))
         assert isinstance(control, VirtualDir)
         self._add_child(control, ControlFile(self.new_ino(), b"status", self.render_status))
@@ -621,6 +681,7 @@ class VirtualTree:
             "degraded_reason": self.degraded_reason,
             "internal_errors": self.internal_errors,
             "last_internal_error": self.last_internal_error,
+            "held_input_bytes": self.inputs.held,  # input that open control files hold, not applied yet
             **parts,
             "blocks": asdict(blocks),
         }

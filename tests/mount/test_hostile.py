@@ -8,6 +8,7 @@ import errno
 import io
 import json
 import math
+import mmap
 import os
 import stat
 import time
@@ -306,6 +307,66 @@ def test_sample_files_held_open_hold_at_most_half_the_dram_budget(
                 if exc.errno != errno.ENOMEM or time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+    healthy(mounted)
+
+
+def test_input_held_by_open_control_files_is_bounded_by_the_dram_budget(
+    mounted: Mount, buffer: Path, request: pytest.FixtureRequest
+) -> None:
+    """A `.npy` of priorities arriving in pieces, or a frame of a blob append whose
+    length came first, is held until it is complete; one process keeping descriptors
+    open with a partial input in each could make the daemon hold any amount of memory
+    (a frame's length alone had it allocate 64 MiB). Such input counts mount-wide
+    against the DRAM budget (256 MiB here): the write that would pass it is ENOMEM, its
+    input dropped, and a close gives its room back."""
+    out = io.BytesIO()  # the header of a .npy of 4 million pairs (61 MiB)
+    np.lib.format.write_array_header_1_0(out, {"descr": "<f8", "fortran_order": False, "shape": (4_000_000, 2)})
+    header = out.getvalue()
+    held = []
+    try:
+        for _ in range(5):  # 50 MiB of a 61 MiB array in each: 250 MiB
+            fd = os.open(buffer / "priority", os.O_WRONLY)
+            held.append(fd)
+            os.write(fd, header + bytes(50 << 20))
+        fd = os.open(buffer / "priority", os.O_WRONLY)
+        held.append(fd)
+        os.write(fd, header)
+
+        mib = mmap.mmap(-1, 1 << 20)  # page-aligned: each write is one request (or a write that
+        # the kernel cut in two would come back short at the refusal instead of failing)
+
+        def write_mib_by_mib() -> None:
+            for _ in range(10):
+                os.write(fd, mib)
+
+        assert mounted.status()["held_input_bytes"] >= 250 << 20
+        assert refused(write_mib_by_mib) == errno.ENOMEM
+        blobs = buffer.with_name(buffer.name + "-blobs")
+        blobs.mkdir()
+        append = os.open(blobs / "append", os.O_WRONLY)
+        try:  # a frame's length alone: 64 MiB it would take
+            assert refused(lambda: os.write(append, b"DSITEMS1" + (64 << 20).to_bytes(8, "little"))) == errno.ENOMEM
+        finally:
+            assert refused(lambda: os.close(append)) == errno.ENOMEM  # a refused write, reported again
+            blobs.rmdir()
+        with contextlib.suppress(OSError):  # EINVAL: the close finds the .npy incomplete
+            os.close(held.pop(0))
+        deadline = time.monotonic() + 10  # the RELEASE reaches the daemon after the close
+        while True:
+            try:
+                os.write(fd, header + bytes(10 << 20))  # the refusal dropped its input: a new .npy
+                break
+            except OSError as exc:
+                if exc.errno != errno.ENOMEM or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+    finally:
+        for fd in held:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    with dir_for_test(mounted.path / "datasets", request) as ds:
+        assert refused(lambda: write_all(ds / "state", b"x" * (1 << 20))) == errno.EFBIG  # it grew without bound
+        assert (ds / "state").read_text() == "open\n"
     healthy(mounted)
 
 

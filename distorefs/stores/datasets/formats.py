@@ -88,6 +88,11 @@ class OrderInput:
         self._length = 0  # text indices taken so far
         self.max_length = max(ORDER_REPEATS * count, ORDER_MIN_LENGTH)
 
+    @property
+    def held_bytes(self) -> int:
+        """What this input holds: bytes not parsed yet, and the text indices taken."""
+        return len(self._pending) + 8 * self._length
+
     def _bad(self, why: str) -> InvalidArgument:
         self.reset()
         return InvalidArgument(f"datasets/{self._name}/order: {why}; the order is unchanged")

@@ -27,6 +27,7 @@ import numpy as np
 
 from distorefs.compiled import Kernels
 from distorefs.errors import InvalidArgument
+from distorefs.memory import unzeroed
 
 NPY_MAGIC = b"\x93NUMPY"
 ITEMS_MAGIC = b"DSITEMS1"
@@ -145,6 +146,11 @@ class _Stream:
             raise InvalidArgument(f"append is a stream: write at offset {offset}, expected {self.offset}")
         self.offset += len(data)
 
+    @property
+    def pending_bytes(self) -> int:
+        """What this stream holds of records or items not complete yet."""
+        return len(self._pending)
+
     def _accept(self, offset: int, data: bytes | memoryview) -> None:
         self._advance(offset, data)
         self._pending += data
@@ -238,6 +244,12 @@ class BlobStream(_Stream):
         self._item: bytearray | None = None  # the frame being filled
         self._filled = 0
 
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes pending, and the buffer of a frame being filled (made at its length
+        prefix: uninitialised memory, which the kernel supplies as its bytes arrive)."""
+        return len(self._pending) + len(self._head) + (len(self._item) if self._item is not None else 0)
+
     def feed(self, offset: int, data: bytes | memoryview) -> list[bytearray]:
         self._advance(offset, data)
         if self._framed is False:
@@ -273,7 +285,7 @@ class BlobStream(_Stream):
                 self._head.clear()
                 if length > MAX_ITEM_BYTES:
                     raise InvalidArgument(f"append: frame of {length} bytes exceeds {MAX_ITEM_BYTES}")
-                self._item, self._filled = bytearray(length), 0
+                self._item, self._filled = unzeroed(length), 0  # (every byte is written before use)
             take = min(len(self._item) - self._filled, len(view))
             self._item[self._filled : self._filled + take] = view[:take]
             self._filled += take
