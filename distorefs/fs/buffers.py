@@ -669,11 +669,20 @@ class ItemHandle(VirtualHandle):
             content.extend(bytes(offset - len(content)))
         content[offset : offset + len(data)] = data
         self._dirty = True
+        self.hold_input(len(content), f"buffers/{self._buffer.name}/items/{self._index}: a replacement", self._drop)
         return len(data)
+
+    def _drop(self) -> None:
+        self._content, self._dirty = None, False
 
     def truncate(self) -> None:
         self._content = bytearray()
         self._dirty = True
+        self.hold_input(0, "", self._drop)
+
+    async def release(self) -> None:
+        await scheduling.checkpoint()
+        self.hold_input(0, "", self._drop)
 
     async def flush(self) -> None:
         if not self._dirty:
