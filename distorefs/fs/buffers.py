@@ -219,8 +219,10 @@ class AppendHandle(VirtualHandle):
     def _follow_stream(self) -> None:
         """Count what the stream holds of records not complete yet (ENOMEM, the partial
         input dropped, when it does not fit)."""
-        label = f"buffers/{self._buffer.name}/append: a partial record"
-        self.hold_input(self._stream.pending_bytes, label, self._stream.reset)
+        self.hold_input(self._stream.pending_bytes, self._stream.reset)
+
+    def input_label(self) -> str:
+        return f"buffers/{self._buffer.name}/append: a partial record"
 
     async def release(self) -> None:
         await scheduling.checkpoint()
@@ -288,8 +290,11 @@ class BatchHolder(VirtualHandle):
         """`sample_into`'s `place`: count the batch as held before its items count as
         sampled (a refusal counts nothing)."""
         await scheduling.checkpoint()
-        self._held_bytes = self._held.take(len(batch.data), f"buffers/{self._buffer.name}: a batch")
+        self._held_bytes = self._held.take(len(batch.data), self._batch_label)
         return batch
+
+    def _batch_label(self) -> str:
+        return f"buffers/{self._buffer.name}: a batch"
 
     def _let_go(self) -> None:
         self._held.give(self._held_bytes)
@@ -624,11 +629,10 @@ class PriorityHandle(WholeInputHandle):
 
     async def release(self) -> None:
         """Where no FLUSH came (priority.npy), what is still pending was never applied."""
-        try:
-            await self.flush()
-        except DistorefsError as exc:
-            log.warning("%s (a close of priority.npy, which reports nothing)", exc.message)
-        await super().release()
+        await scheduling.checkpoint()  # (one: the next request waits behind a release)
+        refused = self._end_of_input()
+        if refused is not None:
+            log.warning("%s (a close of priority.npy, which reports nothing)", refused.message)
 
 
 class ItemHandle(VirtualHandle):
@@ -669,20 +673,23 @@ class ItemHandle(VirtualHandle):
             content.extend(bytes(offset - len(content)))
         content[offset : offset + len(data)] = data
         self._dirty = True
-        self.hold_input(len(content), f"buffers/{self._buffer.name}/items/{self._index}: a replacement", self._drop)
+        self.hold_input(len(content), self._drop)
         return len(data)
 
     def _drop(self) -> None:
         self._content, self._dirty = None, False
 
+    def input_label(self) -> str:
+        return f"buffers/{self._buffer.name}/items/{self._index}: a replacement"
+
     def truncate(self) -> None:
         self._content = bytearray()
         self._dirty = True
-        self.hold_input(0, "", self._drop)
+        self.hold_input(0, self._drop)
 
     async def release(self) -> None:
         await scheduling.checkpoint()
-        self.hold_input(0, "", self._drop)
+        self.hold_input(0, self._drop)
 
     async def flush(self) -> None:
         if not self._dirty:

@@ -131,9 +131,10 @@ class AppendHandle(VirtualHandle):
     def _follow_stream(self) -> None:
         """Count what the stream holds of records not complete yet (ENOMEM, the partial
         input dropped, when it does not fit)."""
-        self.hold_input(
-            self._stream.pending_bytes, f"{_label(self._ds, 'append')}: a partial record", self._stream.reset
-        )
+        self.hold_input(self._stream.pending_bytes, self._stream.reset)
+
+    def input_label(self) -> str:
+        return f"{_label(self._ds, 'append')}: a partial record"
 
     async def flush(self) -> None:
         try:
@@ -232,7 +233,10 @@ class OrderHandle(VirtualHandle):
     def _follow_input(self) -> None:
         """Count what the order's input holds until it applies (ENOMEM, the input dropped,
         when it does not fit)."""
-        self.hold_input(self._input.held_bytes, f"{_label(self._ds, 'order')}: input", self._input.reset)
+        self.hold_input(self._input.held_bytes, self._input.reset)
+
+    def input_label(self) -> str:
+        return f"{_label(self._ds, 'order')}: input"
 
     async def flush(self) -> None:
         try:

@@ -152,11 +152,12 @@ class Allowance:
         self.what = what
         self.held = 0
 
-    def take(self, nbytes: int, label: str) -> int:
-        """Count `nbytes` more, or ENOMEM (nothing counted) when they would pass the limit."""
+    def take(self, nbytes: int, label: Callable[[], str]) -> int:
+        """Count `nbytes` more, or ENOMEM (nothing counted) when they would pass the limit
+        (`label()` names the holder in its message)."""
         if nbytes > 0 and self.held + nbytes > self.limit:
             raise OutOfMemory(
-                f"{label} of {nbytes} bytes: {self.what} of {self.held} bytes already, and together they may"
+                f"{label()} of {nbytes} bytes: {self.what} of {self.held} bytes already, and together they may"
                 f" hold {self.limit} (the DRAM budget); close some"
             )
         self.held += nbytes
@@ -182,14 +183,18 @@ class VirtualHandle:
     inputs = UNBOUNDED  # input it holds not applied yet counts here (ops sets the mount's)
     _input_held = 0  # of it, this open's
 
-    def hold_input(self, now: int, label: str, drop: Callable[[], None]) -> None:
+    def input_label(self) -> str:
+        """What its held input is, for an ENOMEM's message."""
+        return "a control file's input"
+
+    def hold_input(self, now: int, drop: Callable[[], None]) -> None:
         """This open now holds `now` bytes of input not applied yet (0: none, at its
         release). ENOMEM when more does not fit in `inputs`: then `drop()` lets the input
         go and nothing of it stays counted."""
         held = self._input_held
         if now > held:
             try:
-                self.inputs.take(now - held, label)
+                self.inputs.take(now - held, self.input_label)
             except OutOfMemory:
                 drop()
                 self.inputs.give(held)
@@ -286,26 +291,41 @@ class WholeInputHandle(RenderedHandle):
                 FileTooLarge(f"{self.label}: input of more than {self.max_input_bytes} bytes; none of it applied")
             )
         self._pending += data
-        self.hold_input(len(self._pending), f"{self.label}: input", self._pending.clear)
         try:
-            if await self._apply_if_complete(self._pending):
-                self._drop_pending()
-                self.applied = True
+            complete = await self._apply_if_complete(self._pending)
         except DistorefsError as exc:
             self._drop_pending()
             raise self.recorded(exc) from None
+        if complete:
+            self._drop_pending()
+            self.applied = True
+        else:  # held until more comes: counted (a complete input, the usual case, never is)
+            self.hold_input(len(self._pending), self._pending.clear)
         return len(data)
+
+    def input_label(self) -> str:
+        return f"{self.label}: input"
 
     def _drop_pending(self) -> None:
         self._pending.clear()
-        self.hold_input(0, "", self._pending.clear)
+        if self._input_held:
+            self.hold_input(0, self._pending.clear)
 
     async def flush(self) -> None:
         await scheduling.checkpoint()
-        if bytes(self._pending).strip():
-            size = len(self._pending)
+        refused = self._end_of_input()
+        if refused is not None:
+            raise refused
+
+    def _end_of_input(self) -> DistorefsError | None:
+        """At a close: the refusal of an input left incomplete (recorded), or None; what
+        was pending is let go either way."""
+        if not bytes(self._pending).strip():
             self._drop_pending()
-            raise self.recorded(InvalidArgument(f"{self.label}: {self.incomplete} ({size} bytes)"))
+            return None
+        size = len(self._pending)
+        self._drop_pending()
+        return self.recorded(InvalidArgument(f"{self.label}: {self.incomplete} ({size} bytes)"))
 
     async def release(self) -> None:
         await scheduling.checkpoint()
