@@ -825,6 +825,7 @@ class ItemListing(PositionListing):
     def __init__(self, live: np.ndarray, sizes: np.ndarray, base: int, mode: int) -> None:
         super().__init__(len(live))
         self._live, self._sizes, self._base, self._mode = live, sizes, base, mode
+        self.held_bytes = live.nbytes + sizes.nbytes
 
     def _entry(self, position: int) -> Entry:
         index = int(self._live[position])

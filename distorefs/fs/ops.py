@@ -63,6 +63,7 @@ class Handle:
     prefix: list[tuple[bytes, int]] = field(default_factory=list)  # tree dirs: the dots (the root's kinds) ...
     entries: Sequence[tuple[bytes, int]] = ()  # ... then the listing every open of the directory shares
     listing: Sequence[tuple[bytes, int, int, int]] | None = None  # virtual dirs: name, ino, mode, size
+    listing_bytes: int = 0  # of it, counted in the mount's `listings` until releasedir
     write_errno: int = 0  # a control file refused a write: reported again at every close of this open
     kind: str = "tree"  # for metrics: tree, checkpoints, or the virtual handle's kind
 
@@ -656,7 +657,10 @@ class FsOperations(pyfuse3.Operations):
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> FileHandle:
         vdir = self._virtual_dir(inode)
         if vdir is not None:
-            return self._new_fh(Handle(inode, virtual=True, listing=vdir.listing()))
+            listing = vdir.listing()
+            held = getattr(listing, "held_bytes", 0)  # items/: 16 bytes an item, for as long as it is open
+            self.virtual.listings.take(held, lambda: f"a listing of {vdir.name.decode(errors='replace')}/")
+            return self._new_fh(Handle(inode, virtual=True, listing=listing, listing_bytes=held))
         prefix = [(b".", inode), (b"..", self.tree.parent_of(inode))]  # `ls -a` shows them
         if inode == ROOT_INODE:
             prefix += [(name, node.ino) for name, node in self.virtual.root_nodes.items()]
@@ -725,7 +729,7 @@ class FsOperations(pyfuse3.Operations):
 
     @_translate(mutates=False)
     async def releasedir(self, fh: int) -> None:
-        del self._handles[fh]
+        self.virtual.listings.give(self._handles.pop(fh).listing_bytes)
 
     @_translate(mutates=False)
     async def fsyncdir(self, fh: int, datasync: bool) -> None:

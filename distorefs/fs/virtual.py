@@ -340,6 +340,8 @@ class PositionListing(Sequence[Entry]):
     (`_entry`), for kinds with many (a dataset's records, a buffer's items): a list of
     them made at every opendir held about 100 bytes an entry per open."""
 
+    held_bytes = 0  # memory this open's listing keeps (counted in the mount's `listings`)
+
     def __init__(self, count: int) -> None:
         self._count = count
 
@@ -608,6 +610,7 @@ class VirtualTree:
         self._files = files
         self._blocks = blocks
         self.inputs = Allowance(blocks.dram_budget_bytes, "open control files hold input not applied yet")
+        self.listings = Allowance(blocks.dram_budget_bytes, "open directories hold listings")
         control = self._add_root(VirtualDir(self.new_ino(), b".distore"))
         assert isinstance(control, VirtualDir)
         self._add_child(control, ControlFile(self.new_ino(), b"status", self.render_status))
@@ -702,6 +705,7 @@ class VirtualTree:
             "internal_errors": self.internal_errors,
             "last_internal_error": self.last_internal_error,
             "held_input_bytes": self.inputs.held,  # input that open control files hold, not applied yet
+            "held_listing_bytes": self.listings.held,  # what open directories of many entries (items/) hold
             **parts,
             "blocks": asdict(blocks),
         }

@@ -370,6 +370,34 @@ def test_input_held_by_open_control_files_is_bounded_by_the_dram_budget(
     healthy(mounted)
 
 
+def test_open_listings_of_items_hold_at_most_the_dram_budget(mounted: Mount, request: pytest.FixtureRequest) -> None:
+    """An open `items/` keeps its listing (16 bytes an item) until it is closed: one
+    process opening it again and again could hold any amount of memory. Listings held
+    count against the DRAM budget (256 MiB here): past it an opendir is ENOMEM, and a
+    close makes room again."""
+    with dir_for_test(mounted.path / "buffers", request) as big:
+        (big / "config").write_text(json.dumps({"schema": SCHEMA, "capacity": 100_000}))
+        client.append(big, np.arange(100_000, dtype=np.int64).astype([("x", "<i8")]))
+        fds: list[int] = []
+        try:
+            with pytest.raises(OSError) as excinfo:  # noqa: PT012 - the opens until one is refused
+                while len(fds) < 200:
+                    fds.append(os.open(big / "items", os.O_RDONLY | os.O_DIRECTORY))
+            assert excinfo.value.errno == errno.ENOMEM
+            assert len(fds) == (256 << 20) // 1_600_000  # 1.6 MB each: 167 fit
+            assert mounted.status()["held_listing_bytes"] == len(fds) * 1_600_000
+        finally:
+            for fd in fds:
+                os.close(fd)
+        deadline = time.monotonic() + 10  # the RELEASEDIRs come after the closes return
+        while mounted.status()["held_listing_bytes"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert len(os.listdir(big / "items")) == 100_000
+        os.rmdir(big)  # at once (rm -r would unlink the items one by one)
+    healthy(mounted)
+
+
 def test_a_keep_last_of_5000_digits_is_einval(mounted: Mount) -> None:
     run = mounted.path / "checkpoints" / "hostile-keep"
     run.mkdir()
