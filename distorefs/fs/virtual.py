@@ -143,9 +143,10 @@ class VirtualNode:
 class Allowance:
     """Bytes that open virtual files hold, mount-wide, at most `limit`: batches kept for
     their opens (buffers' sample files), input not applied yet (a .npy of priorities
-    arriving in pieces, a record or frame cut between writes). Past it, ENOMEM for the
-    request that would pass it, with nothing applied or counted: without it, one process
-    holding many descriptors could make the daemon hold any amount of memory."""
+    arriving in pieces, a record or frame cut between writes), listings (`items/`). Past
+    it, ENOMEM for the request that would pass it, with nothing applied or counted:
+    without it, one process holding many descriptors could make the daemon hold any
+    amount of memory."""
 
     def __init__(self, limit: int, what: str) -> None:
         self.limit = limit
@@ -192,6 +193,8 @@ class VirtualHandle:
         release). ENOMEM when more does not fit in `inputs`: then `drop()` lets the input
         go and nothing of it stays counted."""
         held = self._input_held
+        if now == held:  # (the usual: nothing held before or after a write)
+            return
         if now > held:
             try:
                 self.inputs.take(now - held, self.input_label)
@@ -320,12 +323,9 @@ class WholeInputHandle(RenderedHandle):
     def _end_of_input(self) -> DistorefsError | None:
         """At a close: the refusal of an input left incomplete (recorded), or None; what
         was pending is let go either way."""
-        if not bytes(self._pending).strip():
-            self._drop_pending()
-            return None
-        size = len(self._pending)
+        size, incomplete = len(self._pending), bool(bytes(self._pending).strip())
         self._drop_pending()
-        return self.recorded(InvalidArgument(f"{self.label}: {self.incomplete} ({size} bytes)"))
+        return self.recorded(InvalidArgument(f"{self.label}: {self.incomplete} ({size} bytes)")) if incomplete else None
 
     async def release(self) -> None:
         await scheduling.checkpoint()
