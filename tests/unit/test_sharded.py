@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distorefs.errors import InvalidArgument, TryAgain
+from distorefs.errors import FileTooLarge, InvalidArgument, TryAgain
 from distorefs.stores.replay.buffer import ReplayBuffer
 from distorefs.stores.replay.config import BufferConfig
 from distorefs.stores.replay.draws import Drawn, ShardState
@@ -172,3 +172,29 @@ async def test_a_shard_saying_eagain_counts_nothing_so_every_item_is_delivered_a
         from_shard = sum(n for index, n in delivered.items() if index % 3 == shard_number)
         assert shards[node].samples == from_shard, node
         assert shards[node].removed == len([i for i in delivered if i % 3 == shard_number]) == 10, node
+
+
+async def test_the_node_that_joins_a_schema_batch_checks_the_whole_before_any_shard_draws(tmp_path: Path) -> None:
+    """Each shard checks its part against its own bound; the joining node's whole batch
+    (count x record size, known before the draw) must fit its bound too: half the DRAM
+    budget, 16 KiB here (2,048 records of 8 bytes)."""
+    shards = {}
+    opened = []
+    for i, node in enumerate(NODES):
+        (tmp_path / node).mkdir()
+        opened.append(open_tiers(tmp_path / node, 4096, 8))  # a 32 KiB budget
+        config = BufferConfig().updated("t", {"schema": SCHEMA, "capacity": 100, "shards": 3}, has_items=False)
+        shards[node] = ReplayBuffer("t", (1 << 48) + i, config, *opened[-1])
+    try:
+        for node in NODES:
+            await view(shards, node).append(records(range(10)))
+        joined = shards["a"]
+        joined.spread_over(view(shards, "a"))
+        with pytest.raises(FileTooLarge):
+            await joined.sample(2049)
+        assert all(s.samples == 0 for s in shards.values())  # no shard drew or counted anything
+        batch = await joined.sample(2048)
+        assert len(np.load(io.BytesIO(bytes(batch.data)))) == 2048
+    finally:
+        for blocks, _meta in opened:
+            await blocks.close()

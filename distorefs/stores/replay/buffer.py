@@ -681,6 +681,8 @@ class ReplayBuffer:
         over nodes counts at the draw, as its shards commit their own picks."""
         count = count or self.config.batch_size
         if self._spread is not None:
+            if self.config.itemsize is not None:  # this node joins the shards' parts: the whole batch
+                self._check_batch_bytes(count, count * self.config.itemsize)
             return await place(await self._spread.sample(count, nonblocking))
         indices, probabilities, items = await self._draw(count, nonblocking)
         weights = self._weights(probabilities, len(indices))
