@@ -639,8 +639,9 @@ def test_items_survive_remount_and_kill_9_with_priorities(mount_factory: MountFa
 
 
 def test_priority_writes_come_back_exactly_after_kill_9_with_no_snapshot_since(mount_factory: MountFactory) -> None:
-    """A write to `priority` is acknowledged when it returns: each one is a note in the
-    log, which a start-up replays on top of the last snapshot (here none was taken)."""
+    """A write to `priority` (or `priority.npy`) is acknowledged when it returns: each one
+    is a note in the log, which a start-up replays on top of the last snapshot (here none
+    was taken)."""
     mount = mount_factory("--snapshot-interval", "600")
     path = mount.path / "buffers" / "per"
     path.mkdir()
@@ -651,15 +652,16 @@ def test_priority_writes_come_back_exactly_after_kill_9_with_no_snapshot_since(m
         f.write("3 5.0\n7 1.0\n")
         f.flush()
         f.write("7 3.0\n")
-    assert stats(path)["total_priority"] == 8.0
+    np.save(path / "priority", np.array([[5, 2.0]]))  # to priority.npy, whose close sends no FLUSH
+    assert stats(path)["total_priority"] == 10.0
     mount.kill9()
 
     mount = mount_factory()
     path = mount.path / "buffers" / "per"
-    assert stats(path)["total_priority"] == 8.0  # not 10 items at the maximum priority
+    assert stats(path)["total_priority"] == 10.0  # not 10 items at the maximum priority
     batch = client.sample(path, batch_size=400)
     counts = np.bincount(batch["_index"], minlength=10)
-    assert set(np.flatnonzero(counts).tolist()) == {3, 7}
+    assert set(np.flatnonzero(counts).tolist()) == {3, 5, 7}
     assert counts[3] > counts[7]  # 5 against 3
     assert mount.unmount() == 0
 
