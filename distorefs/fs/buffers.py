@@ -44,6 +44,7 @@ from distorefs.fs.shm import Region, SharedMemory, no_room
 from distorefs.fs.virtual import (
     Access,
     Allowance,
+    AppendStreamHandle,
     ControlFile,
     Entry,
     NamedDir,
@@ -180,7 +181,7 @@ class ConfigHandle(WholeInputHandle):
             await self._buffer.persist()
 
 
-class AppendHandle(VirtualHandle):
+class AppendHandle(AppendStreamHandle):
     """Applies each complete record (or frame) as it arrives, and logs it before the
     write that completed it returns: a write whose records are whole is acknowledged
     when it returns, as a close is (docs/design.md, "Appends acknowledged at the write")."""
@@ -216,18 +217,8 @@ class AppendHandle(VirtualHandle):
             await scheduling.checkpoint()
         return len(data)
 
-    def _follow_stream(self) -> None:
-        """Count what the stream holds of records not complete yet (ENOMEM, the partial
-        input dropped, when it does not fit)."""
-        self.hold_input(self._stream.pending_bytes, self._stream.reset)
-
     def input_label(self) -> str:
         return f"buffers/{self._buffer.name}/append: a partial record"
-
-    async def release(self) -> None:
-        await scheduling.checkpoint()
-        self._stream.reset()
-        self._follow_stream()
 
     async def flush(self) -> None:
         """Every close of a descriptor of this open (dup'ed ones too: bash dup2s the

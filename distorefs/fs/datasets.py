@@ -26,6 +26,7 @@ from distorefs import scheduling
 from distorefs.errors import DistorefsError, FileTooLarge, InvalidArgument, NotFound, ReadOnly, describe
 from distorefs.fs.virtual import (
     Access,
+    AppendStreamHandle,
     ControlFile,
     Entry,
     NamedDir,
@@ -105,7 +106,7 @@ class ConfigHandle(WholeInputHandle):
             await self._ds.persist()
 
 
-class AppendHandle(VirtualHandle):
+class AppendHandle(AppendStreamHandle):
     """Adds each complete record (or frame) as it arrives; close acknowledges them, fsync
     makes them durable."""
 
@@ -128,11 +129,6 @@ class AppendHandle(VirtualHandle):
             raise _recorded(self._ds, exc) from None
         return len(data)
 
-    def _follow_stream(self) -> None:
-        """Count what the stream holds of records not complete yet (ENOMEM, the partial
-        input dropped, when it does not fit)."""
-        self.hold_input(self._stream.pending_bytes, self._stream.reset)
-
     def input_label(self) -> str:
         return f"{_label(self._ds, 'append')}: a partial record"
 
@@ -145,11 +141,6 @@ class AppendHandle(VirtualHandle):
             self._follow_stream()
             raise _recorded(self._ds, exc) from None
         await self._ds.persist()
-
-    async def release(self) -> None:
-        await scheduling.checkpoint()
-        self._stream.reset()
-        self._follow_stream()
 
     async def fsync(self) -> None:
         await self._ds.persist(durable=True)

@@ -37,6 +37,7 @@ from distorefs.errors import (
 from distorefs.ids import VIRTUAL_BASE
 from distorefs.stores.files import ROOT_INODE, FileStore
 from distorefs.stores.owners import Owner, OwnerTable
+from distorefs.stores.replay.formats import BlobStream, RecordStream
 from distorefs.tiers.blocks import BlockStore
 
 
@@ -228,6 +229,24 @@ class VirtualHandle:
 
     async def release(self) -> None:
         await scheduling.checkpoint()
+
+
+class AppendStreamHandle(VirtualHandle):
+    """An open of an `append` file (a buffer's, a dataset's): its records or frames are
+    parsed as they stream in (`_stream`), and what is not complete yet is held, counted
+    in `inputs` until it completes or the open is released."""
+
+    _stream: RecordStream | BlobStream
+
+    def _follow_stream(self) -> None:
+        """Count what the stream holds of records not complete yet (ENOMEM, the partial
+        input dropped, when it does not fit)."""
+        self.hold_input(self._stream.pending_bytes, self._stream.reset)
+
+    async def release(self) -> None:
+        await scheduling.checkpoint()
+        self._stream.reset()
+        self._follow_stream()
 
 
 class RenderedHandle(VirtualHandle):
