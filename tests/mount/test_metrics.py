@@ -52,6 +52,8 @@ def test_metrics_file_and_port_serve_requests_state_and_buffers(tmp_path: Path) 
         assert got[("distorefs_degraded", ())] == 0
         assert got[("distorefs_buffer_size", (("buffer", "m"),))] == 5
         assert got[("distorefs_buffer_samples", (("buffer", "m"),))] == 7
+        for held in ("batch", "input", "listing"):  # nothing held open at the scrape
+            assert got[(f"distorefs_held_{held}_bytes", ())] == 0
         assert got[("distorefs_buffer_shm_arena_bytes", (("buffer", "m"),))] >= 5 * 128
         assert got[("distorefs_buffer_shm_held_slots", (("buffer", "m"),))] >= 1
         assert got[("distorefs_requests_total", (("errno", "0"), ("op", "write")))] >= 1
