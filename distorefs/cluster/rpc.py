@@ -101,9 +101,6 @@ async def send_frame(
 
 
 async def _send_all(stream: trio.SocketStream, data: Payload, stall_s: float) -> None:
-    if stall_s == math.inf:
-        await stream.send_all(data)
-        return
     view = memoryview(data).cast("B")
     sent = 0
     while sent < len(view):
@@ -380,7 +377,7 @@ class PeerServer:
                 async with self._room_for(header[2]):
                     rid, meta, body = await recv_frame(stream, header, self.stall_s)
                     reply, parts = await self._dispatch(meta, body)
-                    del body  # its room is free for others while the reply goes (as fast as the peer reads)
+                # (its room is free for others while the reply goes, as fast as the peer reads)
                 await send_frame(stream, rid, reply, parts, self.stall_s)
 
     @contextlib.asynccontextmanager
