@@ -45,6 +45,14 @@ TRANSIENT_MAX_BYTES = 128 * 1024 * 1024  # four sequential readers' prefetch win
 SPARE_IDLE_CHECKS = 120
 
 
+def add_owned(bytes_by_owner: dict[int, int], owner: int, delta: int) -> None:
+    """Add `delta` to `owner`'s bytes, dropping an owner at 0 (statistics kept as things
+    come and go, where a walk of a million entries would hold the event loop)."""
+    left = bytes_by_owner.pop(owner, 0) + delta
+    if left:
+        bytes_by_owner[owner] = left
+
+
 class Block:
     """One cached block. `version` increases on every change, so a flush can tell whether
     the block changed while its snapshot was being written."""
@@ -195,7 +203,7 @@ class DramCache:
         plain = (key[0], key[1])
         self._blocks[plain] = block
         self.used_bytes += block.capacity_bytes
-        self._owner_bytes[key[0]] = self._owner_bytes.get(key[0], 0) + block.capacity_bytes
+        add_owned(self._owner_bytes, key[0], block.capacity_bytes)
         if block.borrowed:
             self.borrowed_bytes += block.capacity_bytes
         if block.dirty:
@@ -294,23 +302,18 @@ class DramCache:
                 self.transient_bytes -= block.capacity_bytes
                 block.transient = False
             self.used_bytes -= block.capacity_bytes
-            self._owned(key[0], -block.capacity_bytes)
+            add_owned(self._owner_bytes, key[0], -block.capacity_bytes)
             if block.borrowed:
                 self.borrowed_bytes -= block.capacity_bytes
             if block.dirty:
                 self.dirty_bytes -= block.capacity_bytes
         return block
 
-    def _owned(self, owner: int, delta: int) -> None:
-        left = self._owner_bytes.pop(owner) + delta
-        if left:
-            self._owner_bytes[owner] = left
-
     def replace_buffer(self, key: BlockKey, block: Block, buf: bytearray) -> None:
         """Swap the buffer of the cached block of `key` for a bigger (or smaller) one,
         keeping the accounting."""
         delta = len(buf) - block.capacity_bytes
-        self._owned(key[0], delta)
+        add_owned(self._owner_bytes, key[0], delta)
         if block.transient:
             self.transient_bytes += delta
         if block.borrowed:

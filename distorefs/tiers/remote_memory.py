@@ -32,6 +32,7 @@ import trio
 from distorefs import scheduling
 from distorefs.cluster.rpc import Payload, PeerServer, PeerTransport, ints_value, meta_ints, split_payload
 from distorefs.errors import DistorefsError
+from distorefs.tiers.dram import add_owned
 from distorefs.types import BlockKey, LogLocation
 
 log = logging.getLogger(__name__)
@@ -215,9 +216,7 @@ class _SpilledIndex(dict[BlockKey, _Spilled]):
 
     def _count(self, key: BlockKey, delta: int) -> None:
         self.total_bytes += delta
-        left = self._by_owner.pop(key.owner, 0) + delta
-        if left:
-            self._by_owner[key.owner] = left
+        add_owned(self._by_owner, key.owner, delta)
 
     def __setitem__(self, key: BlockKey, value: _Spilled) -> None:
         old = self.get(key)
