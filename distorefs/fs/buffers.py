@@ -81,7 +81,6 @@ SIGNAL_POLL_S = 0.05
 CONTROL_NAMES = (b"config", b"append", b"sample", b"priority", b"stats")
 MAX_SAMPLE_COUNT = 1 << 20
 PRIORITY_INPUT_BYTES = 64 << 20
-NPY_ALIASES = {b"append.npy": b"append"}
 
 
 def signal_pending(pid: int) -> bool:
@@ -826,6 +825,8 @@ class ItemListing(PositionListing):
 class BufferDir(NamedDir):
     """`buffers/<name>/`: the control files and `items/`."""
 
+    aliases = {b"append.npy": b"append"}  # (priority.npy is a file of its own: _priority_npy)
+
     def __init__(
         self, tree: VirtualTree, buffer: ReplayBuffer, held: Allowance, shared: SharedMemory | None = None
     ) -> None:
@@ -884,8 +885,6 @@ class BufferDir(NamedDir):
                 return self._stream(int(count) if count else None)
         if name == b"priority.npy":
             return self._priority_npy()
-        if name in NPY_ALIASES:  # np.save adds .npy to a path that lacks it
-            return super().lookup(NPY_ALIASES[name])
         if name == b"sample.npz":
             return self._columnar_sample()
         return super().lookup(name)
@@ -1009,11 +1008,6 @@ class BuffersDir(NamedKindDirectory):
         super().__init__(tree, b"buffers")
         self._store = store
         self._shared = shared
-        # An open keeps its batch until its release (the kernel may drop the pages it was
-        # given, and a read must then find the same batch): without a bound, one process
-        # opening sample files and never closing them could hold any amount of memory.
-        self.held_batches = Allowance(store.dram_budget_bytes, "open sample files hold batches")
-        tree.add_status(lambda: {"held_batch_bytes": self.held_batches.held})
         tree.add_resolver(ITEM_BASE, ITEM_BASE + ITEM_SPAN, self._resolve_item)
 
     def _names(self) -> list[str]:
@@ -1023,7 +1017,7 @@ class BuffersDir(NamedKindDirectory):
         return self._store.get(name)
 
     def _make_dir(self, obj: Any) -> BufferDir:
-        return BufferDir(self._tree, obj, self.held_batches, self._shared)
+        return BufferDir(self._tree, obj, self._tree.batches, self._shared)
 
     async def mkdir(self, name: bytes, mode: int) -> VirtualNode:
         """A new buffer, its row committed before the mkdir returns: appends then persist

@@ -51,7 +51,6 @@ from distorefs.stores.replay.formats import BlobStream, RecordStream
 RECORD_CACHE_S = 60.0  # records never change; a removed dataset's may stat this long
 CONTROL_NAMES = (b"config", b"append", b"state", b"order", b"len", b"stats", b"stream")
 STATE_INPUT_BYTES = 4096  # `seal` and a newline, with room for whitespace
-NPY_ALIASES = {b"append.npy": b"append", b"order.npy": b"order"}  # as `np.save(f"{d}/append", records)` names them
 MAX_WORLD = 1 << 16
 
 
@@ -376,6 +375,8 @@ class RecordsDir(VirtualDir):
 class DatasetDir(NamedDir):
     """`datasets/<name>/`: the control files and `records/`."""
 
+    aliases = {b"append.npy": b"append", b"order.npy": b"order"}  # as `np.save(f"{d}/append", records)` names them
+
     def __init__(self, tree: VirtualTree, store: DatasetStore, ds: Dataset) -> None:
         super().__init__(tree.new_ino(), ds.name.encode(errors="surrogateescape"), stat.S_IFDIR | 0o755)
         self.own(tree.owners, b"datasets", tree.default_owner())
@@ -410,8 +411,6 @@ class DatasetDir(NamedDir):
     def lookup(self, name: bytes) -> VirtualNode:
         if name.startswith(b"stream-"):
             return self._shard(name)
-        if name in NPY_ALIASES:  # np.save adds .npy to a path that lacks it
-            return super().lookup(NPY_ALIASES[name])
         return super().lookup(name)
 
     def _shard(self, name: bytes) -> StreamFile:

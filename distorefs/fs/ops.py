@@ -37,7 +37,15 @@ from distorefs.fs import kernel
 from distorefs.fs.metrics import Metrics
 from distorefs.fs.polling import PollWindow
 from distorefs.fs.shm import ADOPT_XATTR, borrow_sealed, parse_fd
-from distorefs.fs.virtual import KindDirectory, VirtualDir, VirtualFile, VirtualHandle, VirtualNode, VirtualTree
+from distorefs.fs.virtual import (
+    KindDirectory,
+    PositionListing,
+    VirtualDir,
+    VirtualFile,
+    VirtualHandle,
+    VirtualNode,
+    VirtualTree,
+)
 from distorefs.logs import FailureLog
 from distorefs.stores.files import NAME_MAX, ROOT_INODE, Inode
 from distorefs.stores.tree import PosixTree
@@ -658,7 +666,7 @@ class FsOperations(pyfuse3.Operations):
         vdir = self._virtual_dir(inode)
         if vdir is not None:
             listing = vdir.listing()
-            held = getattr(listing, "held_bytes", 0)  # items/: 16 bytes an item, for as long as it is open
+            held = listing.held_bytes if isinstance(listing, PositionListing) else 0  # items/: 16 bytes an item
             self.virtual.listings.take(held, lambda: f"a listing of {vdir.name.decode(errors='replace')}/")
             return self._new_fh(Handle(inode, virtual=True, listing=listing, listing_bytes=held))
         prefix = [(b".", inode), (b"..", self.tree.parent_of(inode))]  # `ls -a` shows them

@@ -446,6 +446,8 @@ class VirtualDir(VirtualNode):
 
     # Cache time readdir gives the entries it lists (0: control files).
     child_cache_s: float = 0.0
+    # Names that reach another entry, not listed (np.save adds .npy to a path that lacks it)
+    aliases: dict[bytes, bytes] = {}
     # Whether readdir replies hand the kernel lookup references the children count.
     counts_lookups = False
 
@@ -490,7 +492,7 @@ class VirtualDir(VirtualNode):
         return owner.mode, owner.uid, owner.gid
 
     def lookup(self, name: bytes) -> VirtualNode:
-        node = self.children.get(name)
+        node = self.children.get(self.aliases.get(name, name))
         if node is None:
             raise NotFound(f"no entry {name.decode(errors='replace')!r} in {self.name.decode()}/")
         return node
@@ -628,7 +630,11 @@ class VirtualTree:
         self._status_parts: list[Callable[[], dict[str, Any]]] = []
         self._files = files
         self._blocks = blocks
+        # What open descriptors hold, each kind bounded by the DRAM budget: input not
+        # applied yet, batches kept for their opens (the kernel may drop the pages it was
+        # given, and a read must then find the same batch), listings of many entries
         self.inputs = Allowance(blocks.dram_budget_bytes, "open control files hold input not applied yet")
+        self.batches = Allowance(blocks.dram_budget_bytes, "open sample files hold batches")
         self.listings = Allowance(blocks.dram_budget_bytes, "open directories hold listings")
         control = self._add_root(VirtualDir(self.new_ino(), b".distore"))
         assert isinstance(control, VirtualDir)
@@ -724,6 +730,7 @@ class VirtualTree:
             "internal_errors": self.internal_errors,
             "last_internal_error": self.last_internal_error,
             "held_input_bytes": self.inputs.held,  # input that open control files hold, not applied yet
+            "held_batch_bytes": self.batches.held,  # batches that open sample files keep
             "held_listing_bytes": self.listings.held,  # what open directories of many entries (items/) hold
             **parts,
             "blocks": asdict(blocks),

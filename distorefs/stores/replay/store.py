@@ -59,10 +59,6 @@ class BufferStore:
         self._next_owner = int(meta.get_kv("next_buffer_owner", BUFFER_OWNER_BASE))
         self.news = Outbox[tuple[str, str]]()  # ("created" | "configured" | "deleted", name)
 
-    @property
-    def dram_budget_bytes(self) -> int:
-        return self._blocks.dram_budget_bytes
-
     @classmethod
     def load(cls, blocks: BlockStore, meta: MetaDb, peer: ShardPeer | None = None) -> BufferStore:
         self = cls(blocks, meta, peer)
