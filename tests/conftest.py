@@ -203,6 +203,21 @@ def scratch(mounted: Mount, request: pytest.FixtureRequest) -> Iterator[Path]:
         yield path
 
 
+def wait_for(check: Callable[[], object], timeout_s: float = 10.0, what: str = "condition") -> object:
+    """Poll `check` until it returns something truthy (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            result = check()
+            if result:
+                return result
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached in {timeout_s} s")
+        time.sleep(0.02)
+
+
 def wait_blocked_in_read(pid: int, timeout_s: float = 10.0) -> None:
     """Wait until process `pid` sleeps inside a read(2) (syscall 0 on x86-64 and 63 on
     arm64, as /proc/PID/syscall shows): the request has reached the daemon and waits there."""

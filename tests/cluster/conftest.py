@@ -125,18 +125,3 @@ def cluster_node(etcd: Etcd, tmp_path: Path) -> Iterator[NodeFactory]:
 @pytest.fixture
 def three(cluster_node: NodeFactory) -> list[Mount]:
     return [cluster_node(f"n{i}") for i in range(3)]
-
-
-def wait_for(check: Callable[[], object], timeout_s: float = 10.0, what: str = "condition") -> object:
-    """Poll `check` until it returns something truthy (bounded)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            result = check()
-            if result:
-                return result
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached in {timeout_s} s")
-        time.sleep(0.02)

@@ -17,8 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from distorefs import client
-from tests.cluster.conftest import Etcd, NodeFactory, wait_for
-from tests.conftest import Mount, fuse_missing
+from tests.cluster.conftest import Etcd, NodeFactory
+from tests.conftest import Mount, fuse_missing, wait_for
 
 pytestmark = pytest.mark.mount
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.cluster.conftest import NodeFactory, wait_for
-from tests.conftest import first_episodes
+from tests.cluster.conftest import NodeFactory
+from tests.conftest import first_episodes, wait_for
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "distributed_dqn.py"
 RANDOM_RETURN = 22

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from distorefs import client
-from tests.conftest import Mount, blocked_read, daemon_cpu_s, data_requests, fuse_requests
+from tests.conftest import Mount, blocked_read, daemon_cpu_s, data_requests, fuse_requests, wait_for
 
 pytestmark = pytest.mark.mount
 
@@ -257,10 +257,10 @@ def test_priority_npy_applies_each_array_at_its_write_and_its_close_sends_no_flu
     fd = os.open(buffer / "priority.npy", os.O_WRONLY)
     os.write(fd, out.getvalue()[:-8])  # the close leaves it incomplete: not applied
     os.close(fd)
-    deadline = time.monotonic() + 10  # the kernel sends RELEASE after the close returns
-    while not any("ended mid-record" in str(e) for e in stats(buffer)["errors"]):  # type: ignore[attr-defined]
-        assert time.monotonic() < deadline, stats(buffer)["errors"]
-        time.sleep(0.01)
+    wait_for(  # the kernel sends RELEASE after the close returns
+        lambda: any("ended mid-record" in str(e) for e in stats(buffer)["errors"]),  # type: ignore[attr-defined]
+        what="the dropped array in stats errors",
+    )
     with open(buffer / "sample", "rb") as f:
         assert set(np.load(f)["_index"].tolist()) == {0}
     assert "priority.npy" not in os.listdir(buffer)

@@ -14,6 +14,7 @@ import stat
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -21,9 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from distorefs import client
-from tests.conftest import Mount, dir_for_test
+from tests.conftest import Mount, dir_for_test, wait_for
 
 SCHEMA = {"x": "int64"}
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -275,6 +277,19 @@ def test_a_batch_that_would_not_fit_the_dram_budget_is_refused(mounted: Mount, r
     healthy(mounted)
 
 
+def once_released(action: Callable[[], T]) -> T:
+    """`action()`, tried again while it fails with ENOMEM, for up to 10 s: the kernel sends
+    RELEASE after a close has returned, so the room a close frees comes a little later."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return action()
+        except OSError as exc:
+            if exc.errno != errno.ENOMEM or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def test_sample_files_held_open_hold_at_most_half_the_dram_budget(
     mounted: Mount, request: pytest.FixtureRequest
 ) -> None:
@@ -298,15 +313,7 @@ def test_sample_files_held_open_hold_at_most_half_the_dram_budget(
         finally:
             for fd in held:
                 os.close(fd)
-        deadline = time.monotonic() + 10  # RELEASE reaches the daemon after the close returns
-        while True:
-            try:
-                assert len(client.sample(blobs, 24, copy=False)) == 24
-                break
-            except OSError as exc:
-                if exc.errno != errno.ENOMEM or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        assert len(once_released(lambda: client.sample(blobs, 24, copy=False))) == 24
     healthy(mounted)
 
 
@@ -351,15 +358,7 @@ def test_input_held_by_open_control_files_is_bounded_by_the_dram_budget(
             blobs.rmdir()
         with contextlib.suppress(OSError):  # EINVAL: the close finds the .npy incomplete
             os.close(held.pop(0))
-        deadline = time.monotonic() + 10  # the RELEASE reaches the daemon after the close
-        while True:
-            try:
-                os.write(fd, header + bytes(10 << 20))  # the refusal dropped its input: a new .npy
-                break
-            except OSError as exc:
-                if exc.errno != errno.ENOMEM or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        once_released(lambda: os.write(fd, header + bytes(10 << 20)))  # the refusal dropped its input: a new .npy
     finally:
         for fd in held:
             with contextlib.suppress(OSError):
@@ -389,10 +388,7 @@ def test_open_listings_of_items_hold_at_most_the_dram_budget(mounted: Mount, req
         finally:
             for fd in fds:
                 os.close(fd)
-        deadline = time.monotonic() + 10  # the RELEASEDIRs come after the closes return
-        while mounted.status()["held_listing_bytes"]:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for(lambda: mounted.status()["held_listing_bytes"] == 0, what="the RELEASEDIRs, sent after the closes")
         assert len(os.listdir(big / "items")) == 100_000
         os.rmdir(big)  # at once (rm -r would unlink the items one by one)
     healthy(mounted)
