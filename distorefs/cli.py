@@ -157,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     cluster.add_argument("--transport", choices=("auto", "tcp", "rdma"), default="auto", help="peer data transport")
     cluster.add_argument(
+        "--cluster-secret-file", default=None, metavar="PATH",
+        help="the secret every peer connection proves (mode 600, the same file on every node; default: a secret "
+        "kept in etcd, made by the first node)",
+    )  # fmt: skip
+    cluster.add_argument(
         "--lend-memory", default="0", metavar="SIZE",
         help="DRAM this node keeps for other nodes' cold buffer items, e.g. 8GiB (default 0: lends none)",
     )  # fmt: skip
@@ -247,6 +252,7 @@ def _cluster_config(args: argparse.Namespace) -> Any:
         lease_ttl_s=args.lease_ttl,
         transport=args.transport,
         lend_bytes=parse_size(args.lend_memory),
+        secret_file=None if args.cluster_secret_file is None else os.path.abspath(args.cluster_secret_file),
     )
     config.validate()
     return config
@@ -373,6 +379,8 @@ def start_background(config: Any, args: argparse.Namespace) -> int:
             "--peer-timeout", str(cluster.peer_timeout_s), "--lease-ttl", str(cluster.lease_ttl_s),
             "--transport", cluster.transport, "--lend-memory", str(cluster.lend_bytes),
         ]  # fmt: skip
+        if cluster.secret_file is not None:
+            argv += ["--cluster-secret-file", cluster.secret_file]
     if config.allow_other:
         argv.append("--allow-other")
     if args.nonempty:

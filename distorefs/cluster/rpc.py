@@ -18,6 +18,11 @@ index) travels in the body instead, ahead of the payload, and is a memoryview of
 on arrival: the map stays under MAX_META_BYTES whatever the count of items, and the
 bytes are not copied through msgpack.
 
+Authentication (formats.md, "The handshake"): before its first frame, each connection
+proves on both sides that they hold the cluster's secret, by HMAC-SHA256 over two fresh
+nonces; a connection that does not within AUTH_TIMEOUT_S is closed, and no frame of it is
+read. The secret never travels. The frames after it are neither signed nor encrypted.
+
 Failure rules: one call has one deadline (`timeout_s`, default 5 s). Connection errors
 are retried (`retries`, with a short backoff) on a fresh connection within it; when it
 passes, or the node is not a live member, the call raises PeerUnavailable (EIO). An
@@ -31,10 +36,12 @@ choice and its reason are logged and shown in `.distore/peers` (docs/cluster.md)
 from __future__ import annotations
 
 import contextlib
+import hmac
 import itertools
 import logging
 import math
 import mmap
+import secrets
 import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -69,6 +76,69 @@ Handler = Callable[[dict[str, Any], memoryview], Awaitable[tuple[dict[str, Any],
 
 class ProtocolError(Exception):
     """The other side sent something that is not a frame of ours."""
+
+
+class AuthenticationFailed(ProtocolError):
+    """The other side did not prove that it holds the cluster's secret (or refused ours)."""
+
+
+# --- the handshake ----------------------------------------------------------------------
+
+AUTH_MAGIC = b"DSA1"
+NONCE_BYTES = 32
+PROOF_BYTES = 32  # HMAC-SHA256
+MIN_SECRET_BYTES = 16
+AUTH_TIMEOUT_S = 5.0  # a new connection proves the secret within this, or is closed
+ACCEPTED, REFUSED = 0, 1
+
+
+def proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
+    """HMAC-SHA256 with the cluster's secret over the role ("client" or "server") and two
+    nonces, the other side's first: each side proves the secret over the nonce the other
+    just chose, so a proof seen once is worth nothing again."""
+    return hmac.digest(secret, b"distorefs peer " + role + b"\0" + first + second, "sha256")
+
+
+def _check_secret(secret: bytes) -> None:
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"the cluster secret has {len(secret)} bytes, fewer than {MIN_SECRET_BYTES}")
+
+
+async def authenticate_to(stream: trio.SocketStream, secret: bytes, stall_s: float = AUTH_TIMEOUT_S) -> None:
+    """The client's side of the handshake on a new connection: the server's nonce, then
+    this side's nonce and proof, then the server's verdict and its own proof.
+    AuthenticationFailed when the server refused the proof (the two hold different
+    secrets) or does not prove the secret itself; ProtocolError when it is not a
+    distorefs peer of this version."""
+    _check_secret(secret)
+    hello = memoryview(bytearray(len(AUTH_MAGIC) + NONCE_BYTES))
+    await _recv_exactly(stream, hello, stall_s)
+    if hello[: len(AUTH_MAGIC)] != AUTH_MAGIC:
+        raise ProtocolError("the other side sent no handshake: not a distorefs peer of this version")
+    theirs, mine = bytes(hello[len(AUTH_MAGIC) :]), secrets.token_bytes(NONCE_BYTES)
+    await _send_all(stream, AUTH_MAGIC + mine + proof(secret, b"client", theirs, mine), stall_s)
+    verdict = memoryview(bytearray(1 + PROOF_BYTES))
+    await _recv_exactly(stream, verdict, stall_s)
+    if verdict[0] != ACCEPTED:
+        raise AuthenticationFailed("it refused this node's proof of the cluster secret (the two differ)")
+    if not hmac.compare_digest(verdict[1:], proof(secret, b"server", mine, theirs)):
+        raise AuthenticationFailed("it did not prove the cluster secret: not a node of this cluster")
+
+
+async def _authenticate_from(stream: trio.SocketStream, secret: bytes, stall_s: float) -> None:
+    """The server's side: send a nonce, check the client's proof over it, answer with the
+    verdict and (accepted) this side's proof over the client's nonce."""
+    mine = secrets.token_bytes(NONCE_BYTES)
+    await _send_all(stream, AUTH_MAGIC + mine, stall_s)
+    answer = memoryview(bytearray(len(AUTH_MAGIC) + NONCE_BYTES + PROOF_BYTES))
+    await _recv_exactly(stream, answer, stall_s)
+    theirs, shown = bytes(answer[4 : 4 + NONCE_BYTES]), answer[4 + NONCE_BYTES :]
+    if answer[:4] != AUTH_MAGIC or not hmac.compare_digest(shown, proof(secret, b"client", mine, theirs)):
+        with contextlib.suppress(OSError, trio.BrokenResourceError, ProtocolError):
+            await _send_all(stream, bytes([REFUSED]) + bytes(PROOF_BYTES), stall_s)
+        why = "a wrong proof of the cluster secret" if answer[:4] == AUTH_MAGIC else "no handshake"
+        raise AuthenticationFailed(why)
+    await _send_all(stream, bytes([ACCEPTED]) + proof(secret, b"server", theirs, mine), stall_s)
 
 
 async def _recv_exactly(stream: trio.SocketStream, view: memoryview, stall_s: float = math.inf) -> None:
@@ -299,18 +369,25 @@ class PeerServer:
     """Answers peers' requests with the registered handlers, one request at a time per
     connection (a client opens several connections for parallel calls).
 
-    Bounded against whoever reaches the port (it has no authentication, docs/cluster.md):
-    at most `max_connections` open, `per_host` of them from one address (one more is
+    A connection is served once it proves the cluster's `secret` (the handshake, within
+    `auth_timeout_s`); one that does not is closed and counted in
+    `unauthenticated_connections`, and nothing it sent is read as a frame.
+
+    Bounded against whoever reaches the port, before and after the handshake: at most
+    `max_connections` open, `per_host` of them from one address (one more is
     closed at once); a frame begun may stall `stall_s` at most; the bodies of requests
     being received or answered hold at most `budget_bytes` (a frame waits `room_wait_s`
     at most for its room), and one body past `bulk_bytes` more (at most half the memory
     available; a second one waits)."""
 
     def __init__(
-        self, max_connections: int = MAX_CONNECTIONS, per_host: int = MAX_CONNECTIONS_PER_HOST,
+        self, secret: bytes = b"", max_connections: int = MAX_CONNECTIONS, per_host: int = MAX_CONNECTIONS_PER_HOST,
         budget_bytes: int = RECEIVE_BUDGET_BYTES, bulk_bytes: int = BULK_BODY_BYTES, stall_s: float = FRAME_STALL_S,
-        room_wait_s: float = FRAME_STALL_S,
+        room_wait_s: float = FRAME_STALL_S, auth_timeout_s: float = AUTH_TIMEOUT_S,
     ) -> None:  # fmt: skip
+        self.secret = secret  # (a cluster node sets it at its start, before `serve`)
+        self.auth_timeout_s = auth_timeout_s
+        self.unauthenticated_connections = 0
         self.handlers: dict[str, Handler] = {}
         self.requests = 0
         self.errors = 0
@@ -332,6 +409,7 @@ class PeerServer:
     async def serve(
         self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
     ) -> None:
+        _check_secret(self.secret)
         listeners = await trio.open_tcp_listeners(port, host=host)
         self.port = listeners[0].socket.getsockname()[1]
         task_status.started(self.port)
@@ -355,7 +433,10 @@ class PeerServer:
         self.connections += 1
         self._hosts[host] = from_host + 1
         try:
+            await self._authenticate(stream, host)
             await self._serve_connection(stream)
+        except AuthenticationFailed:
+            await trio.aclose_forcefully(stream)  # (counted and logged by _authenticate)
         except ProtocolError as exc:
             self.errors += 1
             log.warning("peers: dropping a connection: %s", exc)
@@ -369,6 +450,25 @@ class PeerServer:
             left = self._hosts.pop(host) - 1
             if left:
                 self._hosts[host] = left
+
+    async def _authenticate(self, stream: trio.SocketStream, host: str) -> None:
+        """The handshake, within `auth_timeout_s` in all (a stranger trickling bytes
+        holds its connection no longer); AuthenticationFailed, counted and logged (the
+        1st, 2nd, 4th, 8th ... time), when it fails for any reason."""
+        why = f"no proof within {self.auth_timeout_s:g} s"
+        with trio.move_on_after(self.auth_timeout_s):
+            try:
+                await _authenticate_from(stream, self.secret, self.auth_timeout_s)
+                return
+            except ProtocolError as exc:
+                why = str(exc)
+            except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                why = "closed during the handshake"
+        self.unauthenticated_connections += 1
+        count = self.unauthenticated_connections
+        if count & (count - 1) == 0:  # 1, 2, 4, 8 ...
+            log.warning("peers: a connection from %s did not authenticate (%s); closed (%d so far)", host, why, count)
+        raise AuthenticationFailed(why)
 
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
         async with stream:
@@ -477,8 +577,10 @@ class PeerTransport:
         lookup: Callable[[str], tuple[str, int] | None],
         timeout_s: float = DEFAULT_TIMEOUT_S,
         retries: int = DEFAULT_RETRIES,
+        secret: bytes = b"",
     ) -> None:
         self._lookup = lookup
+        self.secret = secret  # (a cluster node sets it at its start, before any call)
         self.timeout_s = timeout_s
         self.retries = retries
         self.stats: dict[str, PeerStats] = {}
@@ -512,6 +614,8 @@ class PeerTransport:
                     reply, payload = await self._exchange(node, address, request, body)
             except trio.TooSlowError:
                 raise self._failed(node, op, f"did not answer within {timeout_s or self.timeout_s:g} s") from None
+            except AuthenticationFailed as exc:  # not retried: another try meets the same secret
+                raise self._failed(node, op, f"at {address[0]}:{address[1]} failed authentication: {exc}") from None
             except (OSError, EOFError, trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError) as exc:
                 attempt += 1
                 stats.last_error, stats.last_error_ns = f"{type(exc).__name__}: {exc}", time.time_ns()
@@ -540,7 +644,7 @@ class PeerTransport:
         self, node: str, address: tuple[str, int], request: dict[str, Any], body: Sequence[Payload]
     ) -> tuple[dict[str, Any], memoryview]:
         stats = self._stats(node)
-        stream = stats.idle.pop() if stats.idle else await trio.open_tcp_stream(*address)
+        stream = stats.idle.pop() if stats.idle else await self._connect(address)
         ok = False
         try:
             self._rid = rid = (self._rid + 1) & 0xFFFFFFFF
@@ -556,6 +660,16 @@ class PeerTransport:
                 stats.idle.append(stream)
             else:
                 stream.socket.close()
+
+    async def _connect(self, address: tuple[str, int]) -> trio.SocketStream:
+        """A new connection to `address`, authenticated (the handshake)."""
+        stream = await trio.open_tcp_stream(*address)
+        try:
+            await authenticate_to(stream, self.secret)
+        except BaseException:
+            stream.socket.close()
+            raise
+        return stream
 
     def forget(self, node: str) -> None:
         """A node left: close its idle connections (calls in flight fail on their own)."""

@@ -9,12 +9,17 @@ the kind that owns the key's first component. It imports no kind: daemon.py buil
 kinds (peers/buffers.py, weights.py, checkpoints.py, datasets.py) and adds them here.
 
 Shared namespace keys (docs/cluster.md): ns/<kind>/<name>, each kind's value its own.
+The cluster's secret, which every peer connection proves (cluster/rpc.py), is the key
+`secret` under the root (made by the first node that finds none), or the contents of
+`--cluster-secret-file` on every node.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
+import stat
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -25,7 +30,7 @@ import trio
 from distorefs import scheduling
 from distorefs.cluster.etcd import EtcdClient, WatchEvent
 from distorefs.cluster.membership import Membership, NodeInfo, PrefixMirror
-from distorefs.cluster.rpc import Payload, PeerServer, PeerTransport, choose_transport
+from distorefs.cluster.rpc import MIN_SECRET_BYTES, Payload, PeerServer, PeerTransport, choose_transport
 from distorefs.errors import ConfigError, DistorefsError, PeerUnavailable
 from distorefs.tiers.remote_memory import LentMemory, RemoteMemory
 
@@ -43,6 +48,7 @@ class ClusterConfig:
     transport: str = "auto"
     lend_bytes: int = 0
     root: str = "/distore/"
+    secret_file: str | None = None  # None: the secret is etcd's (made by the first node)
 
     def validate(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -57,6 +63,41 @@ class ClusterConfig:
             raise ConfigError(f"--lend-memory must not be negative, got {self.lend_bytes}")
         if self.transport not in ("auto", "tcp", "rdma"):
             raise ConfigError(f"--transport must be auto, tcp or rdma, got {self.transport!r}")
+        if self.secret_file is not None:
+            read_secret_file(self.secret_file)
+
+
+MAX_SECRET_FILE_BYTES = 4096
+
+
+def read_secret_file(path: str) -> bytes:
+    """The cluster's secret from `path`: its bytes, trailing whitespace cut, at least
+    MIN_SECRET_BYTES; ConfigError when the file is missing, not a regular file, larger
+    than MAX_SECRET_FILE_BYTES, or readable by anyone but its owner (chmod 600)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ConfigError(f"--cluster-secret-file {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"--cluster-secret-file {path}: not a regular file")
+        if st.st_mode & 0o077:
+            raise ConfigError(
+                f"--cluster-secret-file {path}: mode {stat.S_IMODE(st.st_mode):o} lets others read it (chmod 600)"
+            )
+        data = os.read(fd, MAX_SECRET_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_SECRET_FILE_BYTES:
+        raise ConfigError(f"--cluster-secret-file {path}: more than {MAX_SECRET_FILE_BYTES} bytes")
+    secret = data.rstrip()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(
+            f"--cluster-secret-file {path}: {len(secret)} bytes, fewer than {MIN_SECRET_BYTES} "
+            "(make one with: head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE)"
+        )
+    return secret
 
 
 class KindSync(Protocol):
@@ -91,6 +132,7 @@ class ClusterNode:
         self.lenders: list[str] = []  # kept by _follow_members: DRAM evictions ask for it
         self.remote_memory = RemoteMemory(self.me, self.peers, lambda: self.lenders)
         self.transport, self.transport_reason = "tcp", ""
+        self.secret_source = ""  # where the cluster's secret came from (`.distore/peers`)
         self.members: Membership | None = None
         send, self._events = trio.open_memory_channel[WatchEvent](256)
         self.ns = PrefixMirror(self.etcd, self.root + b"ns/", send)
@@ -115,6 +157,8 @@ class ClusterNode:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         log.info("cluster: data transport %s (%s)", self.transport, self.transport_reason)
+        secret = await self._secret()
+        self.server.secret = self.peers.secret = secret
         self.server.register("ping", self._on_ping)
         for kind in self._kinds.values():
             kind.register(self.server)
@@ -137,6 +181,26 @@ class ClusterNode:
         nursery.start_soon(self.ns.run, name="cluster namespace watch")
         for kind in self._kinds.values():
             kind.start(nursery)
+
+    async def _secret(self) -> bytes:
+        """The cluster's secret: the file's, or etcd's key `secret` under the root, made
+        here (random, 32 bytes hex) if no node has made it yet; ConfigError when etcd
+        cannot be reached or holds one too short."""
+        if self.config.secret_file is not None:
+            self.secret_source = f"file {self.config.secret_file}"
+            return read_secret_file(self.config.secret_file)
+        key = self.root + b"secret"
+        self.secret_source = f"etcd key {key.decode(errors='replace')}"
+        try:
+            found = await self.etcd.get(key)
+            if found is None:
+                await self.etcd.put_if(key, secrets.token_hex(32).encode(), 0)  # the first node's wins
+                found = await self.etcd.get(key)
+        except PeerUnavailable as exc:
+            raise ConfigError(f"cannot read the cluster's secret from {self.config.url}: {exc}") from None
+        if found is None or len(found.value) < MIN_SECRET_BYTES:
+            raise ConfigError(f"the cluster secret ({self.secret_source}) is missing or under {MIN_SECRET_BYTES} bytes")
+        return found.value
 
     async def stop(self) -> None:
         """Leave the cluster at once (the lease is revoked) and close connections."""
@@ -266,6 +330,8 @@ class ClusterNode:
             "request_errors": self.server.errors,
             "connections": self.server.connections,
             "refused_connections": self.server.refused_connections,
+            "unauthenticated_connections": self.server.unauthenticated_connections,
+            "secret": self.secret_source,
             "receive_budget_free_bytes": self.server.budget.free,
         }
         for kind in self._kinds.values():

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import errno
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from distorefs import client
+from distorefs.cluster.rpc import AUTH_MAGIC, HEADER, MAGIC, NONCE_BYTES, PROOF_BYTES, REFUSED, proof
 from tests.cluster.conftest import Etcd, NodeFactory
 from tests.conftest import Mount, fuse_missing, wait_for
 
@@ -71,20 +74,47 @@ def test_a_name_taken_by_a_live_node_is_refused(cluster_node: NodeFactory, tmp_p
     assert b"node name 'dup' is taken by a live daemon" in other.stderr
 
 
-def test_garbage_on_a_nodes_peer_port_leaves_the_daemon_serving(cluster_node: NodeFactory) -> None:
+def cluster_secret(etcd: Etcd) -> bytes:
+    """The secret the first node made and kept in etcd (every node without a file uses it)."""
+    found = etcd.post("/v3/kv/range", {"key": base64.b64encode(b"/distore/secret").decode()})
+    kvs = found.get("kvs")
+    assert isinstance(kvs, list)
+    assert kvs, "no secret in etcd"
+    return base64.b64decode(kvs[0]["value"])
+
+
+def recv_exactly(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        assert chunk, f"closed after {len(data)} of {size} bytes"
+        data += chunk
+    return data
+
+
+def handshake(conn: socket.socket, secret: bytes) -> None:
+    """The client's side of the peer handshake on a blocking socket, as a node makes it."""
+    hello = recv_exactly(conn, len(AUTH_MAGIC) + NONCE_BYTES)
+    assert hello[: len(AUTH_MAGIC)] == AUTH_MAGIC
+    theirs, mine = hello[len(AUTH_MAGIC) :], os.urandom(NONCE_BYTES)
+    conn.sendall(AUTH_MAGIC + mine + proof(secret, b"client", theirs, mine))
+    verdict = recv_exactly(conn, 1 + PROOF_BYTES)
+    assert verdict[0] == 0, "the node refused the proof"
+    assert verdict[1:] == proof(secret, b"server", mine, theirs)
+
+
+def test_garbage_on_a_nodes_peer_port_leaves_the_daemon_serving(cluster_node: NodeFactory, etcd: Etcd) -> None:
     """One frame whose meta was not msgpack ended the peer server, and with it the
     daemon (anyone who reaches the port could unmount it): now each bad connection is
-    dropped alone and counted."""
-    import socket
-
-    from distorefs.cluster.rpc import HEADER, MAGIC
-
+    dropped alone and counted, whether it proved the cluster's secret or not."""
     node = cluster_node("g0")
+    secret = cluster_secret(etcd)
     host, port = str(peers(node)["listen"]).rsplit(":", 1)
     http = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
     frames = [HEADER.pack(MAGIC, 1, 1, 0) + b"\xc1", HEADER.pack(MAGIC, 1, 2, 0) + b"\x91\x01", http]
     for frame in frames:
         with socket.create_connection((host, int(port)), timeout=10) as conn:
+            handshake(conn, secret)
             conn.sendall(frame)
             try:
                 assert conn.recv(4096) == b""  # dropped without a reply
@@ -94,9 +124,18 @@ def test_garbage_on_a_nodes_peer_port_leaves_the_daemon_serving(cluster_node: No
     (node.path / "still-here").write_bytes(b"ok")
     assert (node.path / "still-here").read_bytes() == b"ok"
     assert wait_for(lambda: peers(node)["request_errors"] == 3, what="3 refused connections")
+    # the same frames without the handshake: refused before any is read as a frame
+    for frame in frames:
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(frame.ljust(len(AUTH_MAGIC) + NONCE_BYTES + PROOF_BYTES, b"\0"))
+            assert recv_exactly(conn, len(AUTH_MAGIC) + NONCE_BYTES + 1)[-1] == REFUSED
+    assert wait_for(lambda: peers(node)["unauthenticated_connections"] == 3, what="3 unauthenticated")
+    assert peers(node)["request_errors"] == 3
     # one address holds at most 64 connections: the 65th is closed at once, and counted
     held = [socket.create_connection((host, int(port)), timeout=10) for _ in range(64)]
     try:
+        for conn in held:
+            handshake(conn, secret)  # (a connection that does not is closed within 5 s)
         wait_for(lambda: peers(node)["connections"] == 64, what="64 connections open")
         with socket.create_connection((host, int(port)), timeout=10) as extra:
             try:
@@ -110,18 +149,63 @@ def test_garbage_on_a_nodes_peer_port_leaves_the_daemon_serving(cluster_node: No
     assert peers(node)["refused_connections"] == 1
     metrics = (node.path / ".distore" / "metrics").read_text()
     assert "distorefs_peer_refused_connections 1.0" in metrics
+    assert "distorefs_peer_unauthenticated_connections 3.0" in metrics
 
 
-def peer_call(address: tuple[str, int], meta: dict[str, object], body: bytes = b"") -> dict[str, object]:
-    """One request on a connection of its own, as a stranger would send it; the reply's map."""
-    import socket
+def test_only_nodes_with_the_same_secret_talk(cluster_node: NodeFactory, tmp_path: Path) -> None:
+    """Two nodes given one `--cluster-secret-file` fetch each other's weights; a third
+    in the same etcd, with the secret etcd keeps, cannot (its fetch fails, the version
+    is not installed there), and the node it asked counts the connection as
+    unauthenticated. A secret file others may read, or
+    a short one, is refused at the mount."""
+    key = tmp_path / "secret"
+    key.write_bytes(os.urandom(32).hex().encode() + b"\n")
+    key.chmod(0o600)
+    a = cluster_node("k0", "--cluster-secret-file", str(key))
+    b = cluster_node("k1", "--cluster-secret-file", str(key))
+    c = cluster_node("k2")
+    assert peers(a)["secret"] == f"file {key}"
+    assert peers(c)["secret"] == "etcd key /distore/secret"
+    (a.path / "weights" / "policy").mkdir()
+    for mount in (b, c):
+        wait_for(lambda m=mount: (m.path / "weights" / "policy").is_dir(), what="model dir")
+    tensor = os.urandom(1 << 20)
+    (a.path / "weights" / "policy" / "params.bin").write_bytes(tensor)
+    wait_for(lambda: client.model_version(b.path / "weights" / "policy") == 1, what="version 1 on k1")
+    assert (b.path / "weights" / "policy" / "params.bin").read_bytes() == tensor
+    assert peers(b)["weights_fetched"] == 1
+    # k2 learns of version 1 from etcd, but its fetch from k0 fails authentication
+    wait_for(lambda: peers(c)["weights_fetch_errors"] >= 1, what="k2's fetch refused")
+    assert client.model_version(c.path / "weights" / "policy") == 0
+    assert not (c.path / "weights" / "policy" / "params.bin").exists()
+    assert peers(a)["unauthenticated_connections"] >= 1
+    assert peers(b)["unauthenticated_connections"] == 0
+    k0 = next(n for n in peers(c)["live_nodes"] if n["node"] == "k0")  # type: ignore[union-attr]
+    assert "failed authentication" in k0["last_error"]
+    for mode, content, message in (
+        (0o644, os.urandom(32).hex().encode(), b"lets others read it (chmod 600)"),
+        (0o600, b"short\n", b"fewer than 16"),
+    ):
+        key.write_bytes(content)
+        key.chmod(mode)
+        (tmp_path / "x").mkdir(exist_ok=True)
+        refused = subprocess.run(
+            [sys.executable, "-m", "distorefs", "mount", str(tmp_path / "x"), "--foreground",
+             "--data-dir", str(tmp_path / "xdata"), "--cluster", str(peers(a)["cluster"]), "--node", "k3",
+             "--cluster-secret-file", str(key)],
+            capture_output=True, timeout=60,
+        )  # fmt: skip
+        assert refused.returncode != 0
+        assert message in refused.stderr, refused.stderr
 
+
+def peer_call(address: tuple[str, int], secret: bytes, meta: dict[str, object], body: bytes = b"") -> dict[str, object]:
+    """One request on a connection of its own, as a peer gone wrong would send it; the reply's map."""
     import msgpack
-
-    from distorefs.cluster.rpc import HEADER, MAGIC
 
     packed = msgpack.packb(meta, use_bin_type=True)
     with socket.create_connection(address, timeout=10) as conn:
+        handshake(conn, secret)
         conn.sendall(HEADER.pack(MAGIC, 7, len(packed), len(body)) + packed + body)
         data = b""
         while len(data) < HEADER.size or len(data) < HEADER.size + HEADER.unpack_from(data)[2]:
@@ -133,7 +217,9 @@ def peer_call(address: tuple[str, int], meta: dict[str, object], body: bytes = b
     return reply
 
 
-def test_malformed_peer_requests_are_refused_and_none_is_an_internal_error(cluster_node: NodeFactory) -> None:
+def test_malformed_peer_requests_are_refused_and_none_is_an_internal_error(
+    cluster_node: NodeFactory, etcd: Etcd
+) -> None:
     """Every op with fields missing or of every wrong kind (a seeded choice of 1,800):
     each gets its errno, none an internal error (EIO with a traceback in the log, before:
     KeyError, TypeError ...), and sizes a stranger sends are bounded (a pick of a billion
@@ -147,9 +233,10 @@ def test_malformed_peer_requests_are_refused_and_none_is_an_internal_error(clust
     client.append(buffer, [b"x" * 10] * 20)
     host, port = str(peers(node)["listen"]).rsplit(":", 1)
     address = (host, int(port))
-    assert peer_call(address, {"op": "buffer.pick", "name": "b", "count": 10**9})["errno"] == errno.EINVAL
-    assert peer_call(address, {"op": "weights.fetch", "model": 2**33})["errno"] == errno.EINVAL
-    assert peer_call(address, {"op": "ckpt.put", "path": 2**33, "mode": 0o644})["errno"] == errno.EINVAL
+    secret = cluster_secret(etcd)
+    assert peer_call(address, secret, {"op": "buffer.pick", "name": "b", "count": 10**9})["errno"] == errno.EINVAL
+    assert peer_call(address, secret, {"op": "weights.fetch", "model": 2**33})["errno"] == errno.EINVAL
+    assert peer_call(address, secret, {"op": "ckpt.put", "path": 2**33, "mode": 0o644})["errno"] == errno.EINVAL
     values: list[object] = [
         None, True, -1, 0, 2**62, 2**64 - 1, 1.5, float("nan"), "", "b", "x" * 300, b"", b"\0" * 8,
         [], [1], [[1, 2]], [[2**63 - 1, 2**63 - 1]], {}, {"a": 1}, [["b", 1]],
@@ -169,7 +256,7 @@ def test_malformed_peer_requests_are_refused_and_none_is_an_internal_error(clust
             meta.update({f: rng.choice(values) for f in fields if rng.random() < 0.9})
             if "name" in meta and rng.random() < 0.5:
                 meta["name"] = "b"
-            reply = peer_call(address, meta, rng.choice([b"", b"\0" * 8, b"x" * 100]))
+            reply = peer_call(address, secret, meta, rng.choice([b"", b"\0" * 8, b"x" * 100]))
             if "internal error" in str(reply.get("error", "")):
                 internal.append((meta, reply))
     assert not internal, internal[:5]
@@ -393,17 +480,21 @@ def test_a_background_mount_keeps_its_cluster_flags(etcd: Etcd, tmp_path: Path) 
         pytest.skip(missing)
     mnt = tmp_path / "bg"
     mnt.mkdir()
+    key = tmp_path / "secret"
+    key.write_bytes(os.urandom(24).hex().encode())
+    key.chmod(0o600)
     command = [sys.executable, "-m", "distorefs"]
     subprocess.run(
         [*command, "mount", str(mnt), "--data-dir", str(tmp_path / "bgdata"), "--cluster", etcd.url,
-         "--node", "bg", "--peer-timeout", "3", "--lease-ttl", "4"],
-        check=True, capture_output=True, timeout=60,
+         "--node", "bg", "--peer-timeout", "3", "--lease-ttl", "4", "--cluster-secret-file", "secret"],
+        check=True, capture_output=True, timeout=60, cwd=tmp_path,
     )  # fmt: skip
     try:
         report = json.loads((mnt / ".distore" / "peers").read_text())
         assert report["node"] == "bg"
         assert report["peer_timeout_s"] == 3.0
         assert report["lease_ttl_s"] == 4
+        assert report["secret"] == f"file {key}"  # a relative path, made absolute for the daemon
     finally:
         done = subprocess.run([*command, "umount", str(mnt)], capture_output=True, timeout=120)
         if done.returncode != 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from collections.abc import Sequence
@@ -14,20 +15,35 @@ import trio
 
 from distorefs import memory
 from distorefs.cluster.rpc import (
+    AUTH_MAGIC,
     HEADER,
     INLINE_BYTES,
     MAGIC,
     MAX_META_BYTES,
     MOVED,
     MOVED_EXT,
+    NONCE_BYTES,
+    PROOF_BYTES,
+    REFUSED,
     Payload,
     PeerServer,
     PeerTransport,
+    authenticate_to,
     choose_transport,
     ints_value,
     meta_ints,
+    proof,
 )
 from distorefs.errors import NotFound, PeerUnavailable, RemoteError
+
+SECRET = b"a test cluster's secret, 40 bytes long."
+
+
+async def connect(port: int) -> trio.SocketStream:
+    """A connection to the server on `port` that has passed the handshake, as a peer's."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    await authenticate_to(stream, SECRET)
+    return stream
 
 
 async def echo(meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
@@ -54,7 +70,7 @@ async def reverse(meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any
 
 
 async def start_server(nursery: trio.Nursery, port: int = 0) -> PeerServer:
-    server = PeerServer()
+    server = PeerServer(SECRET)
     for op, handler in (("echo", echo), ("refuse", refuse), ("hang", hang), ("reverse", reverse)):
         server.register(op, handler)
     await nursery.start(server.serve, "127.0.0.1", port)
@@ -64,7 +80,7 @@ async def start_server(nursery: trio.Nursery, port: int = 0) -> PeerServer:
 async def test_a_call_carries_meta_and_a_large_payload_both_ways() -> None:
     async with trio.open_nursery() as nursery:
         server = await start_server(nursery)
-        peers = PeerTransport(lambda node: ("127.0.0.1", server.port), timeout_s=10)
+        peers = PeerTransport(lambda node: ("127.0.0.1", server.port), timeout_s=10, secret=SECRET)
         payload = bytes(range(256)) * (64 * 1024)  # 16 MiB
         reply, body = await peers.call("b", "echo", {"tag": "x"}, [payload[:100], memoryview(payload)[100:]])
         assert reply == {"ok": True, "got": len(payload), "tag": "x"}
@@ -85,7 +101,7 @@ async def test_long_bytes_values_travel_in_the_body_so_a_million_indices_fit_a_c
     assert indices.nbytes > MAX_META_BYTES
     async with trio.open_nursery() as nursery:
         server = await start_server(nursery)
-        peers = PeerTransport(lambda node: ("127.0.0.1", server.port), timeout_s=10)
+        peers = PeerTransport(lambda node: ("127.0.0.1", server.port), timeout_s=10, secret=SECRET)
         payload = b"p" * 5000
         meta = {"indices": ints_value(indices), "short": b"s" * INLINE_BYTES, "tag": "t"}
         reply, body = await peers.call("b", "reverse", meta, [payload])
@@ -103,7 +119,7 @@ async def test_long_bytes_values_travel_in_the_body_so_a_million_indices_fit_a_c
 async def test_a_peer_error_comes_back_with_its_errno() -> None:
     async with trio.open_nursery() as nursery:
         server = await start_server(nursery)
-        peers = PeerTransport(lambda node: ("127.0.0.1", server.port))
+        peers = PeerTransport(lambda node: ("127.0.0.1", server.port), secret=SECRET)
         with pytest.raises(RemoteError, match="no such thing 42") as excinfo:
             await peers.call("b", "refuse")
         assert excinfo.value.errno == errno.ENOENT
@@ -119,7 +135,7 @@ async def test_a_peer_error_comes_back_with_its_errno() -> None:
 async def test_a_peer_that_does_not_answer_is_eio_at_the_deadline(autojump_clock: trio.abc.Clock) -> None:
     async with trio.open_nursery() as nursery:
         server = await start_server(nursery)
-        peers = PeerTransport(lambda node: ("127.0.0.1", server.port), timeout_s=3.0)
+        peers = PeerTransport(lambda node: ("127.0.0.1", server.port), timeout_s=3.0, secret=SECRET)
         started = trio.current_time()
         with pytest.raises(PeerUnavailable, match=r"peer b did not answer within 3 s \(hang\)") as excinfo:
             await peers.call("b", "hang")
@@ -130,13 +146,13 @@ async def test_a_peer_that_does_not_answer_is_eio_at_the_deadline(autojump_clock
 
 
 async def test_an_unknown_or_closed_peer_is_eio_after_bounded_retries() -> None:
-    peers = PeerTransport(lambda node: None)
+    peers = PeerTransport(lambda node: None, secret=SECRET)
     with pytest.raises(PeerUnavailable, match="is not a live member"):
         await peers.call("gone", "echo")
     with trio.socket.socket() as sock:  # a port nobody listens on
         await sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    peers = PeerTransport(lambda node: ("127.0.0.1", port), retries=2)
+    peers = PeerTransport(lambda node: ("127.0.0.1", port), retries=2, secret=SECRET)
     with pytest.raises(PeerUnavailable, match="unreachable"):
         await peers.call("b", "echo")
     assert peers.stats["b"].retries == 2
@@ -148,7 +164,7 @@ async def test_the_client_reconnects_after_the_peer_restarts() -> None:
         async with trio.open_nursery() as first:
             server = await start_server(first)
             port = server.port
-            peers = PeerTransport(lambda node: ("127.0.0.1", port))
+            peers = PeerTransport(lambda node: ("127.0.0.1", port), secret=SECRET)
             assert (await peers.call("b", "echo"))[0]["ok"]
             first.cancel_scope.cancel()  # the server goes away; the pooled connection is dead
         await start_server(outer, port)
@@ -200,15 +216,15 @@ async def test_garbage_on_the_peer_port_drops_that_connection_and_the_server_goe
     async with trio.open_nursery() as nursery:
         server = await start_server(nursery)
         for frame in frames:
-            stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+            stream = await connect(server.port)
             await stream.send_all(frame)
             with trio.fail_after(5):
                 assert await stream.receive_some(4096) == b""  # dropped, no reply
             await stream.aclose()
         before = resident_bytes()
-        claim = await trio.open_tcp_stream("127.0.0.1", server.port)
+        claim = await connect(server.port)
         await claim.send_all(HEADER.pack(MAGIC, 1, len(meta), 32 << 30) + meta + b"x" * 4096)
-        peers = PeerTransport(lambda node: ("127.0.0.1", server.port))
+        peers = PeerTransport(lambda node: ("127.0.0.1", server.port), secret=SECRET)
         reply, body = await peers.call("b", "echo", {"tag": "after"}, [b"abc"])
         assert reply == {"ok": True, "got": 3, "tag": "after"}
         assert bytes(body) == b"abc!"
@@ -235,16 +251,16 @@ def test_transport_choice_falls_back_to_tcp_without_an_rdma_device() -> None:
 
 async def test_one_host_cannot_hold_every_connection_and_a_refused_one_is_closed_at_once() -> None:
     async with trio.open_nursery() as nursery:
-        server = PeerServer(max_connections=8, per_host=3)
+        server = PeerServer(SECRET, max_connections=8, per_host=3)
         server.register("echo", echo)
         await nursery.start(server.serve, "127.0.0.1", 0)
-        held = [await trio.open_tcp_stream("127.0.0.1", server.port) for _ in range(3)]
+        held = [await connect(server.port) for _ in range(3)]
         extra = await trio.open_tcp_stream("127.0.0.1", server.port)
         with trio.fail_after(5):
             assert await extra.receive_some(16) == b""  # closed without a byte
         assert server.refused_connections == 1
         await held.pop().aclose()
-        peers = PeerTransport(lambda node: ("127.0.0.1", server.port))
+        peers = PeerTransport(lambda node: ("127.0.0.1", server.port), secret=SECRET)
         with trio.fail_after(5):
             while server.connections > 2:  # the server sees the close
                 await trio.sleep(0.01)
@@ -262,18 +278,18 @@ async def test_a_frame_left_unfinished_is_dropped_after_its_stall_and_frees_its_
     stops sending, the frame is dropped after the stall bound and the call goes through.
     A connection idle between frames is not a stall."""
     async with trio.open_nursery() as nursery:
-        server = PeerServer(budget_bytes=1 << 20, stall_s=0.5, room_wait_s=10)
+        server = PeerServer(SECRET, budget_bytes=1 << 20, stall_s=0.5, room_wait_s=10)
         server.register("echo", echo)
         await nursery.start(server.serve, "127.0.0.1", 0)
-        idle = await trio.open_tcp_stream("127.0.0.1", server.port)
+        idle = await connect(server.port)
         meta = msgpack.packb({"op": "echo"})
-        stranger = await trio.open_tcp_stream("127.0.0.1", server.port)
+        stranger = await connect(server.port)
         await stranger.send_all(HEADER.pack(MAGIC, 1, len(meta), 4 << 20) + meta + b"x" * 1000)
         last_byte = trio.current_time()  # the stranger's stall counts from here (or a little later)
         with trio.fail_after(5):
             while server.budget.free:  # it took the whole budget
                 await trio.sleep(0.01)
-        peers = PeerTransport(lambda node: ("127.0.0.1", server.port), timeout_s=5)
+        peers = PeerTransport(lambda node: ("127.0.0.1", server.port), timeout_s=5, secret=SECRET)
         reply, body = await peers.call("b", "echo", {"tag": "after"}, [b"abc"])
         assert bytes(body) == b"abc!"
         assert 0.5 <= trio.current_time() - last_byte < 4  # the call waited for the stall bound, no longer
@@ -294,13 +310,13 @@ async def test_a_bulk_body_neither_waits_for_small_requests_nor_makes_them_wait(
     """A body past the bulk size (a checkpoint replica) is received outside the budget,
     one at a time: one arriving slowly holds back a second bulk frame but no small call."""
     async with trio.open_nursery() as nursery:
-        server = PeerServer(budget_bytes=1 << 20, bulk_bytes=2 << 20, stall_s=10)
+        server = PeerServer(SECRET, budget_bytes=1 << 20, bulk_bytes=2 << 20, stall_s=10)
         server.register("echo", echo)
         await nursery.start(server.serve, "127.0.0.1", 0)
         meta = msgpack.packb({"op": "echo"})
-        first = await trio.open_tcp_stream("127.0.0.1", server.port)
+        first = await connect(server.port)
         await first.send_all(HEADER.pack(MAGIC, 1, len(meta), 4 << 20) + meta + b"x" * 1000)
-        peers = PeerTransport(lambda node: ("127.0.0.1", server.port), timeout_s=10)
+        peers = PeerTransport(lambda node: ("127.0.0.1", server.port), timeout_s=10, secret=SECRET)
         with trio.fail_after(5):
             reply, _ = await peers.call("b", "echo", {"tag": "small"}, [b"s" * 1000])
         assert reply["got"] == 1000
@@ -325,3 +341,125 @@ async def test_a_bulk_body_neither_waits_for_small_requests_nor_makes_them_wait(
         peers.close()
         await first.aclose()
         nursery.cancel_scope.cancel()
+
+
+async def receive_all(stream: trio.SocketStream, limit_s: float = 5) -> bytes:
+    """Everything the server sends until it closes (within `limit_s`)."""
+    got = b""
+    with trio.fail_after(limit_s):
+        while True:
+            try:
+                chunk = await stream.receive_some(4096)
+            except trio.BrokenResourceError:
+                return got
+            if not chunk:
+                return got
+            got += chunk
+
+
+async def test_a_connection_that_does_not_prove_the_secret_is_closed_before_any_frame_is_read() -> None:
+    """The peer port had no authentication: whoever reached it could read a node's
+    weights and items and write its buffers. Now a connection proves the cluster's
+    secret first (HMAC over a nonce of the server's). A node with another secret, a
+    stranger sending frames straight away, a proof replayed over an old nonce, a silent
+    connection and one trickling bytes: each is closed, counted, and no handler runs;
+    a node with the secret is served as before."""
+    served: list[str] = []
+
+    async def note(meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
+        await trio.lowlevel.checkpoint()
+        served.append(str(meta.get("tag")))
+        return {}, ()
+
+    async with trio.open_nursery() as nursery:
+        server = PeerServer(SECRET, auth_timeout_s=0.5)
+        server.register("note", note)
+        await nursery.start(server.serve, "127.0.0.1", 0)
+
+        other = PeerTransport(lambda node: ("127.0.0.1", server.port), secret=b"another cluster's secret......")
+        with pytest.raises(PeerUnavailable, match="failed authentication: it refused this node's proof") as excinfo:
+            await other.call("b", "note", {"tag": "other secret"})
+        assert excinfo.value.errno == errno.EIO
+        assert other.stats["b"].retries == 0  # another try would meet the same secret
+        assert server.unauthenticated_connections == 1
+
+        meta = msgpack.packb({"op": "note", "tag": "no handshake"})
+        frame = HEADER.pack(MAGIC, 1, len(meta), 100) + meta + b"x" * 100
+        stranger = await trio.open_tcp_stream("127.0.0.1", server.port)
+        await stranger.send_all(frame)
+        got = await receive_all(stranger)
+        assert got[:4] == AUTH_MAGIC
+        assert len(got) == 4 + NONCE_BYTES + 1 + PROOF_BYTES
+        assert got[4 + NONCE_BYTES] == REFUSED
+        assert got[-PROOF_BYTES:] == bytes(PROOF_BYTES)
+        await stranger.aclose()
+
+        # a proof made over another nonce (one seen on an earlier connection) is refused
+        replay = await trio.open_tcp_stream("127.0.0.1", server.port)
+        hello = await replay.receive_some(4 + NONCE_BYTES)
+        assert len(hello) == 4 + NONCE_BYTES  # (sent in one piece)
+        mine = os.urandom(NONCE_BYTES)
+        await replay.send_all(AUTH_MAGIC + mine + proof(SECRET, b"client", os.urandom(NONCE_BYTES), mine))
+        assert (await receive_all(replay))[0] == REFUSED
+        await replay.aclose()
+
+        for trickle in (False, True):  # silent, or a byte every 0.1 s: closed at the bound in all
+            slow = await trio.open_tcp_stream("127.0.0.1", server.port)
+            started = trio.current_time()
+            with trio.fail_after(5):
+                assert len(await slow.receive_some(4 + NONCE_BYTES)) == 4 + NONCE_BYTES
+                while trickle:
+                    try:
+                        await slow.send_all(b"D")
+                    except trio.BrokenResourceError:
+                        break
+                    await trio.sleep(0.1)
+                    if trio.current_time() - started > 1.0:
+                        break
+            assert await receive_all(slow) == b""
+            assert 0.4 < trio.current_time() - started < 4
+            await slow.aclose()
+        assert server.unauthenticated_connections == 5
+        assert served == []
+        assert server.requests == 0
+
+        peers = PeerTransport(lambda node: ("127.0.0.1", server.port), secret=SECRET)
+        await peers.call("b", "note", {"tag": "peer"})
+        assert served == ["peer"]
+        assert server.unauthenticated_connections == 5
+        for transport in (peers, other):
+            transport.close()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_server_that_does_not_prove_the_secret_gets_no_request() -> None:
+    """The proof goes both ways: an impostor at a node's address (one that says it
+    accepts without knowing the secret) is refused by the caller before any request is
+    sent to it, without retries."""
+    received: list[bytes] = []
+
+    async def impostor(stream: trio.SocketStream) -> None:
+        await stream.send_all(AUTH_MAGIC + os.urandom(NONCE_BYTES))
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            while chunk := await stream.receive_some(4096):
+                received.append(chunk)
+                if sum(map(len, received)) == 4 + NONCE_BYTES + PROOF_BYTES:
+                    await stream.send_all(bytes([0]) + os.urandom(PROOF_BYTES))  # "accepted", no proof
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, impostor, 0)
+        port = listeners[0].socket.getsockname()[1]
+        peers = PeerTransport(lambda node: ("127.0.0.1", port), secret=SECRET)
+        with pytest.raises(PeerUnavailable, match="failed authentication: it did not prove the cluster secret"):
+            await peers.call("b", "echo", {"tag": "for the impostor"})
+        assert peers.stats["b"].retries == 0
+        await trio.sleep(0.1)
+        assert b"".join(received)[: len(AUTH_MAGIC)] == AUTH_MAGIC  # its handshake answer, and nothing more
+        assert len(b"".join(received)) == 4 + NONCE_BYTES + PROOF_BYTES
+        peers.close()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_server_refuses_to_serve_without_a_secret() -> None:
+    with pytest.raises(ValueError, match="fewer than 16"):
+        await PeerServer(b"short").serve("127.0.0.1", 0)

@@ -19,6 +19,8 @@ from distorefs.tiers.nvme_log import NvmeLog
 from distorefs.tiers.remote_memory import LentMemory, RemoteMemory
 from distorefs.types import BlockKey
 
+SECRET = b"the remote memory tests' cluster secret"
+
 BLOCK = 64 * 1024
 OWNER = 7
 ITEM = 30_000
@@ -66,7 +68,7 @@ async def borrower_and_lender(tmp_path: Path, lend_bytes: int = 64 << 20) -> Asy
     log = NvmeLog.open(str(tmp_path / "log"), segment_bytes=16 * BLOCK)
     meta = MetaDb.open(str(tmp_path / "meta.sqlite"))
     lent = LentMemory(lend_bytes)
-    server = PeerServer()
+    server = PeerServer(SECRET)
     lent.register(server)
     async with trio.open_nursery() as nursery:
         lender_scope = trio.CancelScope()
@@ -76,7 +78,7 @@ async def borrower_and_lender(tmp_path: Path, lend_bytes: int = 64 << 20) -> Asy
                 await server.serve("127.0.0.1", 0, task_status=task_status)
 
         port = await nursery.start(serve)
-        transport = PeerTransport(lambda node: ("127.0.0.1", port), timeout_s=2.0)
+        transport = PeerTransport(lambda node: ("127.0.0.1", port), timeout_s=2.0, secret=SECRET)
         remote = RemoteMemory("n0", transport, lenders=lambda: ["n1"])
         blocks = BlockStore(log, DramCache(8 * BLOCK), meta, block_bytes=BLOCK, remote=remote)
         blocks.spill(OWNER)
@@ -166,7 +168,7 @@ async def test_a_dead_lender_costs_one_failed_call_and_no_data(tmp_path: Path) -
 async def test_without_lenders_nothing_is_queued(tmp_path: Path) -> None:
     log = NvmeLog.open(str(tmp_path / "log"), segment_bytes=16 * BLOCK)
     meta = MetaDb.open(str(tmp_path / "meta.sqlite"))
-    remote = RemoteMemory("n0", PeerTransport(lambda node: None), lenders=lambda: [])
+    remote = RemoteMemory("n0", PeerTransport(lambda node: None, secret=SECRET), lenders=lambda: [])
     blocks = BlockStore(log, DramCache(8 * BLOCK), meta, block_bytes=BLOCK, remote=remote)
     blocks.spill(OWNER)
     for i in range(40):
