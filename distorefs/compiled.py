@@ -10,9 +10,12 @@ or numpy code, with the same results.
 Not at the mount: numba's import holds the GIL for most of 0.4-2 s (longer with a cold
 page cache) and reads its own files from the disk, and a cold read of a checkpoint
 right after a mount (a training job resuming) ran at 276-479 MB/s beside it against
-1,057-1,431 MB/s after it. A daemon serving only files never loads them. One whose
-data dir holds a buffer or a dataset also loads them once its mount has been idle for a
-second (daemon.load_kernels_when_idle), before a restarted job's first call needs them.
+1,057-1,431 MB/s after it. A daemon serving only small files never loads them. One whose
+data dir holds a buffer or a dataset, or that has written a big file to its log, also
+loads them once its mount has been idle for a second (daemon.load_kernels_when_idle),
+before a restarted job's first call needs them. Some callers use a kernel only once it
+is loaded and never start the loading (the log's big appends: their first big write
+runs the plain code rather than meet numba's import).
 """
 
 from __future__ import annotations

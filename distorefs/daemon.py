@@ -262,14 +262,15 @@ KERNELS_QUIET_REQUESTS = 100  # fewer requests than this in KERNELS_IDLE_S count
 async def load_kernels_when_idle(ops: FsOperations, wanted: Callable[[], bool], idle_s: float = KERNELS_IDLE_S) -> None:
     """Background task: once the mount is up, start the compiled kernels' loading (as
     their first use would) as soon as no request has come for `idle_s` while `wanted()`
-    (the data dir holds a replay buffer or a dataset). A job restarted on its data dir
+    (the data dir holds a replay buffer or a dataset, or a big file has been written to
+    the log: its crcs and staging copies then run compiled). A job restarted on its data dir
     (its trainer importing torch meanwhile) then finds them loaded at its first append,
     which otherwise started numba's import and waited on it: appends of up to 26 ms for
     0.3-1 s (benchmarks.md, "Nineteenth session"). Fewer than KERNELS_QUIET_REQUESTS
     requests a KERNELS_IDLE_S count as quiet too: a status poller (bench_million's, a
-    readiness probe's) kept the load off for good before. A daemon with only files never loads
-    them; one busy from its start (a cold read right after the mount) loads them at
-    their first use, or when it goes quiet."""
+    readiness probe's) kept the load off for good before. A daemon with only small files
+    never loads them; one busy from its start (a cold read right after the mount) loads
+    them at their first use, or when it goes quiet."""
     await ops.initialized.wait()
     ready = time.perf_counter()
     seen, since = ops.requests, ready
@@ -364,7 +365,7 @@ class Daemon:
             "kernels when idle",
             load_kernels_when_idle,
             self.ops,
-            lambda: bool(self.buffers.names() or self.datasets.names()),
+            lambda: bool(self.buffers.names() or self.datasets.names()) or self.blocks.logged_directly,
         )
         if self.shared.sessions is not None:
             start("shm sampling sessions", self.shared.sessions.serve)

@@ -682,6 +682,12 @@ class BlockStore(ByteRanges, Compaction):
         await self.commit(durable=True)
         await trio.to_thread.run_sync(self._log.close)
 
+    @property
+    def logged_directly(self) -> bool:
+        """Whether big appends have gone to the log with O_DIRECT (their crcs and staging
+        copies run compiled once the kernels are loaded: daemon.load_kernels_when_idle)."""
+        return self._log.direct_bytes > 0
+
     def statistics(self) -> BlockStatistics:
         dram = self._dram.statistics()
         log_bytes = sum(self._log.segment_sizes().values())

@@ -105,6 +105,39 @@ def first_bad_crc(out: Writable, out_at: np.ndarray, lengths: np.ndarray, crcs: 
     return -1
 
 
+def compiled_copy(
+    sources: Sequence[bytes | bytearray | memoryview],
+    source: np.ndarray,
+    source_at: np.ndarray,
+    lengths: np.ndarray,
+    out: Writable,
+    out_at: np.ndarray,
+) -> bool:
+    """`copy_ranges` in one compiled call without the GIL where the kernels are loaded (this
+    never starts their loading); False, nothing copied, where they are not."""
+    if not KERNELS.loaded:
+        return False
+    check_inside(out, out_at, lengths, "compiled_copy")
+    copy_ranges(sources, source, source_at, lengths, out, out_at)
+    return True
+
+
+def compiled_crcs(sources: Sequence[bytes | bytearray | memoryview], values: Sequence[int]) -> list[int] | None:
+    """`crc32c.crc32c(sources[i], values[i])` for every i, in one compiled call without the
+    GIL; None where the kernels are not loaded (this never starts their loading) or have
+    no hardware crc: the caller computes them one by one. Call it from a worker thread."""
+    jit = KERNELS.module if KERNELS.loaded else None
+    if jit is None or jit.crcs is None or not sources:
+        return None
+    arrays = [np.frombuffer(s, dtype=np.uint8) for s in sources]  # held (buffers exported) until the end
+    addresses = np.fromiter((a.ctypes.data for a in arrays), dtype=np.uint64, count=len(arrays))
+    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+    out = np.empty(len(arrays), dtype=np.uint32)
+    jit.crcs(addresses, lengths, np.array(values, dtype=np.uint32), out)
+    del arrays
+    return out.tolist()
+
+
 def _index(array: np.ndarray) -> np.ndarray:
     """An array of positions or lengths as the kernels take it."""
     return np.ascontiguousarray(array, dtype=np.int64)

@@ -56,7 +56,7 @@ import numpy as np
 
 from distorefs.errors import Corrupted, StoreFull
 from distorefs.memory import unzeroed
-from distorefs.tiers.copy_ranges import pread_ranges
+from distorefs.tiers.copy_ranges import compiled_copy, compiled_crcs, pread_ranges
 from distorefs.types import BlockKey, LogLocation, Writable
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,25 @@ def encode_header(key: BlockKey, seq: int, payload: bytes | bytearray | memoryvi
     return head + struct.pack("<I", crc)
 
 
+def encode_headers(records: Sequence[tuple[BlockKey, bytes | bytearray | memoryview]], first_seq: int) -> list[bytes]:
+    """`encode_header` of each record, numbered from `first_seq`. A big batch's payload
+    crcs come from one compiled call without the GIL (copy_ranges.compiled_crcs) where the
+    kernels are loaded: from a worker thread beside a busy event loop, each crc32c call
+    gave the GIL back and waited up to the switch interval (5 ms) to have it again, and a
+    write-behind of 64 records spent most of its time waiting (docs/design.md, "Big log
+    writes hold the GIL once a stage")."""
+    heads = [
+        struct.pack("<IIQQQ", MAGIC, len(payload), key.owner, key.number, first_seq + i)
+        for i, (key, payload) in enumerate(records)
+    ]
+    crcs = None
+    if sum(len(payload) for _key, payload in records) >= DIRECT_MIN_BYTES:
+        crcs = compiled_crcs([payload for _key, payload in records], [crc32c.crc32c(head) for head in heads])
+    if crcs is None:
+        return [encode_header(key, first_seq + i, payload) for i, (key, payload) in enumerate(records)]
+    return [head + struct.pack("<I", crc) for head, crc in zip(heads, crcs, strict=True)]
+
+
 IOV_MAX = 1024  # buffers one preadv takes (Linux)
 SPAN_BYTES = 8 * 1024 * 1024  # read_many reads neighbouring records with one pread up to this
 SPAN_GAP_BYTES = 64 * 1024  # ... when the bytes between them are no more than this
@@ -125,6 +144,20 @@ def _close_direct(seg: _Segment) -> None:
     if seg.direct_fd >= 0:
         os.close(seg.direct_fd)
         seg.direct_fd = -1
+
+
+def _fill_stage(staged: np.ndarray, pending: list[memoryview], parts: list[tuple[int, int, int, int]]) -> None:
+    """Copy `parts` ((buffer of `pending`, at, length, to), for one staging buffer) into
+    `staged`, and clear them: in one compiled call without the GIL where the kernels are
+    loaded, else a numpy copy each (each gives the GIL back for its copy, and waits to
+    have it again)."""
+    if not parts:
+        return
+    columns = np.array(parts, dtype=np.int64).T
+    if not compiled_copy(pending, columns[0], columns[1], columns[2], staged.data, columns[3]):
+        for i, a, n, t in parts:
+            staged[t : t + n] = np.frombuffer(pending[i], dtype=np.uint8, count=n, offset=a)
+    parts.clear()
 
 
 def _close_files(seg: _Segment) -> None:
@@ -436,7 +469,8 @@ class NvmeLog:
         try:
             buffers: list[bytes | bytearray | memoryview] = []
             start = self._active.size_bytes
-            for key, payload in records:
+            headers = encode_headers(records, self._seq)
+            for (_key, payload), header in zip(records, headers, strict=True):
                 size = HEADER.size + len(payload)
                 seg = self._active
                 if seg.size_bytes > 0 and seg.size_bytes + size > self.segment_bytes:
@@ -445,7 +479,7 @@ class NvmeLog:
                     self._seal_active()
                     seg = self._active
                     start = 0
-                buffers.append(encode_header(key, self._seq, payload))
+                buffers.append(header)
                 buffers.append(payload)
                 locations.append(LogLocation(seg.segment, seg.size_bytes, len(payload)))
                 seg.size_bytes += size
@@ -543,19 +577,21 @@ class NvmeLog:
                 stage[:filled] = tail[1]
             elif filled and os.preadv(seg.fd, [stage[:filled]], file_at) != filled:
                 raise OSError(errno.EIO, f"log {seg.path}: short read of the page before offset {offset}")
-            for buf in pending:
-                source = np.frombuffer(buf, dtype=np.uint8)
-                while len(source):
-                    step = min(len(source), STAGE_BYTES - filled)
-                    staged[filled : filled + step] = source[:step]
-                    filled += step
-                    source = source[step:]
+            parts: list[tuple[int, int, int, int]] = []  # what the stage takes: (buffer, at, length, to)
+            for index, buf in enumerate(pending):
+                at, left = 0, len(buf)
+                while left:
+                    step = min(left, STAGE_BYTES - filled)
+                    parts.append((index, at, step, filled))
+                    filled, at, left = filled + step, at + step, left - step
                     if filled == STAGE_BYTES:
+                        _fill_stage(staged, pending, parts)
                         in_flight[turn] = writer.submit(self._pwrite_staged, seg, stage, STAGE_BYTES, file_at)
                         file_at, filled, turn = file_at + STAGE_BYTES, 0, 1 - turn
                         wait_for(turn)  # before it refills
                         stage, staged = views[turn], arrays[turn]
             if filled:
+                _fill_stage(staged, pending, parts)
                 padded = -(-filled // DIRECT_ALIGN) * DIRECT_ALIGN
                 staged[filled:padded] = 0
                 self._pwrite_staged(seg, stage, padded, file_at)  # while the one in flight ends

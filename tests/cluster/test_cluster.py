@@ -178,7 +178,7 @@ def test_only_nodes_with_the_same_secret_talk(cluster_node: NodeFactory, tmp_pat
     wait_for(lambda: peers(c)["weights_fetch_errors"] >= 1, what="k2's fetch refused")
     assert client.model_version(c.path / "weights" / "policy") == 0
     assert not (c.path / "weights" / "policy" / "params.bin").exists()
-    assert peers(a)["unauthenticated_connections"] >= 1
+    wait_for(lambda: peers(a)["unauthenticated_connections"] >= 1, what="k0 counting k2's connection")
     assert peers(b)["unauthenticated_connections"] == 0
     k0 = next(n for n in peers(c)["live_nodes"] if n["node"] == "k0")  # type: ignore[union-attr]
     assert "failed authentication" in k0["last_error"]

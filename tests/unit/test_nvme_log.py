@@ -18,6 +18,7 @@ from distorefs.errors import Corrupted, StoreFull
 from distorefs.tiers import copy_ranges, nvme_log
 from distorefs.tiers.nvme_log import HEADER, LogPosition, NvmeLog, segment_name
 from distorefs.types import BlockKey, LogLocation
+from tests.unit.kernels import compiled_or_plain
 
 
 def test_append_then_read_returns_the_payload(tmp_path: Path) -> None:
@@ -420,6 +421,29 @@ def small_direct_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(nvme_log, "STAGE_BYTES", 16384)
 
 
+@pytest.fixture(params=["compiled", "python"])
+def staging(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """A big append's crcs and staging copies: one compiled call each (copy_ranges_jit's
+    `crcs` and `copy`, without the GIL) or a Python call per record and per piece; True
+    for the compiled run."""
+    return compiled_or_plain(request, monkeypatch, copy_ranges.KERNELS)
+
+
+def test_a_big_batchs_headers_are_the_same_compiled_or_not(staging: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """encode_headers gives each record the header encode_header gives it (the crc over
+    the header, then the payload), whichever way its crcs are computed."""
+    monkeypatch.setattr(nvme_log, "DIRECT_MIN_BYTES", 8192)
+    rng = random.Random(7)
+    records: list[tuple[BlockKey, bytes | memoryview]] = [
+        (BlockKey(rng.randrange(1 << 40), k), rng.randbytes(rng.choice([0, 1, 4096, 30_000]))) for k in range(40)
+    ]
+    records.append((BlockKey(9, 9), memoryview(bytearray(rng.randbytes(10_000)))[17:9_000]))
+    expected = [nvme_log.encode_header(key, 1000 + i, payload) for i, (key, payload) in enumerate(records)]
+    assert nvme_log.encode_headers(records, 1000) == expected
+    compiled = copy_ranges.compiled_crcs([b"x"], [0]) is not None
+    assert compiled == staging  # (and the compiled run did compute them in the kernel)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     batches=st.lists(
@@ -428,7 +452,11 @@ def small_direct_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     seed=st.integers(min_value=0, max_value=255),
 )
 def test_big_appends_bypass_the_page_cache_between_small_ones_and_all_come_back_after_a_kill(
-    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, batches: list[list[int]], seed: int
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    staging: bool,
+    batches: list[list[int]],
+    seed: int,
 ) -> None:
     small_direct_writes(monkeypatch)
     directory = tmp_path_factory.mktemp("log")
@@ -438,7 +466,10 @@ def test_big_appends_bypass_the_page_cache_between_small_ones_and_all_come_back_
         pytest.skip("this file system refuses O_DIRECT")
     written: list[tuple[BlockKey, bytes, LogLocation]] = []
     for b, sizes in enumerate(batches):
-        records = [(BlockKey(3, 100 * b + k), bytes([(seed + b + k) % 256]) * size) for k, size in enumerate(sizes)]
+        records = [
+            (BlockKey(3, 100 * b + k), random.Random(seed * 1000 + b * 10 + k).randbytes(size))
+            for k, size in enumerate(sizes)
+        ]
         for (key, payload), location in zip(records, log.append_many(records), strict=True):
             written.append((key, payload, location))
     for key, payload, location in written:  # read back through the page cache while the log is live
