@@ -71,6 +71,28 @@ def test_the_compiled_kernels_load_at_their_first_use_not_for_files(mount_factor
     assert mounted.unmount() == 0
 
 
+def test_a_daemon_that_wrote_a_big_file_loads_the_kernels_once_idle(mount_factory: MountFactory) -> None:
+    """A big file's appends to the log (O_DIRECT, 4 MiB and more) compute their crcs and
+    fill their staging buffers with the compiled kernels, which they never start loading
+    themselves (the first big write runs plain): the daemon loads them once the mount is
+    idle, as it does for a buffer."""
+    mounted = mount_factory()
+    payload = os.urandom(16 << 20)
+    (mounted.path / "big").write_bytes(payload)
+    status = json.loads((mounted.path / ".distore" / "status").read_text())
+    assert status["blocks"]["log_direct_write_bytes"] > 0
+    deadline = time.monotonic() + 60
+    while not json.loads((mounted.path / ".distore" / "status").read_text())["kernels"]["gather_copy"]:
+        assert time.monotonic() < deadline, "the kernels did not load"
+        time.sleep(0.2)
+    (mounted.path / "big2").write_bytes(payload[::-1])  # the compiled way now
+    assert mounted.unmount() == 0
+    again = mount_factory(data_dir=mounted.data_dir)
+    assert (again.path / "big").read_bytes() == payload
+    assert (again.path / "big2").read_bytes() == payload[::-1]
+    assert again.unmount() == 0
+
+
 def remounted_with_a_buffer(mount_factory: MountFactory) -> Mount:
     """A data dir holding a buffer with one item, mounted by a new daemon (one that no
     call has asked for a compiled kernel yet)."""
