@@ -101,7 +101,7 @@ def encode_headers(records: Sequence[tuple[BlockKey, bytes | bytearray | memoryv
     kernels are loaded: from a worker thread beside a busy event loop, each crc32c call
     gave the GIL back and waited up to the switch interval (5 ms) to have it again, and a
     write-behind of 64 records spent most of its time waiting (docs/design.md, "Big log
-    writes hold the GIL once a stage")."""
+    writes bypass the page cache", "The GIL once a stage")."""
     heads = [
         struct.pack("<IIQQQ", MAGIC, len(payload), key.owner, key.number, first_seq + i)
         for i, (key, payload) in enumerate(records)
