@@ -102,16 +102,15 @@ def encode_headers(records: Sequence[tuple[BlockKey, bytes | bytearray | memoryv
     gave the GIL back and waited up to the switch interval (5 ms) to have it again, and a
     write-behind of 64 records spent most of its time waiting (docs/design.md, "Big log
     writes bypass the page cache", "The GIL once a stage")."""
-    heads = [
-        struct.pack("<IIQQQ", MAGIC, len(payload), key.owner, key.number, first_seq + i)
-        for i, (key, payload) in enumerate(records)
-    ]
-    crcs = None
-    if sum(len(payload) for _key, payload in records) >= DIRECT_MIN_BYTES:
+    if len(records) > 1 and sum(len(payload) for _key, payload in records) >= DIRECT_MIN_BYTES:
+        heads = [
+            struct.pack("<IIQQQ", MAGIC, len(payload), key.owner, key.number, first_seq + i)
+            for i, (key, payload) in enumerate(records)
+        ]
         crcs = compiled_crcs([payload for _key, payload in records], [crc32c.crc32c(head) for head in heads])
-    if crcs is None:
-        return [encode_header(key, first_seq + i, payload) for i, (key, payload) in enumerate(records)]
-    return [head + struct.pack("<I", crc) for head, crc in zip(heads, crcs, strict=True)]
+        if crcs is not None:
+            return [head + struct.pack("<I", crc) for head, crc in zip(heads, crcs, strict=True)]
+    return [encode_header(key, first_seq + i, payload) for i, (key, payload) in enumerate(records)]
 
 
 IOV_MAX = 1024  # buffers one preadv takes (Linux)
