@@ -40,23 +40,30 @@ def copy_ranges(
     lengths: np.ndarray,
     out: Writable,
     out_at: np.ndarray,
-) -> None:
+    compiled_only: bool = False,
+) -> bool:
     """Copy range i, `lengths[i]` bytes at `source_at[i]` of `sources[source[i]]`, to
     `out_at[i]` of `out`. The caller keeps every range inside its buffers (compiled code
     checks no bounds). Call it from a worker thread: the compiled copy runs without the GIL.
-    """
+    `compiled_only`: copy only where the kernels are loaded already, in one call without
+    the GIL (this never starts their loading), checking the ranges against `out` first;
+    False, nothing copied, where they are not. True when copied."""
     if not len(source):
-        return
+        return True
+    if compiled_only:
+        if not KERNELS.loaded:
+            return False
+        check_inside(out, out_at, lengths, "copy_ranges")
     jit = KERNELS.module
     if jit is not None:
-        arrays = [np.frombuffer(s, dtype=np.uint8) for s in sources]  # held (buffers exported) until the end
-        addresses = np.fromiter((a.ctypes.data for a in arrays), dtype=np.uint64, count=len(arrays))
+        arrays, addresses = _addresses(sources)
         jit.copy(addresses, _index(source), _index(source_at), _index(lengths), _bytes(out), _index(out_at))
         del arrays
-        return
+        return True
     view = memoryview(out)
     for s, at, n, to in zip(source.tolist(), source_at.tolist(), lengths.tolist(), out_at.tolist(), strict=True):
         view[to : to + n] = memoryview(sources[s])[at : at + n]
+    return True
 
 
 def check_inside(out: Writable, out_at: np.ndarray, lengths: np.ndarray, who: str) -> None:
@@ -105,23 +112,6 @@ def first_bad_crc(out: Writable, out_at: np.ndarray, lengths: np.ndarray, crcs: 
     return -1
 
 
-def compiled_copy(
-    sources: Sequence[bytes | bytearray | memoryview],
-    source: np.ndarray,
-    source_at: np.ndarray,
-    lengths: np.ndarray,
-    out: Writable,
-    out_at: np.ndarray,
-) -> bool:
-    """`copy_ranges` in one compiled call without the GIL where the kernels are loaded (this
-    never starts their loading); False, nothing copied, where they are not."""
-    if not KERNELS.loaded:
-        return False
-    check_inside(out, out_at, lengths, "compiled_copy")
-    copy_ranges(sources, source, source_at, lengths, out, out_at)
-    return True
-
-
 def compiled_crcs(sources: Sequence[bytes | bytearray | memoryview], values: Sequence[int]) -> list[int] | None:
     """`crc32c.crc32c(sources[i], values[i])` for every i, in one compiled call without the
     GIL; None where the kernels are not loaded (this never starts their loading) or have
@@ -129,13 +119,19 @@ def compiled_crcs(sources: Sequence[bytes | bytearray | memoryview], values: Seq
     jit = KERNELS.module if KERNELS.loaded else None
     if jit is None or jit.crcs is None or not sources:
         return None
-    arrays = [np.frombuffer(s, dtype=np.uint8) for s in sources]  # held (buffers exported) until the end
-    addresses = np.fromiter((a.ctypes.data for a in arrays), dtype=np.uint64, count=len(arrays))
+    arrays, addresses = _addresses(sources)
     lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
     out = np.empty(len(arrays), dtype=np.uint32)
     jit.crcs(addresses, lengths, np.array(values, dtype=np.uint32), out)
     del arrays
     return out.tolist()
+
+
+def _addresses(sources: Sequence[bytes | bytearray | memoryview]) -> tuple[list[np.ndarray], np.ndarray]:
+    """Arrays over `sources` (held by the caller, so the buffers stay exported, neither
+    resized nor freed, until the kernel is done) and their addresses, for a kernel."""
+    arrays = [np.frombuffer(s, dtype=np.uint8) for s in sources]
+    return arrays, np.fromiter((a.ctypes.data for a in arrays), dtype=np.uint64, count=len(arrays))
 
 
 def _index(array: np.ndarray) -> np.ndarray:

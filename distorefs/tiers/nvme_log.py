@@ -56,7 +56,7 @@ import numpy as np
 
 from distorefs.errors import Corrupted, StoreFull
 from distorefs.memory import unzeroed
-from distorefs.tiers.copy_ranges import compiled_copy, compiled_crcs, pread_ranges
+from distorefs.tiers.copy_ranges import compiled_crcs, copy_ranges, pread_ranges
 from distorefs.types import BlockKey, LogLocation, Writable
 
 log = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ def _fill_stage(staged: np.ndarray, pending: list[memoryview], parts: list[tuple
     if not parts:
         return
     columns = np.array(parts, dtype=np.int64).T
-    if not compiled_copy(pending, columns[0], columns[1], columns[2], staged.data, columns[3]):
+    if not copy_ranges(pending, columns[0], columns[1], columns[2], staged.data, columns[3], compiled_only=True):
         for i, a, n, t in parts:
             staged[t : t + n] = np.frombuffer(pending[i], dtype=np.uint8, count=n, offset=a)
     parts.clear()
