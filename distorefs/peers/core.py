@@ -197,7 +197,7 @@ class ClusterNode:
                 await self.etcd.put_if(key, secrets.token_hex(32).encode(), 0)  # the first node's wins
                 found = await self.etcd.get(key)
         except PeerUnavailable as exc:
-            raise ConfigError(f"cannot read the cluster's secret from {self.config.url}: {exc}") from None
+            raise ConfigError(f"cannot join the cluster at {self.config.url}: {exc}") from None
         if found is None or len(found.value) < MIN_SECRET_BYTES:
             raise ConfigError(f"the cluster secret ({self.secret_source}) is missing or under {MIN_SECRET_BYTES} bytes")
         return found.value
