@@ -198,3 +198,31 @@ async def test_the_node_that_joins_a_schema_batch_checks_the_whole_before_any_sh
     finally:
         for blocks, _meta in opened:
             await blocks.close()
+
+
+async def test_the_node_that_joins_a_blob_batch_checks_the_whole_before_anything_is_counted(tmp_path: Path) -> None:
+    """A blob buffer's batch has no size until its items are drawn: each shard checks its
+    own part, and the joining node checks the parts together once they have come, before
+    it joins them and before any shard counts its part (it checked nothing before: three
+    shards could hand one node three times its bound). 1,000-byte items, a bound of 16 KiB."""
+    shards = {}
+    opened = []
+    for i, node in enumerate(NODES):
+        (tmp_path / node).mkdir()
+        opened.append(open_tiers(tmp_path / node, 4096, 8))  # a 32 KiB budget
+        config = BufferConfig().updated("t", {"capacity": 100, "shards": 3}, has_items=False)
+        shards[node] = ReplayBuffer("t", (1 << 48) + i, config, *opened[-1])
+    try:
+        for node in NODES:
+            await view(shards, node).append([bytes([i]) * 1000 for i in range(10)])
+        joined = shards["a"]
+        joined.spread_over(view(shards, "a"))
+        with pytest.raises(FileTooLarge, match="a batch of 24 items is 24000 bytes"):
+            await joined.sample(24)  # 8 or so from each shard: each part within its shard's bound
+        assert all(s.samples == 0 for s in shards.values())  # no shard counted its part
+        batch = await joined.sample(16)
+        assert len(batch.indices) == 16
+        assert sum(s.samples for s in shards.values()) == 16
+    finally:
+        for blocks, _meta in opened:
+            await blocks.close()

@@ -680,10 +680,11 @@ class ReplayBuffer:
         count as sampled: a batch `place` refuses (raises) counts nothing. A buffer spread
         over nodes counts at the draw, as its shards commit their own picks."""
         count = count or self.config.batch_size
-        if self._spread is not None:
-            if self.config.itemsize is not None:  # this node joins the shards' parts: the whole batch
+        if self._spread is not None:  # this node joins the shards' parts: the whole batch is checked
+            if self.config.itemsize is not None:  # before any shard draws
                 self._check_batch_bytes(count, count * self.config.itemsize)
-            return await place(await self._spread.sample(count, nonblocking))
+                return await place(await self._spread.sample(count, nonblocking))
+            return await place(await self._spread.sample(count, nonblocking, self._check_batch_bytes))
         indices, probabilities, items = await self._draw(count, nonblocking)
         weights = self._weights(probabilities, len(indices))
         placed = await place(Batch(encode_batch(self.config, items, indices, weights), indices, weights))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -139,7 +139,9 @@ class Spread(Protocol):
     """A buffer spread over nodes (stores/replay/sharded.py): where the whole buffer's
     appends, samples and priority updates go when its store placed it on several nodes."""
 
-    async def sample(self, count: int | None = None, nonblocking: bool = False) -> Batch: ...
+    async def sample(
+        self, count: int | None = None, nonblocking: bool = False, check_bytes: Callable[[int, int], None] | None = None
+    ) -> Batch: ...
 
     async def append(self, items: Sequence[bytes | bytearray], nonblocking: bool = False) -> list[int]: ...
 

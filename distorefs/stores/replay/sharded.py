@@ -181,13 +181,17 @@ class ShardedBuffer:
 
     # --- sampling ---------------------------------------------------------------------
 
-    async def sample(self, count: int | None = None, nonblocking: bool = False) -> Batch:
+    async def sample(
+        self, count: int | None = None, nonblocking: bool = False, check_bytes: Callable[[int, int], None] | None = None
+    ) -> Batch:
         """One batch over the live shards; waits (polling) up to sample_timeout while
-        none can serve, then EAGAIN (at once under O_NONBLOCK)."""
+        none can serve, then EAGAIN (at once under O_NONBLOCK). `check_bytes(count,
+        nbytes)` sees the size of the parts once they have come, before this node joins
+        them into one batch and before any is counted, and may refuse it (raise)."""
         count = count or self.config.batch_size
         with trio.move_on_after(self.config.sample_timeout):
             while True:
-                batch = await self._try_sample(count)
+                batch = await self._try_sample(count, check_bytes)
                 if batch is not None:
                     return batch
                 if nonblocking:
@@ -195,7 +199,7 @@ class ShardedBuffer:
                 await trio.sleep(POLL_S)
         raise TryAgain(f"buffers/{self.name}: no live shard can serve a sample of {count} yet")
 
-    async def _try_sample(self, count: int) -> Batch | None:
+    async def _try_sample(self, count: int, check_bytes: Callable[[int, int], None] | None) -> Batch | None:
         live = [s for s, node in enumerate(self.layout.nodes) if node == self.me or self._alive(node)]
         if not live:
             raise TryAgain(
@@ -223,6 +227,8 @@ class ShardedBuffer:
         except TryAgain:
             return None  # a shard's limiter said no between its state and its pick: nothing counted
         drawn = {shard: part for (shard, _k), part in zip(chosen, parts, strict=True)}
+        if check_bytes is not None:  # (a blob buffer's: its size is known only now)
+            check_bytes(count, sum(len(payload) for part in parts for payload in part.payloads))
         batch = self._combine(ready, states, drawn)
         await gather([partial(self._commit, shard, part.indices) for shard, part in drawn.items()])
         return batch
