@@ -75,7 +75,8 @@ def read_secret_file(path: str) -> bytes:
     MIN_SECRET_BYTES; ConfigError when the file is missing, not a regular file, larger
     than MAX_SECRET_FILE_BYTES, or readable by anyone but its owner (chmod 600)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        # (a symlink is followed: Kubernetes mounts a secret as one; the file it names is checked)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         raise ConfigError(f"--cluster-secret-file {path}: {exc.strerror}") from None
     try:

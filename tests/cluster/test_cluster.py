@@ -161,8 +161,9 @@ def test_only_nodes_with_the_same_secret_talk(cluster_node: NodeFactory, tmp_pat
     key = tmp_path / "secret"
     key.write_bytes(os.urandom(32).hex().encode() + b"\n")
     key.chmod(0o600)
+    (tmp_path / "linked").symlink_to(key)  # as Kubernetes mounts a secret: the file it names counts
     a = cluster_node("k0", "--cluster-secret-file", str(key))
-    b = cluster_node("k1", "--cluster-secret-file", str(key))
+    b = cluster_node("k1", "--cluster-secret-file", str(tmp_path / "linked"))
     c = cluster_node("k2")
     assert peers(a)["secret"] == f"file {key}"
     assert peers(c)["secret"] == "etcd key /distore/secret"
