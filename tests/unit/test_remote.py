@@ -465,3 +465,54 @@ async def test_a_server_that_does_not_prove_the_secret_gets_no_request() -> None
 async def test_a_server_refuses_to_serve_without_a_secret() -> None:
     with pytest.raises(ValueError, match="fewer than 16"):
         await PeerServer(b"short").serve("127.0.0.1", 0)
+
+
+async def test_any_answer_to_the_nonce_but_a_proof_is_refused_and_the_server_goes_on() -> None:
+    """Seeded garbage of every length around the answer's 68 bytes (the magic right or
+    wrong, a proof of the wrong role or nonce order), each on its own connection: each
+    is closed and counted, no handler runs, and a peer with the secret is served after."""
+    import random
+
+    served: list[str] = []
+
+    async def note(meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
+        await trio.lowlevel.checkpoint()
+        served.append(str(meta.get("tag")))
+        return {}, ()
+
+    rng = random.Random(22)
+    async with trio.open_nursery() as nursery:
+        server = PeerServer(SECRET, auth_timeout_s=0.3)
+        server.register("note", note)
+        await nursery.start(server.serve, "127.0.0.1", 0)
+        answers = 0
+        for k in range(60):
+            stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+            hello = await stream.receive_some(4 + NONCE_BYTES)
+            theirs, mine = hello[4:], os.urandom(NONCE_BYTES)
+            choice = k % 4
+            if choice == 0:  # random bytes of any length up to two answers
+                answer = rng.randbytes(rng.randrange(0, 140))
+            elif choice == 1:  # the right magic and nonce, a random proof
+                answer = AUTH_MAGIC + mine + rng.randbytes(PROOF_BYTES)
+            elif choice == 2:  # a proof made as the server makes its own (wrong role)
+                answer = AUTH_MAGIC + mine + proof(SECRET, b"server", theirs, mine)
+            else:  # the client's proof with the nonces swapped
+                answer = AUTH_MAGIC + mine + proof(SECRET, b"client", mine, theirs)
+            with contextlib.suppress(trio.BrokenResourceError):
+                await stream.send_all(answer)
+            got = await receive_all(stream)
+            assert not got or got[0] == REFUSED  # refused, or closed at the time bound
+            await stream.aclose()
+            answers += 1
+        with trio.fail_after(5):
+            while server.unauthenticated_connections < answers:
+                await trio.sleep(0.01)
+        assert server.unauthenticated_connections == answers
+        assert served == []
+        assert server.requests == 0
+        peers = PeerTransport(lambda node: ("127.0.0.1", server.port), secret=SECRET)
+        await peers.call("b", "note", {"tag": "peer"})
+        assert served == ["peer"]
+        peers.close()
+        nursery.cancel_scope.cancel()
