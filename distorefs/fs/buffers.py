@@ -206,9 +206,9 @@ class AppendHandle(AppendStreamHandle):
             items = self._stream.feed(offset, data)
         except InvalidArgument as exc:
             self._stream.reset()  # the bad input is dropped; later writes start afresh
-            self._follow_stream()
             raise _recorded(self._buffer, exc) from None
-        self._follow_stream()
+        finally:
+            self._follow_stream()
         if items:
             await self._add(items)
             await self._buffer.persist_appends()
@@ -226,9 +226,9 @@ class AppendHandle(AppendStreamHandle):
         try:
             tail = self._stream.finish()
         except InvalidArgument as exc:
-            self._follow_stream()
             raise _recorded(self._buffer, exc) from None
-        self._follow_stream()
+        finally:
+            self._follow_stream()
         if tail:
             await self._add(tail)
         await self._buffer.persist_appends()
@@ -827,14 +827,12 @@ class BufferDir(NamedDir):
 
     aliases = {b"append.npy": b"append"}  # (priority.npy is a file of its own: _priority_npy)
 
-    def __init__(
-        self, tree: VirtualTree, buffer: ReplayBuffer, held: Allowance, shared: SharedMemory | None = None
-    ) -> None:
+    def __init__(self, tree: VirtualTree, buffer: ReplayBuffer, shared: SharedMemory | None = None) -> None:
         super().__init__(tree.new_ino(), buffer.name.encode(), stat.S_IFDIR | 0o755)
         self.own(tree.owners, b"buffers", tree.default_owner())
         self._tree = tree
         self.buffer = buffer
-        self._held = held
+        self._held = held = tree.batches  # the batches its sample files keep, counted mount-wide
         b = buffer
         files = [
             (b"config", 0o664, lambda flags, pid: ConfigHandle(b), True, Access.READ_WRITE),
@@ -1017,7 +1015,7 @@ class BuffersDir(NamedKindDirectory):
         return self._store.get(name)
 
     def _make_dir(self, obj: Any) -> BufferDir:
-        return BufferDir(self._tree, obj, self._tree.batches, self._shared)
+        return BufferDir(self._tree, obj, self._shared)
 
     async def mkdir(self, name: bytes, mode: int) -> VirtualNode:
         """A new buffer, its row committed before the mkdir returns: appends then persist
