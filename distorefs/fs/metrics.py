@@ -113,8 +113,9 @@ class DaemonCollector(Collector):
         yield from families.values()
         live = sum(1 for n in report.get("live_nodes", []) if not n.get("self"))
         yield GaugeMetricFamily("distorefs_peers_live", "other live nodes of the cluster", value=float(live))
-        server_keys = ("requests_served", "request_errors", "connections", "refused_connections")
-        for key in (*server_keys, "unauthenticated_connections"):
+        for key in (
+            "requests_served", "request_errors", "connections", "refused_connections", "unauthenticated_connections"
+        ):  # fmt: skip
             yield GaugeMetricFamily(f"distorefs_peer_{key}", f"peer server: {key}", value=float(report.get(key, 0)))
 
 
