@@ -1,11 +1,12 @@
 """Checkpoints across nodes: replicas, and directories made or removed under checkpoints/.
 
 CheckpointReplicas is the Replicator the checkpoint policy is given at construction:
-it sends a durable file to other live nodes (rendezvous placement by path) and returns
-once each holds it durably. CheckpointSync announces directories made or removed under
-checkpoints/ here, applies other nodes' (a node that holds files in a removed directory
-keeps it), replicates closed files of `replicas` > 1 directories once they are durable,
-and answers `ckpt.put`.
+it sends a durable file to other live nodes (rendezvous placement by path) in parts
+(`ckpt.begin`, `ckpt.part` ..., `ckpt.commit`; `ckpt.abort` when it gives up) and
+returns once each holds it durably. CheckpointSync announces directories made or
+removed under checkpoints/ here, applies other nodes' (a node that holds files in a
+removed directory keeps it), replicates closed files of `replicas` > 1 directories once
+they are durable, answers the `ckpt.*` ops and drops transfers whose sender went quiet.
 
 Shared key (docs/cluster.md): ns/checkpoints/<path>   {} for a directory made under checkpoints/
 """
@@ -23,7 +24,8 @@ from distorefs.cluster.etcd import WatchEvent
 from distorefs.cluster.rpc import Payload, PeerServer, meta_bytes, meta_int
 from distorefs.errors import DistorefsError, PeerUnavailable
 from distorefs.peers.core import ClusterNode
-from distorefs.stores.checkpoints import CheckpointPolicy
+from distorefs.stores.checkpoints import REPLICA_IDLE_S, REPLICA_PART_BYTES, CheckpointPolicy, ReadPart
+from distorefs.stores.files import MAX_FILE_BYTES
 from distorefs.stores.replay.sharded import gather
 
 log = logging.getLogger(__name__)
@@ -32,25 +34,50 @@ log = logging.getLogger(__name__)
 class CheckpointReplicas:
     """The checkpoint policy's Replicator over the peer protocol."""
 
-    def __init__(self, node: ClusterNode) -> None:
+    def __init__(self, node: ClusterNode, part_bytes: int = REPLICA_PART_BYTES) -> None:
         self._node = node
+        self.part_bytes = part_bytes
         self.errors = 0
 
-    async def replicate(self, path: bytes, mode: int, data: bytes | bytearray | memoryview, copies: int) -> None:
-        """PeerUnavailable (EIO) if fewer than `copies` other live nodes can take it."""
+    async def replicate(self, path: bytes, mode: int, size: int, read: ReadPart, copies: int) -> None:
+        """PeerUnavailable (EIO) if fewer than `copies` other live nodes can take it.
+        Each part is read once and sent to every target at once; a target that fails
+        fails the replication, and every target is told to drop what it received."""
         others = [n for n in self._node.place(path, 64) if n != self._node.me]
         if len(others) < copies:
             raise PeerUnavailable(
                 f"{path.decode(errors='replace')}: {copies + 1} replicas asked, {len(others) + 1} live nodes"
             )
-        meta = {"path": path, "mode": mode}
         targets = others[:copies]
+        call = self._node.peers.call
+        begun: dict[str, str] = {}
+
+        async def begin(node: str) -> None:
+            reply, _ = await call(node, "ckpt.begin", {"path": path, "mode": mode, "size": size})
+            begun[node] = meta_bytes(reply, "transfer").decode()
+
         try:
-            await gather([partial(self._node.peers.call, n, "ckpt.put", meta, [data]) for n in targets])
-        except DistorefsError:
-            self.errors += 1
+            await gather([partial(begin, n) for n in targets])
+            for offset in range(0, size, self.part_bytes):
+                data = await read(offset, min(self.part_bytes, size - offset))
+                part = {"offset": offset}
+                await gather([partial(call, n, "ckpt.part", {"transfer": begun[n], **part}, [data]) for n in targets])
+                del data  # one part held at a time
+            await gather([partial(call, n, "ckpt.commit", {"transfer": begun[n]}) for n in targets])
+        except BaseException as exc:
+            if isinstance(exc, DistorefsError):
+                self.errors += 1
+            with trio.CancelScope(shield=True), trio.move_on_after(self._node.config.peer_timeout_s):
+                await gather([partial(self._abort, n, t) for n, t in begun.items()])
             raise
         log.info("cluster: %s replicated to %s", path.decode(errors="replace"), ", ".join(targets))
+
+    async def _abort(self, node: str, transfer: str) -> None:
+        """Best effort: a target that misses it drops the transfer when it expires."""
+        try:
+            await self._node.peers.call(node, "ckpt.abort", {"transfer": transfer})
+        except DistorefsError as exc:
+            log.info("cluster: could not tell %s to drop replica transfer %s: %s", node, transfer, exc)
 
 
 class CheckpointSync:
@@ -64,15 +91,22 @@ class CheckpointSync:
     def start(self, nursery: trio.Nursery) -> None:
         nursery.start_soon(self._replicate_closed, name="cluster checkpoint replication")
         nursery.start_soon(self._announce_dirs, name="cluster checkpoint dirs news")
+        nursery.start_soon(self._expire_transfers, name="cluster checkpoint replicas expiry")
 
     def report(self) -> dict[str, Any]:
         return {
             "checkpoint_replicated": self._checkpoints.replicated,
             "checkpoint_replication_errors": self._replicas.errors,
+            "checkpoint_replicas_received": self._checkpoints.replicas_received,
+            "checkpoint_replicas_incoming": self._checkpoints.replicas_incoming,
+            "checkpoint_replicas_dropped": self._checkpoints.replicas_dropped,
         }
 
     def register(self, server: PeerServer) -> None:
-        server.register("ckpt.put", self._on_put)
+        server.register("ckpt.begin", self._on_begin)
+        server.register("ckpt.part", self._on_part)
+        server.register("ckpt.commit", self._on_commit)
+        server.register("ckpt.abort", self._on_abort)
 
     async def _announce_dirs(self) -> None:
         """A directory made or removed under checkpoints/ here is made or removed on every
@@ -105,7 +139,29 @@ class CheckpointSync:
                 self._replicas.errors += 1
                 log.warning("cluster: background replication of inode %d failed: %s", ino, exc)
 
-    async def _on_put(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
+    async def _expire_transfers(self) -> None:
+        """Replicas being received whose sender went quiet are dropped (their bytes go)."""
+        while True:
+            await trio.sleep(REPLICA_IDLE_S / 6)
+            self._checkpoints.expire_replicas()
+
+    async def _on_begin(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
         mode = meta_int(meta, "mode", 0, 0xFFFFFFFF)  # the sender's st_mode: the permission bits are kept
-        ino = await self._checkpoints.receive_replica(meta_bytes(meta, "path"), mode, body)
-        return {"ino": ino}, ()
+        size = meta_int(meta, "size", 0, MAX_FILE_BYTES)
+        return {"transfer": self._checkpoints.begin_replica(meta_bytes(meta, "path"), mode, size).encode()}, ()
+
+    async def _on_part(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
+        offset = meta_int(meta, "offset", 0, MAX_FILE_BYTES)
+        await self._checkpoints.write_replica(_transfer(meta), offset, body)
+        return {}, ()
+
+    async def _on_commit(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
+        return {"ino": await self._checkpoints.commit_replica(_transfer(meta))}, ()
+
+    async def _on_abort(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
+        self._checkpoints.abort_replica(_transfer(meta))
+        return {}, ()
+
+
+def _transfer(meta: dict[str, Any]) -> str:
+    return meta_bytes(meta, "transfer")[:64].decode(errors="replace")

@@ -29,18 +29,28 @@ from __future__ import annotations
 
 import logging
 import re
-import stat
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import trio
 
 from distorefs import scheduling
-from distorefs.errors import DistorefsError, InvalidArgument, NotADirectory, NotEmpty, NotFound, NotPermitted
+from distorefs.errors import (
+    Busy,
+    DistorefsError,
+    FileTooLarge,
+    InvalidArgument,
+    NotADirectory,
+    NotEmpty,
+    NotFound,
+    NotPermitted,
+)
 from distorefs.news import Outbox
-from distorefs.stores.files import ROOT_INODE, FileStore
+from distorefs.stores.files import MAX_FILE_BYTES, ROOT_INODE, FileStore, check_name
 from distorefs.tiers.metadb import MetaDb
 
 log = logging.getLogger(__name__)
@@ -54,6 +64,14 @@ SETTING_XATTRS = frozenset({KEEP_XATTR, SYNC_CLOSE_XATTR, REPLICAS_XATTR})  # se
 MAX_REPLICAS = 8
 MAX_KEEP_LAST = 1_000_000
 RETRY_S = 1.0
+# Replicas travel in parts (docs/design.md, "Checkpoint replicas in parts"): a sender
+# holds one part at a time, a receiver one part per transfer.
+REPLICA_PART_BYTES = 32 << 20  # what a sender sends
+REPLICA_PART_MAX_BYTES = 64 << 20  # what a receiver takes
+MAX_INCOMING_REPLICAS = 8  # transfers being received at once
+REPLICA_IDLE_S = 60.0  # a transfer with no part for this long is dropped (its sender is gone)
+REPLICATE_TRIES = 3  # sends of a file that changes size while it is sent
+REMEMBERED_COMMITS = 64  # commits answered again when a sender retries one
 
 
 STEP_WORD = re.compile(rb"step[s]?[=_-]?(\d+)", re.IGNORECASE)
@@ -72,12 +90,31 @@ def step_of(name: bytes) -> int | None:
     return int(numbers[-1]) if numbers else None
 
 
+ReadPart = Callable[[int, int], Awaitable[bytes | bytearray]]
+
+
 class Replicator(Protocol):
     """Copies a durable checkpoint file to other nodes (the daemon's cluster glue)."""
 
-    async def replicate(self, path: bytes, mode: int, data: bytes | bytearray | memoryview, copies: int) -> None:
-        """Return once `copies` other nodes hold `path` (with these bytes and mode)
-        durably; PeerUnavailable if not."""
+    async def replicate(self, path: bytes, mode: int, size: int, read: ReadPart, copies: int) -> None:
+        """Return once `copies` other nodes hold `path` (its `size` bytes, taken part by
+        part with `read(offset, nbytes)`, and its mode) durably; PeerUnavailable if not.
+        `read` raises Busy when the file's size changed since the send began."""
+
+
+@dataclass
+class _Incoming:
+    """A replica being received: its bytes go into a file in no directory until the
+    commit names it (a daemon that dies first drops it at its next start)."""
+
+    path: bytes
+    ino: int
+    size: int
+    received: int = 0  # bytes from the start that have come
+    last: float = 0.0  # trio.current_time() of the last part
+    writers: int = 0  # parts being written now (or the commit's fsync)
+    dropped: bool = False  # aborted, expired or failed: its file goes once no writer is left
+    released: bool = False  # its file went
 
 
 @dataclass
@@ -116,6 +153,10 @@ class CheckpointPolicy:
         self._settings: dict[tuple[int, bytes], tuple[int, str] | None] = {}  # resolved, see _setting
         self.replication_queue = Outbox[int]()  # closed files of replicas > 1 dirs, made durable
         self.replicated = 0
+        self._incoming: dict[str, _Incoming] = {}  # transfer id -> replica being received
+        self._committed: dict[str, int] = {}  # the last commits' transfer ids -> inode
+        self.replicas_received = 0
+        self.replicas_dropped = 0  # aborted by their sender, expired, or failed
         # directories made or removed under checkpoints/, for a cluster: ("made" | "removed", path)
         self.news = Outbox[tuple[str, bytes]]()
 
@@ -221,13 +262,33 @@ class CheckpointPolicy:
         return 1 if found is None else int(found[1])
 
     async def replicate(self, ino: int) -> None:
+        """Send `ino` to the other nodes its directory's `replicas` asks for, part by
+        part (one part in memory at a time, whatever the file's size). A file whose size
+        changes while it is sent is sent again, up to REPLICATE_TRIES times (Busy)."""
         copies = self.replicas(ino) - 1
-        if copies <= 0 or self.replicator is None or ino not in self._files:
+        if copies <= 0 or self.replicator is None:
             return
-        inode = self._files.get(ino)
-        data = await self._files.read(ino, 0, inode.size)
-        await self.replicator.replicate(self.path_of(ino), inode.mode, data, copies)
-        self.replicated += 1
+        for attempt in range(1, REPLICATE_TRIES + 1):
+            if ino not in self._files:
+                return  # removed meanwhile: nothing to keep
+            inode = self._files.get(ino)
+            try:
+                await self.replicator.replicate(
+                    self.path_of(ino), inode.mode, inode.size, partial(self._read_part, ino, inode.size), copies
+                )
+            except Busy:
+                if attempt == REPLICATE_TRIES:
+                    raise
+                continue
+            self.replicated += 1
+            return
+
+    async def _read_part(self, ino: int, size: int, offset: int, nbytes: int) -> bytes | bytearray:
+        if ino not in self._files or self._files.get(ino).size != size:
+            raise Busy(f"inode {ino} changed size while it was being replicated")
+        data = await self._files.read(ino, offset, nbytes)
+        # a view of a cached block is valid only until the next await: the send awaits
+        return bytes(data) if isinstance(data, memoryview) else data
 
     def dir_made(self, directory: int) -> None:
         """A directory was made in the tree: one under checkpoints/ is news for a cluster."""
@@ -294,23 +355,140 @@ class CheckpointPolicy:
                 return b"/".join(reversed(parts))
             child, parent = parent, self._files.parent_of(parent)
 
-    async def receive_replica(self, path: bytes, mode: int, data: memoryview) -> int:
-        """Store a replica sent by another node at `path` (directories made as needed),
-        durably. Returns its inode."""
-        names = self._checked_names(path)
-        parent, name = self._make_dirs(names[:-1]), names[-1]
+    # --- replicas received ---------------------------------------------------------------
+
+    def begin_replica(self, path: bytes, mode: int, size: int) -> str:
+        """A replica of `size` bytes for `path` (under checkpoints/) begins to come from
+        another node: returns the transfer id its parts and commit name. Nothing under
+        `path` changes before the commit. Busy when MAX_INCOMING_REPLICAS are coming."""
+        for name in self._checked_names(path):
+            check_name(name)
+        if not 0 <= size <= MAX_FILE_BYTES:
+            raise FileTooLarge(f"a replica of {size} bytes: outside 0..{MAX_FILE_BYTES}")
+        self.expire_replicas()
+        if len(self._incoming) >= MAX_INCOMING_REPLICAS:
+            raise Busy(f"{len(self._incoming)} replicas are being received already (at most {MAX_INCOMING_REPLICAS})")
         root = self._files.get(ROOT_INODE)
+        inode = self._files.create_unlinked(mode, root.uid, root.gid)
+        transfer = secrets.token_hex(8)
+        self._incoming[transfer] = _Incoming(path, inode.ino, size, last=trio.current_time())
+        return transfer
+
+    @property
+    def replicas_incoming(self) -> int:
+        """Replicas being received now."""
+        return len(self._incoming)
+
+    def _incoming_of(self, transfer: str) -> _Incoming:
+        incoming = self._incoming.get(transfer)
+        if incoming is None:
+            raise NotFound(f"no replica transfer {transfer[:32]!r} (never begun, aborted or expired)")
+        return incoming
+
+    async def write_replica(self, transfer: str, offset: int, data: memoryview) -> None:
+        """One part of a replica: its bytes at `offset`, which may not leave a gap after
+        the bytes received (a part sent again is written again). The part is in the log
+        when this returns, so a sender goes only as fast as this node's disk. A part
+        that fails to be stored drops the transfer."""
+        incoming = self._incoming_of(transfer)
+        end = offset + len(data)
+        if len(data) > REPLICA_PART_MAX_BYTES:
+            raise InvalidArgument(f"a replica part of {len(data)} bytes (at most {REPLICA_PART_MAX_BYTES})")
+        if not 0 <= offset <= incoming.received or end > incoming.size:
+            raise InvalidArgument(
+                f"a replica part at {offset}..{end}: {incoming.received} of {incoming.size} bytes have come"
+            )
+        incoming.writers += 1
         try:
-            ino = self._files.lookup(parent, name).ino
-        except NotFound:
-            ino = self._files.mknod(parent, name, stat.S_IFREG | (mode & 0o7777), 0, root.uid, root.gid).ino
+            await self._files.write(incoming.ino, offset, data)
+            await self._files.write_back(incoming.ino, full_only=True)
+        except BaseException:
+            incoming.writers -= 1
+            self._drop_incoming(transfer, incoming)
+            raise
+        incoming.writers -= 1
+        incoming.last = trio.current_time()
+        if incoming.dropped:
+            self._release_incoming(incoming)
+            raise NotFound(f"replica transfer {transfer} was dropped while a part was written")
+        incoming.received = max(incoming.received, end)
+
+    async def commit_replica(self, transfer: str) -> int:
+        """The replica is whole: its bytes are made durable, then it takes its path as
+        one change (a file already there is replaced, as by rename; readers that have it
+        open keep it), durably. Returns its inode; a commit sent again returns it again."""
+        done = self._committed.get(transfer)
+        if done is not None:
+            return done
+        incoming = self._incoming_of(transfer)
+        if incoming.writers:
+            raise Busy(f"replica transfer {transfer}: a part is still being written")
+        if incoming.received != incoming.size:
+            raise InvalidArgument(f"replica transfer {transfer}: {incoming.received} of {incoming.size} bytes came")
+        ino = incoming.ino
+        incoming.writers += 1
+        try:
+            await self._files.fsync(ino)  # the bytes are durable before a name shows them
+        finally:
+            incoming.writers -= 1
+        if incoming.dropped:
+            self._release_incoming(incoming)
+            raise NotFound(f"replica transfer {transfer} was dropped during its commit")
+        try:
+            names = self._checked_names(incoming.path)
+            parent, name = self._make_dirs(names[:-1]), names[-1]
+            replaced = self._files.link_replacing(ino, parent, name)
+        except DistorefsError:
+            self._drop_incoming(transfer, incoming)
+            raise
+        del self._incoming[transfer]
+        self._files.unref(ino)
+        if replaced is not None and replaced.nlink == 0:
+            self._forget(replaced.ino)
         self.track(ino, parent)
-        await self._files.setattr(ino, size=0)
-        if len(data):
-            await self._files.write(ino, 0, data)
-        self.changed(ino)
-        await self._commit_durable([(ino, self._states[ino].gen)], lambda: self._files.fsync(ino))
+        self._committed[transfer] = ino
+        while len(self._committed) > REMEMBERED_COMMITS:
+            del self._committed[next(iter(self._committed))]
+        self.settings_changed()  # the tree under checkpoints/ changed shape
+        await self._commit_durable(
+            [(ino, self._states[ino].gen)], lambda: self._files.commit(durable=True), replicate=False
+        )
+        if replaced is not None:
+            self.removed.post((parent, name, replaced.ino))
+        self.replicas_received += 1
         return ino
+
+    def abort_replica(self, transfer: str) -> None:
+        """The sender gave up: the bytes received go (unknown transfers are ignored)."""
+        incoming = self._incoming.get(transfer)
+        if incoming is not None:
+            self._drop_incoming(transfer, incoming)
+
+    def expire_replicas(self, idle_s: float = REPLICA_IDLE_S) -> int:
+        """Drop the transfers no part has come for in `idle_s` (their sender died or
+        gave up without a word); returns how many went."""
+        now = trio.current_time()
+        stale = [(t, i) for t, i in self._incoming.items() if not i.writers and now - i.last > idle_s]
+        for transfer, incoming in stale:
+            log.warning(
+                "checkpoints: a replica of %s expired after %.0f s without a part (%d of %d bytes had come)",
+                incoming.path.decode(errors="replace"), now - incoming.last, incoming.received, incoming.size,
+            )  # fmt: skip
+            self._drop_incoming(transfer, incoming)
+        return len(stale)
+
+    def _drop_incoming(self, transfer: str, incoming: _Incoming) -> None:
+        """Forget a transfer; its file goes once no part is being written into it."""
+        if self._incoming.get(transfer) is incoming:
+            del self._incoming[transfer]
+            self.replicas_dropped += 1
+        incoming.dropped = True
+        self._release_incoming(incoming)
+
+    def _release_incoming(self, incoming: _Incoming) -> None:
+        if incoming.dropped and not incoming.writers and not incoming.released:
+            incoming.released = True
+            self._files.unref(incoming.ino)
 
     def persisted_all(self) -> None:
         """Clean shutdown: the block tier's final durable commit covers every file, so no
@@ -433,9 +611,13 @@ class CheckpointPolicy:
         if closed:
             await self._commit_durable(closed, lambda: self._files.commit(durable=True))
 
-    async def _commit_durable(self, done: list[tuple[int, int]], commit: Callable[[], Awaitable[None]]) -> None:
+    async def _commit_durable(
+        self, done: list[tuple[int, int]], commit: Callable[[], Awaitable[None]], replicate: bool = True
+    ) -> None:
         """Run the durable `commit` with the pending rows of these (file, change) pairs
-        deleted in it; if it fails, the rows of files still not durable come back."""
+        deleted in it; if it fails, the rows of files still not durable come back.
+        `replicate`: files under `replicas` > 1 are queued for replication (not replicas
+        received from another node)."""
         for ino, _gen in done:
             self._clear_pending(ino)
         try:
@@ -446,7 +628,7 @@ class CheckpointPolicy:
                 if state is not None and state.gen != state.durable_gen:
                     self._mark_pending(ino)
             raise
-        await self._made_durable(done)
+        await self._made_durable(done, replicate)
 
     def _mark_pending(self, ino: int) -> None:
         self._meta.put("ckpt_pending", (ino,), (time.time_ns(),))
@@ -459,7 +641,7 @@ class CheckpointPolicy:
         self._states.pop(ino, None)
         self._clear_pending(ino)
 
-    async def _made_durable(self, done: list[tuple[int, int]]) -> None:
+    async def _made_durable(self, done: list[tuple[int, int]], replicate: bool = True) -> None:
         """A durable commit covered these (file, change) pairs: the unchanged ones are
         durable now; the changed ones go back to pending. Then retention runs."""
         directories: set[int] = set()
@@ -473,7 +655,7 @@ class CheckpointPolicy:
                 self._queue.pop(ino, None)
                 released.append(ino)  # a staged file's memory (tree.adopt) goes back
                 directories.add(state.parent)
-                if not state.writers and self.replicator is not None and self.replicas(ino) > 1:
+                if replicate and not state.writers and self.replicator is not None and self.replicas(ino) > 1:
                     self.replication_queue.post(ino)
             else:
                 self._mark_pending(ino)

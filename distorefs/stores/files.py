@@ -320,6 +320,36 @@ class FileStore:
         self._link_entry(parent_inode, name, inode)
         return inode
 
+    def create_unlinked(self, mode: int, uid: int, gid: int) -> Inode:
+        """A regular file in no directory (like `O_TMPFILE`), held by one reference:
+        `link_replacing` names it, `unref` deletes it, and a daemon that dies first
+        drops it at the next start (an orphan)."""
+        inode = self._new_inode(stat.S_IFREG | stat.S_IMODE(mode), uid, gid)
+        inode.nlink = 0
+        self._stage(inode)
+        self.ref(inode.ino)
+        return inode
+
+    def link_replacing(self, ino: int, parent: int, name: bytes) -> Inode | None:
+        """Name the regular file `ino` `name` in `parent`, replacing the non-directory
+        that has the name, as one change (rename's atomicity); returns the replaced
+        inode, None if there was none."""
+        inode = self._regular(ino)
+        check_name(name)
+        old_ino = self._dir(parent).get(name)
+        old = None if old_ino is None else self._inodes[old_ino]
+        if old is not None and old.is_dir:
+            raise IsADirectory(f"{name.decode(errors='replace')!r} is a directory")
+        if old is not None and old.ino == ino:
+            return None
+        # Checks done: nothing below can fail.
+        if old is not None:
+            self._unlink_entry(self._inodes[parent], name, old)
+        inode.nlink += 1
+        inode.ctime_ns = time.time_ns()
+        self._link_entry(self._inodes[parent], name, inode)
+        return old
+
     def readlink(self, ino: int) -> bytes:
         inode = self.get(ino)
         if inode.target is None:

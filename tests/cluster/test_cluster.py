@@ -8,6 +8,7 @@ import io
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -237,7 +238,10 @@ def test_malformed_peer_requests_are_refused_and_none_is_an_internal_error(
     secret = cluster_secret(etcd)
     assert peer_call(address, secret, {"op": "buffer.pick", "name": "b", "count": 10**9})["errno"] == errno.EINVAL
     assert peer_call(address, secret, {"op": "weights.fetch", "model": 2**33})["errno"] == errno.EINVAL
-    assert peer_call(address, secret, {"op": "ckpt.put", "path": 2**33, "mode": 0o644})["errno"] == errno.EINVAL
+    begin = {"op": "ckpt.begin", "path": 2**33, "mode": 0o644, "size": 1}
+    assert peer_call(address, secret, begin)["errno"] == errno.EINVAL
+    begin = {"op": "ckpt.begin", "path": "checkpoints/x", "mode": 0o644, "size": 2**62}
+    assert peer_call(address, secret, begin)["errno"] == errno.EINVAL  # past any file's size
     values: list[object] = [
         None, True, -1, 0, 2**62, 2**64 - 1, 1.5, float("nan"), "", "b", "x" * 300, b"", b"\0" * 8,
         [], [1], [[1, 2]], [[2**63 - 1, 2**63 - 1]], {}, {"a": 1}, [["b", 1]],
@@ -245,7 +249,8 @@ def test_malformed_peer_requests_are_refused_and_none_is_an_internal_error(
     ops = {
         "weights.fetch": ["model"], "buffer.state": ["name"], "buffer.pick": ["name", "count"],
         "buffer.commit": ["name", "indices"], "buffer.append": ["name", "sizes"],
-        "buffer.priority": ["name", "indices", "priorities"], "ckpt.put": ["path", "mode"],
+        "buffer.priority": ["name", "indices", "priorities"], "ckpt.begin": ["path", "mode", "size"],
+        "ckpt.part": ["transfer", "offset"], "ckpt.commit": ["transfer"], "ckpt.abort": ["transfer"],
         "mem.put": ["from", "keys", "sizes", "drop"], "mem.get": ["from", "keys"], "mem.drop": ["from", "keys"],
         "dataset.read": ["name", "start", "max_bytes"], "no.such.op": ["x"],
     }  # fmt: skip
@@ -443,6 +448,38 @@ def test_kill9_keeps_replicated_checkpoints_and_fails_fast_on_unreplicated_data(
     wait_for(lambda: len(peers(holder)["live_nodes"]) == 2, what="n0 leaves the member list")
     (holder.path / "buffers" / "after").mkdir()
     wait_for(lambda: (other.path / "buffers" / "after").is_dir(), what="new dir visible after the kill")
+
+
+def test_a_replica_travels_in_parts_and_replaces_the_old_one_on_its_holder_at_once(three: list[Mount]) -> None:
+    """A replica bigger than a part (32 MiB) goes as begin, parts and commit; the holder
+    shows it only whole, and a new version takes the old one's name in one change that
+    the holder's kernel hears of at once (it cached the old file's entry and pages)."""
+    a, b, c = three
+    run = a.path / "checkpoints" / "big"
+    run.mkdir()
+    os.setxattr(run, "user.distore.replicas", b"2")
+    for version in range(2):
+        data = os.urandom(80 << 20)  # three parts
+        calls_before = {n["node"]: n.get("calls", 0) for n in peers(a)["live_nodes"]}  # type: ignore[union-attr]
+        fd = os.open(run / "model.pt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)  # returns once another node holds it durably
+        finally:
+            os.close(fd)
+        holders = [m for m in (b, c) if (m.path / "checkpoints" / "big" / "model.pt").exists()]
+        assert len(holders) == 1
+        holder = holders[0]
+        copy = holder.path / "checkpoints" / "big" / "model.pt"
+        assert copy.read_bytes() == data, f"version {version}"
+        assert stat.S_IMODE(copy.stat().st_mode) == 0o640
+        report = peers(holder)
+        assert report["checkpoint_replicas_received"] == version + 1
+        assert (report["checkpoint_replicas_incoming"], report["checkpoint_replicas_dropped"]) == (0, 0)
+        calls = {n["node"]: n.get("calls", 0) for n in peers(a)["live_nodes"]}  # type: ignore[union-attr]
+        holder_name = holder.path.parent.name
+        assert calls[holder_name] - calls_before.get(holder_name, 0) >= 5  # begin, 3 parts, commit
+    assert peers(a)["checkpoint_replication_errors"] == 0
 
 
 def test_a_shard_made_by_a_peer_and_appended_to_just_before_kill_9_comes_back_with_its_items(
