@@ -9,6 +9,10 @@ the node that owns the data and on the other node in the same run.
 - Weights fan-out: a model published on n0; R reader processes wait on `wait`, then read
   the whole new version, on n0 (local) and on n1 (n1 fetches the version once and its
   readers read the local copy). Reported: publish-to-last-reader-done latency.
+- Checkpoint replication: a file of `--checkpoint-mib` written and fsync'ed on n0 under
+  `user.distore.replicas` = 2 (fsync returns once n1 holds it durably) against the same
+  save into a directory of n0 without replicas, alternating; and the peak memory
+  (VmHWM, reset before) each daemon reached meanwhile.
 - Remote memory tier: node n2 with 64 MiB of DRAM holds a buffer of N x 110 KB items
   (220 MB by default). Every item is read once, in random order, through `items/<i>`:
   from the log with the page cache dropped (the device), from the log again (page cache
@@ -123,6 +127,36 @@ def reader(model: Path, versions: int, done: multiprocessing.Queue[tuple[int, fl
             del size
 
 
+def save(path: Path, data: bytes) -> float:
+    """Seconds to write `data` to a new file and fsync it."""
+    started = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view[: 1 << 20]) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - started
+
+
+def daemon_pid(mnt: Path) -> int:
+    return int(json.loads((mnt / ".distore" / "status").read_text())["pid"])
+
+
+def peak_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def reset_peak(pid: int) -> None:
+    """The kernel's peak RSS of `pid` starts again from its RSS now (root)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
 def fan_out(publisher: Path, readers_on: Path, readers: int, versions: int, tensor: bytes) -> list[float]:
     """Latency from the start of each publish to the last reader having read it."""
     done: multiprocessing.Queue[tuple[int, float]] = multiprocessing.Queue()
@@ -149,6 +183,8 @@ def main() -> int:
     parser.add_argument("--model-mib", type=int, default=64)
     parser.add_argument("--versions", type=int, default=3)
     parser.add_argument("--spill-items", type=int, default=2000)
+    parser.add_argument("--checkpoint-mib", type=int, default=1024)
+    parser.add_argument("--checkpoint-repeats", type=int, default=3)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="distore-bench-cluster-", dir="/var/tmp"))
@@ -178,6 +214,25 @@ def main() -> int:
         results["fanout_remote_s"] = float(np.median(remote))
         peers = json.loads((n1 / ".distore" / "peers").read_text())
         results["fanout_remote_fetches"] = peers["weights_fetched"]
+        # --- checkpoint replication
+        replicated, alone = n0 / "checkpoints" / "replicated", n0 / "checkpoints" / "alone"
+        replicated.mkdir()
+        alone.mkdir()
+        os.setxattr(replicated, "user.distore.replicas", b"2")
+        blob = np.random.default_rng(1).bytes(args.checkpoint_mib << 20)
+        pids = [daemon_pid(n0), daemon_pid(n1)]
+        for pid in pids:
+            reset_peak(pid)
+        alone_s, replicated_s = [], []
+        for i in range(args.checkpoint_repeats):
+            alone_s.append(save(alone / f"step-{i}.pt", blob))
+            replicated_s.append(save(replicated / f"step-{i}.pt", blob))
+        results["ckpt_alone_s"] = float(np.median(alone_s))
+        results["ckpt_replicated_s"] = float(np.median(replicated_s))
+        results["ckpt_peak_n0_mib"], results["ckpt_peak_n1_mib"] = peak_mib(pids[0]), peak_mib(pids[1])
+        copy = n1 / "checkpoints" / "replicated" / f"step-{args.checkpoint_repeats - 1}.pt"
+        results["ckpt_replica_whole"] = copy.stat().st_size == len(blob)
+        del blob
         # --- remote memory tier
         n2 = mount(base, "n2", url, "--dram-budget", "64MiB")
         mounts.append(n2)
@@ -225,6 +280,11 @@ def main() -> int:
           f" {f_l:.3f} s | {f_r:.3f} s (n1 fetched {results['fanout_remote_fetches']} times for"
           f" {2 * args.versions} versions)"
           f" | {f_l / f_r:.2f}x |")  # fmt: skip
+    a_s, r_s, mib = results["ckpt_alone_s"], results["ckpt_replicated_s"], args.checkpoint_mib
+    print(f"| checkpoint of {mib} MiB, write + fsync (median of {args.checkpoint_repeats}) |"
+          f" {a_s:.2f} s ({mib / a_s:.0f} MiB/s), no replica | {r_s:.2f} s ({mib / r_s:.0f} MiB/s), replicas = 2"
+          f" (peak memory n0 {results['ckpt_peak_n0_mib']:.0f} MiB, n1 {results['ckpt_peak_n1_mib']:.0f} MiB)"
+          f" | {a_s / r_s:.2f}x |")  # fmt: skip
     n, item_mb = args.spill_items, 0.110
     print()
     print(f"| remote memory tier: each of {n} x 110 KB items read once at random (n2: 64 MiB DRAM) |"

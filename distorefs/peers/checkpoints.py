@@ -24,7 +24,13 @@ from distorefs.cluster.etcd import WatchEvent
 from distorefs.cluster.rpc import Payload, PeerServer, meta_bytes, meta_int
 from distorefs.errors import DistorefsError, PeerUnavailable
 from distorefs.peers.core import ClusterNode
-from distorefs.stores.checkpoints import REPLICA_IDLE_S, REPLICA_PART_BYTES, CheckpointPolicy, ReadPart
+from distorefs.stores.checkpoints import (
+    REPLICA_IDLE_S,
+    REPLICA_PART_BYTES,
+    REPLICA_PARTS_IN_FLIGHT,
+    CheckpointPolicy,
+    ReadPart,
+)
 from distorefs.stores.files import MAX_FILE_BYTES
 from distorefs.stores.replay.sharded import gather
 
@@ -41,8 +47,9 @@ class CheckpointReplicas:
 
     async def replicate(self, path: bytes, mode: int, size: int, read: ReadPart, copies: int) -> None:
         """PeerUnavailable (EIO) if fewer than `copies` other live nodes can take it.
-        Each part is read once and sent to every target at once; a target that fails
-        fails the replication, and every target is told to drop what it received."""
+        Each part is read once and sent to every target at once, the next part read
+        while REPLICA_PARTS_IN_FLIGHT are on their way; a target that fails fails the
+        replication, and every target is told to drop what it received."""
         others = [n for n in self._node.place(path, 64) if n != self._node.me]
         if len(others) < copies:
             raise PeerUnavailable(
@@ -58,11 +65,7 @@ class CheckpointReplicas:
 
         try:
             await gather([partial(begin, n) for n in targets])
-            for offset in range(0, size, self.part_bytes):
-                data = await read(offset, min(self.part_bytes, size - offset))
-                part = {"offset": offset}
-                await gather([partial(call, n, "ckpt.part", {"transfer": begun[n], **part}, [data]) for n in targets])
-                del data  # one part held at a time
+            await self._send_parts(targets, begun, size, read)
             await gather([partial(call, n, "ckpt.commit", {"transfer": begun[n]}) for n in targets])
         except BaseException as exc:
             if isinstance(exc, DistorefsError):
@@ -71,6 +74,36 @@ class CheckpointReplicas:
                 await gather([partial(self._abort, n, t) for n, t in begun.items()])
             raise
         log.info("cluster: %s replicated to %s", path.decode(errors="replace"), ", ".join(targets))
+
+    async def _send_parts(self, targets: list[str], begun: dict[str, str], size: int, read: ReadPart) -> None:
+        """Every part to every target; the first error (of a read or a send) is raised
+        once the parts in flight have stopped."""
+        in_flight = trio.Semaphore(REPLICA_PARTS_IN_FLIGHT)
+        failed: list[DistorefsError] = []
+
+        async def send(offset: int, data: bytes | bytearray) -> None:
+            try:
+                call, meta = self._node.peers.call, {"offset": offset}
+                await gather([partial(call, n, "ckpt.part", {"transfer": begun[n], **meta}, [data]) for n in targets])
+            except DistorefsError as exc:
+                failed.append(exc)
+                nursery.cancel_scope.cancel()
+            finally:
+                in_flight.release()
+
+        async with trio.open_nursery() as nursery:
+            for offset in range(0, size, self.part_bytes):
+                await in_flight.acquire()
+                try:
+                    data = await read(offset, min(self.part_bytes, size - offset))
+                except DistorefsError as exc:
+                    failed.append(exc)
+                    nursery.cancel_scope.cancel()
+                    break
+                nursery.start_soon(send, offset, data)
+                del data  # held by its send only
+        if failed:
+            raise failed[0]
 
     async def _abort(self, node: str, transfer: str) -> None:
         """Best effort: a target that misses it drops the transfer when it expires."""

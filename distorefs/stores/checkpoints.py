@@ -32,7 +32,7 @@ import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
 
@@ -68,6 +68,9 @@ RETRY_S = 1.0
 # holds one part at a time, a receiver one part per transfer.
 REPLICA_PART_BYTES = 32 << 20  # what a sender sends
 REPLICA_PART_MAX_BYTES = 64 << 20  # what a receiver takes
+REPLICA_PARTS_IN_FLIGHT = 2  # a sender's parts on their way at once (each on a connection of its own)
+REPLICA_AHEAD_BYTES = 4 * REPLICA_PART_MAX_BYTES  # how far past the bytes received a part may start
+MAX_PARTS_AHEAD = 16  # parts stored past a gap, waiting for it to fill
 MAX_INCOMING_REPLICAS = 8  # transfers being received at once
 REPLICA_IDLE_S = 60.0  # a transfer with no part for this long is dropped (its sender is gone)
 REPLICATE_TRIES = 3  # sends of a file that changes size while it is sent
@@ -110,7 +113,8 @@ class _Incoming:
     path: bytes
     ino: int
     size: int
-    received: int = 0  # bytes from the start that have come
+    received: int = 0  # bytes from the start that have come with no gap
+    ahead: dict[int, int] = field(default_factory=dict)  # parts stored past a gap: offset -> end
     last: float = 0.0  # trio.current_time() of the last part
     writers: int = 0  # parts being written now (or the commit's fsync)
     dropped: bool = False  # aborted, expired or failed: its file goes once no writer is left
@@ -386,18 +390,21 @@ class CheckpointPolicy:
         return incoming
 
     async def write_replica(self, transfer: str, offset: int, data: memoryview) -> None:
-        """One part of a replica: its bytes at `offset`, which may not leave a gap after
-        the bytes received (a part sent again is written again). The part is in the log
-        when this returns, so a sender goes only as fast as this node's disk. A part
-        that fails to be stored drops the transfer."""
+        """One part of a replica: its bytes at `offset`, at most REPLICA_AHEAD_BYTES past
+        the bytes received with no gap (a sender's parts in flight may arrive out of
+        order; a part sent again is written again). The part is in the log when this
+        returns, so a sender goes only as fast as this node's disk. A part that fails
+        to be stored drops the transfer."""
         incoming = self._incoming_of(transfer)
         end = offset + len(data)
         if len(data) > REPLICA_PART_MAX_BYTES:
             raise InvalidArgument(f"a replica part of {len(data)} bytes (at most {REPLICA_PART_MAX_BYTES})")
-        if not 0 <= offset <= incoming.received or end > incoming.size:
+        if not 0 <= offset <= incoming.received + REPLICA_AHEAD_BYTES or end > incoming.size:
             raise InvalidArgument(
                 f"a replica part at {offset}..{end}: {incoming.received} of {incoming.size} bytes have come"
             )
+        if offset > incoming.received and offset not in incoming.ahead and len(incoming.ahead) >= MAX_PARTS_AHEAD:
+            raise InvalidArgument(f"a replica part at {offset}: {MAX_PARTS_AHEAD} parts wait past a gap already")
         incoming.writers += 1
         try:
             await self._files.write(incoming.ino, offset, data)
@@ -411,7 +418,15 @@ class CheckpointPolicy:
         if incoming.dropped:
             self._release_incoming(incoming)
             raise NotFound(f"replica transfer {transfer} was dropped while a part was written")
-        incoming.received = max(incoming.received, end)
+        incoming.ahead[offset] = max(incoming.ahead.get(offset, 0), end)
+        merged = True
+        while merged:  # parts that now follow the bytes received without a gap join them
+            merged = False
+            for start, stop in list(incoming.ahead.items()):
+                if start <= incoming.received:
+                    incoming.received = max(incoming.received, stop)
+                    del incoming.ahead[start]
+                    merged = True
 
     async def commit_replica(self, transfer: str) -> int:
         """The replica is whole: its bytes are made durable, then it takes its path as

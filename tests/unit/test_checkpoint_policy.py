@@ -12,7 +12,14 @@ import trio
 import trio.testing
 
 from distorefs.errors import DistorefsError, StoreFull
-from distorefs.stores.checkpoints import MAX_INCOMING_REPLICAS, REPLICA_PART_MAX_BYTES, RETRY_S, CheckpointPolicy
+from distorefs.stores.checkpoints import (
+    MAX_INCOMING_REPLICAS,
+    MAX_PARTS_AHEAD,
+    REPLICA_AHEAD_BYTES,
+    REPLICA_PART_MAX_BYTES,
+    RETRY_S,
+    CheckpointPolicy,
+)
 from distorefs.stores.files import MAX_FILE_BYTES, FileStore
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.metadb import MetaDb
@@ -104,7 +111,8 @@ async def test_a_replica_takes_its_path_only_when_committed_and_replaces_the_old
     await files.write(old, 0, b"old" * 1000)
     new = os.urandom(350_000)
     transfer = ckpt.begin_replica(b"checkpoints/run/step-1.pt", 0o100640, len(new))
-    for offset in (0, 100_000, 100_000, 50_000, 200_000, 300_000):  # parts sent again are written again
+    # parts in flight arrive out of order; a part sent again is written again
+    for offset in (0, 200_000, 100_000, 100_000, 50_000, 300_000):
         await ckpt.write_replica(transfer, offset, memoryview(new)[offset : offset + 100_000])
         assert files.entries(run) == ((b"step-1.pt", old),)  # nothing shows before the commit
         assert bytes(await files.read(old, 0, 3000)) == b"old" * 1000
@@ -154,7 +162,16 @@ async def test_a_bad_part_or_commit_is_refused_with_its_errno_and_changes_nothin
 
     async def act() -> None:
         if bad == "gap":
-            await ckpt.write_replica(transfer, 100_001, rest[1:])
+            far = ckpt.begin_replica(b"checkpoints/run/far.pt", 0o100644, 1 << 30)
+            for i in range(MAX_PARTS_AHEAD):  # parts past a gap wait for it, so many
+                await ckpt.write_replica(far, 1000 + i, memoryview(b"y"))
+            with pytest.raises(DistorefsError) as one_more:
+                await ckpt.write_replica(far, 1000 + MAX_PARTS_AHEAD, memoryview(b"y"))
+            assert one_more.value.errno == errno.EINVAL
+            await ckpt.write_replica(far, 0, memoryview(bytes(1000)))  # the gap fills: room again
+            assert ckpt._incoming[far].received == 1000 + MAX_PARTS_AHEAD
+            ckpt.abort_replica(far)
+            await ckpt.write_replica(transfer, 100_000 + REPLICA_AHEAD_BYTES + 1, memoryview(b"x"))  # too far
         elif bad == "past-size":
             await ckpt.write_replica(transfer, 100_000, memoryview(bytes(50_001)))
         elif bad == "too-big":
