@@ -23,14 +23,8 @@ import trio
 from distorefs.cluster.etcd import WatchEvent
 from distorefs.cluster.rpc import Payload, PeerServer, meta_bytes, meta_int
 from distorefs.errors import DistorefsError, PeerUnavailable
-from distorefs.peers.core import ClusterNode
-from distorefs.stores.checkpoints import (
-    REPLICA_IDLE_S,
-    REPLICA_PART_BYTES,
-    REPLICA_PARTS_IN_FLIGHT,
-    CheckpointPolicy,
-    ReadPart,
-)
+from distorefs.peers.core import PART_BYTES, ClusterNode, in_parts
+from distorefs.stores.checkpoints import REPLICA_IDLE_S, CheckpointPolicy, ReadPart
 from distorefs.stores.files import MAX_FILE_BYTES
 from distorefs.stores.replay.sharded import gather
 
@@ -40,7 +34,7 @@ log = logging.getLogger(__name__)
 class CheckpointReplicas:
     """The checkpoint policy's Replicator over the peer protocol."""
 
-    def __init__(self, node: ClusterNode, part_bytes: int = REPLICA_PART_BYTES) -> None:
+    def __init__(self, node: ClusterNode, part_bytes: int = PART_BYTES) -> None:
         self._node = node
         self.part_bytes = part_bytes
         self.errors = 0
@@ -48,8 +42,8 @@ class CheckpointReplicas:
     async def replicate(self, path: bytes, mode: int, size: int, read: ReadPart, copies: int) -> None:
         """PeerUnavailable (EIO) if fewer than `copies` other live nodes can take it.
         Each part is read once and sent to every target at once, the next part read
-        while REPLICA_PARTS_IN_FLIGHT are on their way; a target that fails fails the
-        replication, and every target is told to drop what it received."""
+        while one is on its way; a target that fails fails the replication, and every
+        target is told to drop what it received."""
         others = [n for n in self._node.place(path, 64) if n != self._node.me]
         if len(others) < copies:
             raise PeerUnavailable(
@@ -76,34 +70,17 @@ class CheckpointReplicas:
         log.info("cluster: %s replicated to %s", path.decode(errors="replace"), ", ".join(targets))
 
     async def _send_parts(self, targets: list[str], begun: dict[str, str], size: int, read: ReadPart) -> None:
-        """Every part to every target; the first error (of a read or a send) is raised
-        once the parts in flight have stopped."""
-        in_flight = trio.Semaphore(REPLICA_PARTS_IN_FLIGHT)
-        failed: list[DistorefsError] = []
+        """Every part to every target, each part read once (`in_parts`: the next read
+        while one travels)."""
+        call = self._node.peers.call
 
-        async def send(offset: int, data: bytes | bytearray) -> None:
-            try:
-                call, meta = self._node.peers.call, {"offset": offset}
-                await gather([partial(call, n, "ckpt.part", {"transfer": begun[n], **meta}, [data]) for n in targets])
-            except DistorefsError as exc:
-                failed.append(exc)
-                nursery.cancel_scope.cancel()
-            finally:
-                in_flight.release()
+        async def part(offset: int, nbytes: int) -> None:
+            data = await read(offset, nbytes)
+            await gather(
+                [partial(call, n, "ckpt.part", {"transfer": begun[n], "offset": offset}, [data]) for n in targets]
+            )
 
-        async with trio.open_nursery() as nursery:
-            for offset in range(0, size, self.part_bytes):
-                await in_flight.acquire()
-                try:
-                    data = await read(offset, min(self.part_bytes, size - offset))
-                except DistorefsError as exc:
-                    failed.append(exc)
-                    nursery.cancel_scope.cancel()
-                    break
-                nursery.start_soon(send, offset, data)
-                del data  # held by its send only
-        if failed:
-            raise failed[0]
+        await in_parts(size, part, self.part_bytes)
 
     async def _abort(self, node: str, transfer: str) -> None:
         """Best effort: a target that misses it drops the transfer when it expires."""

@@ -21,7 +21,7 @@ import os
 import secrets
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -35,6 +35,34 @@ from distorefs.errors import ConfigError, DistorefsError, PeerUnavailable
 from distorefs.tiers.remote_memory import LentMemory, RemoteMemory
 
 log = logging.getLogger(__name__)
+
+PART_BYTES = 32 << 20  # big transfers between nodes (checkpoint replicas, weights) go in parts of this size
+PARTS_IN_FLIGHT = 2  # a transfer's parts on their way at once (each on a pooled connection of its own)
+
+
+async def in_parts(size: int, job: Callable[[int, int], Awaitable[None]], part_bytes: int = PART_BYTES) -> None:
+    """Run `job(offset, nbytes)` for each part of `size` bytes, in order of offset and
+    PARTS_IN_FLIGHT at once (so one part is read or written while another travels, and
+    at most that many are held). The first DistorefsError is raised once the jobs
+    running have stopped; no job starts after it."""
+    in_flight = trio.Semaphore(PARTS_IN_FLIGHT)
+    failed: list[DistorefsError] = []
+
+    async def run(offset: int, nbytes: int) -> None:
+        try:
+            await job(offset, nbytes)
+        except DistorefsError as exc:
+            failed.append(exc)
+            nursery.cancel_scope.cancel()
+        finally:
+            in_flight.release()
+
+    async with trio.open_nursery() as nursery:
+        for offset in range(0, size, part_bytes):
+            await in_flight.acquire()
+            nursery.start_soon(run, offset, min(part_bytes, size - offset))
+    if failed:
+        raise failed[0]
 
 
 @dataclass(frozen=True)

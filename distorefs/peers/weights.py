@@ -1,9 +1,12 @@
 """Weights across nodes: a version published anywhere is fetched once per node.
 
 Announces this node's publishes in `ns/weights/<model>` and, when another node publishes
-a newer version, fetches all of that version's files from it in one request and installs
-them here under the same number (which wakes this node's `wait` readers). Answers
-`weights.fetch` for versions published here.
+a newer version, fetches all of that version's files from it and installs them here
+under the same number (which wakes this node's `wait` readers). A version of up to 32 MiB
+comes in the reply to `weights.fetch`; a bigger one is held by the publisher for the
+fetch (a session) and pulled in parts of 32 MiB (`weights.part`, two in flight), then
+let go (`weights.done`; a session no part was asked of for 60 s goes by itself).
+Answers these ops for versions published here.
 
 Shared key (docs/cluster.md): ns/weights/<name>   {"version": N, "node": publisher}
 """
@@ -12,38 +15,77 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import trio
 
 from distorefs.cluster.etcd import WatchEvent
-from distorefs.cluster.rpc import Payload, PeerServer, meta_bytes, split_payload
-from distorefs.errors import DistorefsError
-from distorefs.peers.core import ClusterNode
-from distorefs.stores.weights import WeightStore
+from distorefs.cluster.rpc import Payload, PeerServer, meta_bytes, meta_int, split_payload
+from distorefs.errors import Busy, Corrupted, DistorefsError, InvalidArgument, NotFound
+from distorefs.peers.core import PART_BYTES, ClusterNode, in_parts
+from distorefs.stores.weights import MAX_WEIGHT_FILE_BYTES, Model, WeightFile, WeightStore
 
 log = logging.getLogger(__name__)
+
+MAX_FETCH_SESSIONS = 16  # versions held for other nodes' fetches at once
+FETCH_IDLE_S = 60.0  # a session no part was asked of for this long goes (its fetcher is gone)
+PART_MAX_BYTES = 64 << 20  # the most one `weights.part` returns
+
+
+def _listing(reply: dict[str, Any]) -> list[tuple[bytes, int]]:
+    """A fetch reply's files, [name, size] pairs; EINVAL for anything else."""
+    files = reply.get("files")
+    if not isinstance(files, list) or not all(
+        isinstance(f, list) and len(f) == 2 and isinstance(f[0], bytes) and isinstance(f[1], int) for f in files
+    ):
+        raise InvalidArgument(f"a weights.fetch reply's files are not [name, size] pairs: {files!r:.200}")
+    if any(not 0 <= size <= MAX_WEIGHT_FILE_BYTES for _name, size in files):
+        raise InvalidArgument(f"a file size out of range in {files!r:.200}")
+    return [(name, size) for name, size in files]
+
+
+@dataclass
+class _Session:
+    """A version held for another node's fetch in parts: its files stay readable (and
+    their bytes kept) until `weights.done` or the session's expiry, whatever is
+    published meanwhile."""
+
+    files: list[WeightFile]
+    last: float
 
 
 class WeightSync:
     kind = "weights"
 
-    def __init__(self, node: ClusterNode, weights: WeightStore) -> None:
+    def __init__(self, node: ClusterNode, weights: WeightStore, part_bytes: int = PART_BYTES) -> None:
         self._node = node
         self._weights = weights
+        self.part_bytes = part_bytes
         self._fetching: set[bytes] = set()
+        self._sessions: dict[str, _Session] = {}
         self.fetched = 0
         self.fetch_errors = 0
+        self.sessions_expired = 0
 
     def start(self, nursery: trio.Nursery) -> None:
         nursery.start_soon(self._announce, name="cluster weights news")
+        nursery.start_soon(self._expire_sessions, name="cluster weights fetch sessions expiry")
 
     def report(self) -> dict[str, Any]:
-        return {"weights_fetched": self.fetched, "weights_fetch_errors": self.fetch_errors}
+        return {
+            "weights_fetched": self.fetched,
+            "weights_fetch_errors": self.fetch_errors,
+            "weights_fetch_sessions": len(self._sessions),
+            "weights_fetch_sessions_expired": self.sessions_expired,
+        }
 
     def register(self, server: PeerServer) -> None:
         server.register("weights.fetch", self._on_fetch)
+        server.register("weights.part", self._on_part)
+        server.register("weights.done", self._on_done)
 
     async def _announce(self) -> None:
         node = self._node
@@ -99,23 +141,63 @@ class WeightSync:
                 node = str(shared["node"])
                 try:
                     reply, payload = await self._node.peers.call(node, "weights.fetch", {"model": name})
-                except DistorefsError as exc:
+                    listing = _listing(reply)
+                    if "fetch" in reply:
+                        await self._fetch_parts(node, model, int(reply["version"]), listing, reply)
+                    else:
+                        parts = split_payload(payload, [size for _n, size in listing])
+                        files = [(n, part) for (n, _size), part in zip(listing, parts, strict=True)]
+                        await self._weights.install(model, int(reply["version"]), files)
+                except (DistorefsError, KeyError, TypeError, ValueError) as exc:
                     self.fetch_errors += 1
                     log.warning(
                         "cluster: fetching weights/%s from %s failed: %s", name.decode(errors="replace"), node, exc
                     )
                     return
-                parts = split_payload(payload, [size for _name, size in reply["files"]])
-                files = [(bytes(name), part) for (name, _size), part in zip(reply["files"], parts, strict=True)]
-                await self._weights.install(model, int(reply["version"]), files)
                 self.fetched += 1
         finally:
             self._fetching.discard(name)
+
+    async def _fetch_parts(
+        self, node: str, model: Model, version: int, listing: list[tuple[bytes, int]], reply: dict[str, Any]
+    ) -> None:
+        """A version the publisher holds for this fetch: each file pulled in parts into
+        a file of this node's, then all installed at once; the publisher is told to let
+        the version go, whatever happened."""
+        session = meta_bytes(reply, "fetch").decode(errors="replace")
+        call = self._node.peers.call
+        added: dict[bytes, WeightFile] = {}
+        try:
+            for index, (file_name, size) in enumerate(listing):
+                pending = added[file_name] = await self._weights.begin_write()
+
+                async def part(offset: int, nbytes: int, index: int = index, pending: WeightFile = pending) -> None:
+                    meta = {"fetch": session, "file": index, "offset": offset, "size": nbytes}
+                    _reply, data = await call(node, "weights.part", meta)
+                    if len(data) != nbytes:
+                        raise Corrupted(f"weights.part of {nbytes} bytes from {node} brought {len(data)}")
+                    await self._weights.write(pending, offset, data)
+
+                await in_parts(size, part, self.part_bytes)
+                if pending.size != size:  # an empty file, or a short one: its size all the same
+                    await self._weights.truncate(pending, size)
+            await self._weights.install_written(model, version, added)
+        finally:
+            for pending in added.values():
+                self._weights.release(pending)
+            with trio.CancelScope(shield=True), trio.move_on_after(self._node.config.peer_timeout_s):
+                try:
+                    await call(node, "weights.done", {"fetch": session})
+                except DistorefsError as exc:  # the session expires there
+                    log.info("cluster: could not end weights fetch %s on %s: %s", session, node, exc)
 
     async def _on_fetch(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
         model = self._weights.model(meta_bytes(meta, "model"))
         files = dict(model.files)
         version = model.version
+        if sum(wf.size for wf in files.values()) > self.part_bytes:
+            listing = [[name, wf.size] for name, wf in files.items()]
+            return {"version": version, "files": listing, "fetch": self._open_session(list(files.values()))}, ()
         for wf in files.values():
             self._weights.hold(wf)
         try:
@@ -125,3 +207,63 @@ class WeightSync:
                 self._weights.release(wf)
         listing = [[name, len(part)] for name, part in zip(files, parts, strict=True)]
         return {"version": version, "files": listing}, parts
+
+    def _open_session(self, files: list[WeightFile]) -> str:
+        self._expire(FETCH_IDLE_S)
+        if len(self._sessions) >= MAX_FETCH_SESSIONS:
+            raise Busy(
+                f"{len(self._sessions)} weights fetches hold versions here already (at most {MAX_FETCH_SESSIONS})"
+            )
+        held: list[WeightFile] = []
+        try:
+            for wf in files:
+                self._weights.hold(wf)
+                held.append(wf)
+        except DistorefsError:
+            for wf in held:
+                self._weights.release(wf)
+            raise
+        session = secrets.token_hex(8)
+        self._sessions[session] = _Session(held, trio.current_time())
+        return session
+
+    def _session(self, meta: dict[str, Any]) -> _Session:
+        session = self._sessions.get(meta_bytes(meta, "fetch")[:64].decode(errors="replace"))
+        if session is None:
+            raise NotFound("no such weights fetch here (never begun, done or expired)")
+        return session
+
+    async def _on_part(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
+        session = self._session(meta)
+        wf = session.files[meta_int(meta, "file", 0, len(session.files) - 1)]
+        offset = meta_int(meta, "offset", 0, wf.size)
+        nbytes = meta_int(meta, "size", 0, min(PART_MAX_BYTES, wf.size - offset))
+        session.last = trio.current_time()
+        data = await self._weights.read(wf, offset, nbytes)
+        session.last = trio.current_time()
+        return {}, [data]
+
+    async def _on_done(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
+        session = self._sessions.pop(meta_bytes(meta, "fetch")[:64].decode(errors="replace"), None)
+        if session is not None:
+            self._release(session)
+        return {}, ()
+
+    def _release(self, session: _Session) -> None:
+        for wf in session.files:
+            self._weights.release(wf)
+
+    def _expire(self, idle_s: float) -> None:
+        now = trio.current_time()
+        for key, session in list(self._sessions.items()):
+            if now - session.last > idle_s:
+                del self._sessions[key]
+                self._release(session)
+                self.sessions_expired += 1
+                log.warning("cluster: a weights fetch expired after %.0f s without a part", now - session.last)
+
+    async def _expire_sessions(self) -> None:
+        """Versions held for fetchers that went quiet are let go."""
+        while True:
+            await trio.sleep(FETCH_IDLE_S / 6)
+            self._expire(FETCH_IDLE_S)

@@ -64,11 +64,9 @@ SETTING_XATTRS = frozenset({KEEP_XATTR, SYNC_CLOSE_XATTR, REPLICAS_XATTR})  # se
 MAX_REPLICAS = 8
 MAX_KEEP_LAST = 1_000_000
 RETRY_S = 1.0
-# Replicas travel in parts (docs/design.md, "Checkpoint replicas in parts"): a sender
-# holds one part at a time, a receiver one part per transfer.
-REPLICA_PART_BYTES = 32 << 20  # what a sender sends
+# Replicas travel in parts (docs/design.md, "Checkpoint replicas in parts"; the sender's
+# part size is the cluster glue's, peers/core.py PART_BYTES, 32 MiB).
 REPLICA_PART_MAX_BYTES = 64 << 20  # what a receiver takes
-REPLICA_PARTS_IN_FLIGHT = 2  # a sender's parts on their way at once (each on a connection of its own)
 REPLICA_AHEAD_BYTES = 4 * REPLICA_PART_MAX_BYTES  # how far past the bytes received a part may start
 MAX_PARTS_AHEAD = 16  # parts stored past a gap, waiting for it to fill
 MAX_INCOMING_REPLICAS = 8  # transfers being received at once

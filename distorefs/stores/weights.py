@@ -304,12 +304,18 @@ class WeightStore:
             for name, data in files:
                 pending = added[name] = await self.begin_write()
                 await self.write(pending, 0, data)
-            if version <= model.version:
-                return model.version  # a newer one arrived meanwhile
-            return await self.publish(model, added, replace_all=True, at_least=version)
+            return await self.install_written(model, version, added)
         finally:
             for pending in added.values():
                 self.release(pending)
+
+    async def install_written(self, model: Model, version: int, added: dict[bytes, WeightFile]) -> int:
+        """`install` of files the caller wrote itself (`begin_write`, `write`: a version
+        fetched in parts); the caller still releases them. Returns the version now
+        current (a newer one than `version` may have arrived meanwhile)."""
+        if version <= model.version:
+            return model.version
+        return await self.publish(model, added, replace_all=True, at_least=version)
 
     async def unlink(self, model: Model, name: bytes) -> int:
         if name not in model.files:

@@ -247,7 +247,8 @@ def test_malformed_peer_requests_are_refused_and_none_is_an_internal_error(
         [], [1], [[1, 2]], [[2**63 - 1, 2**63 - 1]], {}, {"a": 1}, [["b", 1]],
     ]  # fmt: skip
     ops = {
-        "weights.fetch": ["model"], "buffer.state": ["name"], "buffer.pick": ["name", "count"],
+        "weights.fetch": ["model"], "weights.part": ["fetch", "file", "offset", "size"], "weights.done": ["fetch"],
+        "buffer.state": ["name"], "buffer.pick": ["name", "count"],
         "buffer.commit": ["name", "indices"], "buffer.append": ["name", "sizes"],
         "buffer.priority": ["name", "indices", "priorities"], "ckpt.begin": ["path", "mode", "size"],
         "ckpt.part": ["transfer", "offset"], "ckpt.commit": ["transfer"], "ckpt.abort": ["transfer"],
@@ -339,6 +340,50 @@ def test_weights_published_on_one_node_wake_wait_and_are_fetched_once_per_node(t
     assert metrics[("distorefs_peer_calls", (("peer", "n0"),))] >= 2
     assert metrics[("distorefs_peers_live", ())] == 2
     assert metrics[("distorefs_weights_version", (("model", "policy"),))] == 2
+
+
+def test_a_big_model_is_fetched_in_parts_from_a_version_held_for_the_fetch(
+    cluster_node: NodeFactory, etcd: Etcd
+) -> None:
+    """A version past 32 MiB is not one reply: the publisher holds it for the fetch and
+    the fetcher pulls 32 MiB parts, then lets it go. The session's ops refuse what they
+    cannot serve, and a node holds at most 16 versions for fetches at once."""
+    a, b = cluster_node("w0"), cluster_node("w1")
+    model = a.path / "weights" / "big"
+    model.mkdir()
+    wait_for(lambda: (b.path / "weights" / "big").is_dir(), what="model dir on w1")
+    files = {"layers.bin": os.urandom(40 << 20), "head.bin": os.urandom(30 << 20), "empty": b""}
+    for name, data in files.items():
+        (model / name).write_bytes(data)  # a version at each close: w1 fetches the newest
+    wait_for(lambda: client.model_version(b.path / "weights" / "big") == 3, what="version 3 on w1", timeout_s=60)
+    for name, data in files.items():
+        assert (b.path / "weights" / "big" / name).read_bytes() == data, name
+    assert peers(b)["weights_fetch_errors"] == 0
+    wait_for(lambda: peers(a)["weights_fetch_sessions"] == 0, what="the fetch let go of the version")
+    host, port = str(peers(a)["listen"]).rsplit(":", 1)
+    address, secret = (host, int(port)), cluster_secret(etcd)
+    fetch = peer_call(address, secret, {"op": "weights.fetch", "model": "big"})
+    assert fetch["version"] == 3
+    assert sorted(fetch["files"]) == sorted([[n.encode(), len(d)] for n, d in files.items()])  # type: ignore[arg-type]
+    index = [f[0] for f in fetch["files"]].index(b"layers.bin")  # type: ignore[union-attr]
+    session = fetch["fetch"]
+    part = {"op": "weights.part", "fetch": session, "file": index}
+    assert peer_call(address, secret, {**part, "offset": 0, "size": 1 << 20}).get("ok") is True
+    for bad, code in (
+        ({"file": 3}, errno.EINVAL), ({"offset": (40 << 20) + 1, "size": 0}, errno.EINVAL),
+        ({"offset": 40 << 20, "size": 1}, errno.EINVAL), ({"offset": 0, "size": (64 << 20) + 1}, errno.EINVAL),
+        ({"fetch": "0" * 16, "offset": 0, "size": 1}, errno.ENOENT),
+    ):  # fmt: skip
+        assert peer_call(address, secret, {**part, "offset": 0, "size": 1, **bad})["errno"] == code, bad
+    sessions = [session] + [
+        peer_call(address, secret, {"op": "weights.fetch", "model": "big"})["fetch"] for _ in range(15)
+    ]
+    assert peers(a)["weights_fetch_sessions"] == 16
+    assert peer_call(address, secret, {"op": "weights.fetch", "model": "big"})["errno"] == errno.EBUSY
+    for held in sessions:
+        assert peer_call(address, secret, {"op": "weights.done", "fetch": held}).get("ok") is True
+    assert peers(a)["weights_fetch_sessions"] == 0
+    assert peer_call(address, secret, {**part, "offset": 0, "size": 1})["errno"] == errno.ENOENT
 
 
 def test_a_sharded_buffer_samples_across_nodes_by_priority_with_global_weights(three: list[Mount]) -> None:
