@@ -75,9 +75,9 @@ class CheckpointReplicas:
         call = self._node.peers.call
 
         async def part(offset: int, nbytes: int) -> None:
-            data = await read(offset, nbytes)
+            data = await read(offset, nbytes)  # in slices: the body's buffers
             await gather(
-                [partial(call, n, "ckpt.part", {"transfer": begun[n], "offset": offset}, [data]) for n in targets]
+                [partial(call, n, "ckpt.part", {"transfer": begun[n], "offset": offset}, data) for n in targets]
             )
 
         await in_parts(size, part, self.part_bytes)

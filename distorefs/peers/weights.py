@@ -18,6 +18,7 @@ import logging
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import trio
@@ -26,6 +27,7 @@ from distorefs.cluster.etcd import WatchEvent
 from distorefs.cluster.rpc import Payload, PeerServer, meta_bytes, meta_int, split_payload
 from distorefs.errors import Busy, Corrupted, DistorefsError, InvalidArgument, NotFound
 from distorefs.peers.core import PART_BYTES, ClusterNode, in_parts
+from distorefs.scheduling import read_sliced, write_sliced
 from distorefs.stores.weights import MAX_WEIGHT_FILE_BYTES, Model, WeightFile, WeightStore
 
 log = logging.getLogger(__name__)
@@ -176,7 +178,7 @@ class WeightSync:
                     _reply, data = await call(node, "weights.part", meta)
                     if len(data) != nbytes:
                         raise Corrupted(f"weights.part of {nbytes} bytes from {node} brought {len(data)}")
-                    await self._weights.write(pending, offset, data)
+                    await write_sliced(partial(self._weights.write, pending), offset, data)
 
                 await in_parts(size, part, self.part_bytes)
                 if pending.size != size:  # an empty file, or a short one: its size all the same
@@ -200,12 +202,14 @@ class WeightSync:
             return {"version": version, "files": listing, "fetch": self._open_session(list(files.values()))}, ()
         for wf in files.values():
             self._weights.hold(wf)
+        parts: list[Payload] = []
         try:
-            parts = [await self._weights.read(wf, 0, wf.size) for wf in files.values()]
+            for wf in files.values():  # the files back to back, in slices
+                parts += await read_sliced(partial(self._weights.read, wf), 0, wf.size)
         finally:
             for wf in files.values():
                 self._weights.release(wf)
-        listing = [[name, len(part)] for name, part in zip(files, parts, strict=True)]
+        listing = [[name, wf.size] for name, wf in files.items()]
         return {"version": version, "files": listing}, parts
 
     def _open_session(self, files: list[WeightFile]) -> str:
@@ -239,9 +243,9 @@ class WeightSync:
         offset = meta_int(meta, "offset", 0, wf.size)
         nbytes = meta_int(meta, "size", 0, min(PART_MAX_BYTES, wf.size - offset))
         session.last = trio.current_time()
-        data = await self._weights.read(wf, offset, nbytes)
+        data = await read_sliced(partial(self._weights.read, wf), offset, nbytes)
         session.last = trio.current_time()
-        return {}, [data]
+        return {}, data
 
     async def _on_done(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
         session = self._sessions.pop(meta_bytes(meta, "fetch")[:64].decode(errors="replace"), None)

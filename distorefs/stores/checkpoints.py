@@ -91,7 +91,7 @@ def step_of(name: bytes) -> int | None:
     return int(numbers[-1]) if numbers else None
 
 
-ReadPart = Callable[[int, int], Awaitable[bytes | bytearray]]
+ReadPart = Callable[[int, int], Awaitable[list[bytes | bytearray]]]  # a part, as slices
 
 
 class Replicator(Protocol):
@@ -285,12 +285,10 @@ class CheckpointPolicy:
             self.replicated += 1
             return
 
-    async def _read_part(self, ino: int, size: int, offset: int, nbytes: int) -> bytes | bytearray:
+    async def _read_part(self, ino: int, size: int, offset: int, nbytes: int) -> list[bytes | bytearray]:
         if ino not in self._files or self._files.get(ino).size != size:
             raise Busy(f"inode {ino} changed size while it was being replicated")
-        data = await self._files.read(ino, offset, nbytes)
-        # a view of a cached block is valid only until the next await: the send awaits
-        return bytes(data) if isinstance(data, memoryview) else data
+        return await scheduling.read_sliced(partial(self._files.read, ino), offset, nbytes)
 
     def dir_made(self, directory: int) -> None:
         """A directory was made in the tree: one under checkpoints/ is news for a cluster."""
@@ -405,7 +403,7 @@ class CheckpointPolicy:
             raise InvalidArgument(f"a replica part at {offset}: {MAX_PARTS_AHEAD} parts wait past a gap already")
         incoming.writers += 1
         try:
-            await self._files.write(incoming.ino, offset, data)
+            await scheduling.write_sliced(partial(self._files.write, incoming.ino), offset, data)
             await self._files.write_back(incoming.ino, full_only=True)
         except BaseException:
             incoming.writers -= 1

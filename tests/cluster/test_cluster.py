@@ -527,6 +527,55 @@ def test_a_replica_travels_in_parts_and_replaces_the_old_one_on_its_holder_at_on
     assert peers(a)["checkpoint_replication_errors"] == 0
 
 
+def test_a_holder_killed_while_a_new_replica_comes_keeps_the_old_one_whole(cluster_node: NodeFactory) -> None:
+    """kill -9 of the receiving node in the middle of a replica's parts: the writer's
+    fsync fails (EIO, nothing acknowledged), and the restarted holder has the previous
+    replica, byte for byte, and nothing of the new one (no entry, no bytes held)."""
+    a, b = cluster_node("h0"), cluster_node("h1")
+    run = a.path / "checkpoints" / "run"
+    run.mkdir()
+    os.setxattr(run, "user.distore.replicas", b"2")
+    old = os.urandom(3 << 20)
+    fd = os.open(run / "model.pt", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, old)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    held = b.path / "checkpoints" / "run" / "model.pt"
+    assert held.read_bytes() == old
+    before = json.loads((b.path / ".distore" / "status").read_text())
+    new = os.urandom(400 << 20)  # 13 parts: time to catch the transfer under way
+    outcome: list[object] = []
+
+    def save() -> None:
+        fd = os.open(run / "model.pt", os.O_WRONLY | os.O_TRUNC)
+        try:
+            os.write(fd, new)
+            os.fsync(fd)
+            outcome.append("acknowledged")
+        except OSError as exc:
+            outcome.append(exc.errno)
+        finally:
+            os.close(fd)
+
+    saver = threading.Thread(target=save)
+    saver.start()
+    try:
+        wait_for(lambda: peers(b)["checkpoint_replicas_incoming"] == 1, what="the replica under way", timeout_s=60)
+        b.kill9()
+    finally:
+        saver.join(timeout=60)
+    assert outcome == [errno.EIO]
+    wait_for(lambda: len(peers(a)["live_nodes"]) == 1, what="h1 leaves the member list")
+    b = cluster_node("h1")
+    assert held.read_bytes() == old
+    assert os.listdir(b.path / "checkpoints" / "run") == ["model.pt"]
+    status = json.loads((b.path / ".distore" / "status").read_text())
+    # the new replica's file, in no directory, went with the dead daemon
+    assert (status["files"], status["file_bytes"]) == (before["files"], before["file_bytes"])
+
+
 def test_a_shard_made_by_a_peer_and_appended_to_just_before_kill_9_comes_back_with_its_items(
     cluster_node: NodeFactory,
 ) -> None:
