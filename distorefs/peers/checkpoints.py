@@ -158,7 +158,7 @@ class CheckpointSync:
     async def _on_begin(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
         mode = meta_int(meta, "mode", 0, 0xFFFFFFFF)  # the sender's st_mode: the permission bits are kept
         size = meta_int(meta, "size", 0, MAX_FILE_BYTES)
-        return {"transfer": self._checkpoints.begin_replica(meta_bytes(meta, "path"), mode, size).encode()}, ()
+        return {"transfer": (await self._checkpoints.begin_replica(meta_bytes(meta, "path"), mode, size)).encode()}, ()
 
     async def _on_part(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
         offset = meta_int(meta, "offset", 0, MAX_FILE_BYTES)

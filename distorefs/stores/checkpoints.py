@@ -48,6 +48,7 @@ from distorefs.errors import (
     NotEmpty,
     NotFound,
     NotPermitted,
+    StoreFull,
 )
 from distorefs.news import Outbox
 from distorefs.stores.files import MAX_FILE_BYTES, ROOT_INODE, FileStore, check_name
@@ -70,6 +71,7 @@ REPLICA_PART_MAX_BYTES = 64 << 20  # what a receiver takes
 REPLICA_AHEAD_BYTES = 4 * REPLICA_PART_MAX_BYTES  # how far past the bytes received a part may start
 MAX_PARTS_AHEAD = 16  # parts stored past a gap, waiting for it to fill
 MAX_INCOMING_REPLICAS = 8  # transfers being received at once
+REPLICA_FREE_MARGIN_BYTES = 256 << 20  # a replica may not leave its node's disk with less free
 REPLICA_IDLE_S = 60.0  # a transfer with no part for this long is dropped (its sender is gone)
 REPLICATE_TRIES = 3  # sends of a file that changes size while it is sent
 REMEMBERED_COMMITS = 64  # commits answered again when a sender retries one
@@ -357,17 +359,28 @@ class CheckpointPolicy:
 
     # --- replicas received ---------------------------------------------------------------
 
-    def begin_replica(self, path: bytes, mode: int, size: int) -> str:
+    async def begin_replica(self, path: bytes, mode: int, size: int) -> str:
         """A replica of `size` bytes for `path` (under checkpoints/) begins to come from
         another node: returns the transfer id its parts and commit name. Nothing under
-        `path` changes before the commit. Busy when MAX_INCOMING_REPLICAS are coming."""
+        `path` changes before the commit. Busy when MAX_INCOMING_REPLICAS are coming;
+        StoreFull (ENOSPC) when it and the replicas coming would leave the disk less
+        than REPLICA_FREE_MARGIN_BYTES (a replica does not fill the disk this node's
+        own writers need, to fail there at the end)."""
         for name in self._checked_names(path):
             check_name(name)
         if not 0 <= size <= MAX_FILE_BYTES:
             raise FileTooLarge(f"a replica of {size} bytes: outside 0..{MAX_FILE_BYTES}")
+        free = await self._files.disk_free_bytes()
+        # from here on no await: the checks hold for the transfer they admit
         self.expire_replicas()
         if len(self._incoming) >= MAX_INCOMING_REPLICAS:
             raise Busy(f"{len(self._incoming)} replicas are being received already (at most {MAX_INCOMING_REPLICAS})")
+        coming = sum(i.size - i.received for i in self._incoming.values())
+        if size + coming + REPLICA_FREE_MARGIN_BYTES > free:
+            raise StoreFull(
+                f"a replica of {size} bytes does not fit: the disk has {free} bytes free, {coming} more are coming"
+                f" and {REPLICA_FREE_MARGIN_BYTES} stay free"
+            )
         root = self._files.get(ROOT_INODE)
         inode = self._files.create_unlinked(mode, root.uid, root.gid)
         transfer = secrets.token_hex(8)

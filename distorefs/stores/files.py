@@ -626,6 +626,10 @@ class FileStore:
         still being written): *logged* once the next commit stages their rows."""
         await self._blocks.flush(ino, full_only=full_only)
 
+    async def disk_free_bytes(self) -> int:
+        """Bytes the disk under the data dir has free for the log."""
+        return await trio.to_thread.run_sync(self._blocks.disk_free_bytes)
+
     def allocated_bytes(self, inode: Inode) -> int:
         """Bytes of `inode`'s blocks that hold data (a hole holds none), at most its size."""
         return min(inode.size, self._blocks.owner_block_count(inode.ino) * self.block_bytes)

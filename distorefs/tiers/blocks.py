@@ -682,6 +682,10 @@ class BlockStore(ByteRanges, Compaction):
         await self.commit(durable=True)
         await trio.to_thread.run_sync(self._log.close)
 
+    def disk_free_bytes(self) -> int:
+        """Bytes the log's disk has free (a statvfs: call it from a thread)."""
+        return self._log.free_bytes()
+
     @property
     def logged_directly(self) -> bool:
         """Whether big appends have gone to the log with O_DIRECT (their crcs and staging

@@ -94,7 +94,7 @@ async def test_a_failing_persist_pass_is_logged_and_retried_and_never_ends_the_p
 
 async def receive(ckpt: CheckpointPolicy, path: bytes, data: bytes, part: int = 100_000) -> str:
     """Begin a replica of `data` for `path` and send every part (not the commit)."""
-    transfer = ckpt.begin_replica(path, 0o100640, len(data))
+    transfer = await ckpt.begin_replica(path, 0o100640, len(data))
     for offset in range(0, len(data), part):
         await ckpt.write_replica(transfer, offset, memoryview(data)[offset : offset + part])
     return transfer
@@ -110,7 +110,7 @@ async def test_a_replica_takes_its_path_only_when_committed_and_replaces_the_old
     ckpt.track(old, run)
     await files.write(old, 0, b"old" * 1000)
     new = os.urandom(350_000)
-    transfer = ckpt.begin_replica(b"checkpoints/run/step-1.pt", 0o100640, len(new))
+    transfer = await ckpt.begin_replica(b"checkpoints/run/step-1.pt", 0o100640, len(new))
     # parts in flight arrive out of order; a part sent again is written again
     for offset in (0, 200_000, 100_000, 100_000, 50_000, 300_000):
         await ckpt.write_replica(transfer, offset, memoryview(new)[offset : offset + 100_000])
@@ -150,7 +150,7 @@ async def test_a_bad_part_or_commit_is_refused_with_its_errno_and_changes_nothin
     await files.write(old, 0, b"kept")
     before = files.statistics()
     data = os.urandom(150_000)
-    transfer = ckpt.begin_replica(b"checkpoints/run/a.pt", 0o100644, len(data))
+    transfer = await ckpt.begin_replica(b"checkpoints/run/a.pt", 0o100644, len(data))
     await ckpt.write_replica(transfer, 0, memoryview(data)[:100_000])
     orphan = ckpt._incoming[transfer].ino
     rest = memoryview(data)[100_000:]
@@ -162,7 +162,7 @@ async def test_a_bad_part_or_commit_is_refused_with_its_errno_and_changes_nothin
 
     async def act() -> None:
         if bad == "gap":
-            far = ckpt.begin_replica(b"checkpoints/run/far.pt", 0o100644, 1 << 30)
+            far = await ckpt.begin_replica(b"checkpoints/run/far.pt", 0o100644, 1 << 30)
             for i in range(MAX_PARTS_AHEAD):  # parts past a gap wait for it, so many
                 await ckpt.write_replica(far, 1000 + i, memoryview(b"y"))
             with pytest.raises(DistorefsError) as one_more:
@@ -228,16 +228,26 @@ async def test_begin_refuses_bad_paths_sizes_and_more_than_the_transfers_allowed
         (b"checkpoints/x", MAX_FILE_BYTES + 1, errno.EFBIG),
     ]:  # fmt: skip
         with pytest.raises(DistorefsError) as raised:
-            ckpt.begin_replica(path, 0o100644, size)
+            await ckpt.begin_replica(path, 0o100644, size)
         assert raised.value.errno == code, (path, size, raised.value)
-    inodes = files.statistics().files
-    transfers = [ckpt.begin_replica(b"checkpoints/f%d" % i, 0o100644, 10) for i in range(MAX_INCOMING_REPLICAS)]
+    free = await files.disk_free_bytes()
+    assert free > 1 << 30
     with pytest.raises(DistorefsError) as raised:
-        ckpt.begin_replica(b"checkpoints/one-more", 0o100644, 10)
+        await ckpt.begin_replica(b"checkpoints/huge", 0o100644, free)  # would fill the disk
+    assert raised.value.errno == errno.ENOSPC
+    half = await ckpt.begin_replica(b"checkpoints/half", 0o100644, free // 2)
+    with pytest.raises(DistorefsError) as raised:  # the bytes still coming count
+        await ckpt.begin_replica(b"checkpoints/other-half", 0o100644, free // 2)
+    assert raised.value.errno == errno.ENOSPC
+    ckpt.abort_replica(half)
+    inodes = files.statistics().files
+    transfers = [await ckpt.begin_replica(b"checkpoints/f%d" % i, 0o100644, 10) for i in range(MAX_INCOMING_REPLICAS)]
+    with pytest.raises(DistorefsError) as raised:
+        await ckpt.begin_replica(b"checkpoints/one-more", 0o100644, 10)
     assert raised.value.errno == errno.EBUSY
     assert files.statistics().files == inodes + MAX_INCOMING_REPLICAS
     ckpt.abort_replica(transfers[0])
-    ckpt.begin_replica(b"checkpoints/one-more", 0o100644, 10)  # room again
+    await ckpt.begin_replica(b"checkpoints/one-more", 0o100644, 10)  # room again
     await trio.sleep(0.01)
     assert ckpt.expire_replicas(idle_s=1) == 0
     assert ckpt.expire_replicas(idle_s=0.005) == MAX_INCOMING_REPLICAS  # their senders went quiet
