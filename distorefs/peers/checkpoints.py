@@ -22,7 +22,7 @@ import trio
 
 from distorefs.cluster.etcd import WatchEvent
 from distorefs.cluster.rpc import Payload, PeerServer, meta_bytes, meta_int
-from distorefs.errors import DistorefsError, PeerUnavailable
+from distorefs.errors import Busy, DistorefsError, PeerUnavailable, RemoteError
 from distorefs.peers.core import PART_BYTES, ClusterNode, in_parts
 from distorefs.stores.checkpoints import REPLICA_IDLE_S, CheckpointPolicy, ReadPart
 from distorefs.stores.files import MAX_FILE_BYTES
@@ -40,10 +40,11 @@ class CheckpointReplicas:
         self.errors = 0
 
     async def replicate(self, path: bytes, mode: int, size: int, read: ReadPart, copies: int) -> None:
-        """PeerUnavailable (EIO) if fewer than `copies` other live nodes can take it.
-        Each part is read once and sent to every target at once, the next part read
-        while one is on its way; a target that fails fails the replication, and every
-        target is told to drop what it received."""
+        """PeerUnavailable (EIO) if fewer than `copies` other live nodes can take it, or
+        one fails (whatever its errno there: the writer's fsync says EIO, with the
+        target's reason). Each part is read once and sent to every target at once, the
+        next part read while one is on its way; every target is told to drop what it
+        received when any fails. Busy (the file changed size) is the caller's to retry."""
         others = [n for n in self._node.place(path, 64) if n != self._node.me]
         if len(others) < copies:
             raise PeerUnavailable(
@@ -62,10 +63,12 @@ class CheckpointReplicas:
             await self._send_parts(targets, begun, size, read)
             await gather([partial(call, n, "ckpt.commit", {"transfer": begun[n]}) for n in targets])
         except BaseException as exc:
-            if isinstance(exc, DistorefsError):
+            if isinstance(exc, DistorefsError) and not isinstance(exc, Busy):
                 self.errors += 1
             with trio.CancelScope(shield=True), trio.move_on_after(self._node.config.peer_timeout_s):
                 await gather([partial(self._abort, n, t) for n, t in begun.items()])
+            if isinstance(exc, RemoteError):
+                raise PeerUnavailable(f"{path.decode(errors='replace')}: replica refused: {exc}") from None
             raise
         log.info("cluster: %s replicated to %s", path.decode(errors="replace"), ", ".join(targets))
 
@@ -143,10 +146,12 @@ class CheckpointSync:
         """Closed (not fsync'ed) files under replicas > 1 become replicated once durable."""
         while True:
             ino = await self._checkpoints.replication_queue.next()
+            counted = self._replicas.errors
             try:
                 await self._checkpoints.replicate(ino)
             except (DistorefsError, KeyError, StopIteration) as exc:
-                self._replicas.errors += 1
+                if self._replicas.errors == counted:  # (a failed send counts itself)
+                    self._replicas.errors += 1
                 log.warning("cluster: background replication of inode %d failed: %s", ino, exc)
 
     async def _expire_transfers(self) -> None:

@@ -267,7 +267,7 @@ class CheckpointPolicy:
 
     async def replicate(self, ino: int) -> None:
         """Send `ino` to the other nodes its directory's `replicas` asks for, part by
-        part (one part in memory at a time, whatever the file's size). A file whose size
+        part (two parts in memory at most, whatever the file's size). A file whose size
         changes while it is sent is sent again, up to REPLICATE_TRIES times (Busy)."""
         copies = self.replicas(ino) - 1
         if copies <= 0 or self.replicator is None:
@@ -473,7 +473,6 @@ class CheckpointPolicy:
         self._committed[transfer] = ino
         while len(self._committed) > REMEMBERED_COMMITS:
             del self._committed[next(iter(self._committed))]
-        self.settings_changed()  # the tree under checkpoints/ changed shape
         await self._commit_durable(
             [(ino, self._states[ino].gen)], lambda: self._files.commit(durable=True), replicate=False
         )

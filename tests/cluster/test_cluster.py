@@ -576,6 +576,37 @@ def test_a_holder_killed_while_a_new_replica_comes_keeps_the_old_one_whole(clust
     assert (status["files"], status["file_bytes"]) == (before["files"], before["file_bytes"])
 
 
+def test_a_replica_its_holder_refuses_fails_the_fsync_with_eio_and_counts_once(
+    cluster_node: NodeFactory, etcd: Etcd
+) -> None:
+    """A holder receiving 8 replicas already refuses a 9th (EBUSY there): the writer's
+    fsync says EIO (its own disk is fine), the failure is counted once, and once the
+    holder has room the next fsync replicates."""
+    a, b = cluster_node("r0"), cluster_node("r1")
+    run = a.path / "checkpoints" / "run"
+    run.mkdir()
+    os.setxattr(run, "user.distore.replicas", b"2")
+    host, port = str(peers(b)["listen"]).rsplit(":", 1)
+    address, secret = (host, int(port)), cluster_secret(etcd)
+    begin = {"op": "ckpt.begin", "mode": 0o644, "size": 1 << 20}
+    transfers = [peer_call(address, secret, {**begin, "path": f"checkpoints/hold{i}"})["transfer"] for i in range(8)]
+    assert peers(b)["checkpoint_replicas_incoming"] == 8
+    data = os.urandom(1 << 20)
+    fd = os.open(run / "step-1.pt", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+        assert errno_of(lambda: os.fsync(fd)) == errno.EIO
+        assert peers(a)["checkpoint_replication_errors"] == 1
+        for transfer in transfers:
+            assert peer_call(address, secret, {"op": "ckpt.abort", "transfer": transfer}).get("ok") is True
+        os.fsync(fd)  # room again
+    finally:
+        os.close(fd)
+    assert (b.path / "checkpoints" / "run" / "step-1.pt").read_bytes() == data
+    assert peers(a)["checkpoint_replication_errors"] == 1
+    assert peers(b)["checkpoint_replicas_dropped"] == 8
+
+
 def test_a_shard_made_by_a_peer_and_appended_to_just_before_kill_9_comes_back_with_its_items(
     cluster_node: NodeFactory,
 ) -> None:
