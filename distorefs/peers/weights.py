@@ -13,8 +13,10 @@ Shared key (docs/cluster.md): ns/weights/<name>   {"version": N, "node": publish
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import random
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ import trio
 
 from distorefs.cluster.etcd import WatchEvent
 from distorefs.cluster.rpc import Payload, PeerServer, meta_bytes, meta_int, split_payload
-from distorefs.errors import Busy, Corrupted, DistorefsError, InvalidArgument, NotFound
+from distorefs.errors import Busy, Corrupted, DistorefsError, InvalidArgument, NotFound, RemoteError
 from distorefs.peers.core import PART_BYTES, ClusterNode, in_parts
 from distorefs.scheduling import read_sliced, write_sliced
 from distorefs.stores.weights import MAX_WEIGHT_FILE_BYTES, Model, WeightFile, WeightStore
@@ -35,6 +37,9 @@ log = logging.getLogger(__name__)
 MAX_FETCH_SESSIONS = 16  # versions held for other nodes' fetches at once
 FETCH_IDLE_S = 60.0  # a session no part was asked of for this long goes (its fetcher is gone)
 PART_MAX_BYTES = 64 << 20  # the most one `weights.part` returns
+FETCH_ATTEMPTS = 3  # tries of a fetch that fails (the publisher unreachable, an error there)
+FETCH_RETRY_S = 0.5  # the first wait before a fetch is tried again (then doubling, at most 5 s)
+FETCH_BUSY_FOR_S = 600.0  # how long a fetch waits for a publisher busy with others' fetches
 
 
 def _listing(reply: dict[str, Any]) -> list[tuple[bytes, int]]:
@@ -70,6 +75,7 @@ class WeightSync:
         self._sessions: dict[str, _Session] = {}
         self.fetched = 0
         self.fetch_errors = 0
+        self.fetch_waits = 0  # waits for a busy publisher
         self.sessions_expired = 0
 
     def start(self, nursery: trio.Nursery) -> None:
@@ -80,6 +86,7 @@ class WeightSync:
         return {
             "weights_fetched": self.fetched,
             "weights_fetch_errors": self.fetch_errors,
+            "weights_fetch_waits": self.fetch_waits,
             "weights_fetch_sessions": len(self._sessions),
             "weights_fetch_sessions_expired": self.sessions_expired,
         }
@@ -133,7 +140,11 @@ class WeightSync:
     async def _fetch(self, name: bytes) -> None:
         """Fetch the model's current version once for this node, and publish it here
         under the same number. Fetches again while a newer version is announced than
-        the one installed."""
+        the one installed. A publisher that holds MAX_FETCH_SESSIONS versions for other
+        nodes' fetches already (EBUSY there: a big model's fan-out to many nodes) is
+        asked again after a wait, for FETCH_BUSY_FOR_S; a fetch that fails otherwise is
+        tried FETCH_ATTEMPTS times in all, then left for the next version."""
+        failures, busy_since, wait = 0, None, FETCH_RETRY_S
         try:
             while True:
                 shared = self._node.shared("weights", name)
@@ -141,24 +152,48 @@ class WeightSync:
                 if shared is None or model is None or int(shared["version"]) <= model.version:
                     return
                 node = str(shared["node"])
+                now = trio.current_time()
                 try:
-                    reply, payload = await self._node.peers.call(node, "weights.fetch", {"model": name})
-                    listing = _listing(reply)
-                    if "fetch" in reply:
-                        await self._fetch_parts(node, model, int(reply["version"]), listing, reply)
-                    else:
-                        parts = split_payload(payload, [size for _n, size in listing])
-                        files = [(n, part) for (n, _size), part in zip(listing, parts, strict=True)]
-                        await self._weights.install(model, int(reply["version"]), files)
-                except (DistorefsError, KeyError, TypeError, ValueError) as exc:
-                    self.fetch_errors += 1
-                    log.warning(
-                        "cluster: fetching weights/%s from %s failed: %s", name.decode(errors="replace"), node, exc
-                    )
-                    return
+                    await self._fetch_once(node, model, name)
+                except (DistorefsError, KeyError, TypeError, ValueError) as exc:  # (a reply's fields)
+                    if isinstance(exc, RemoteError) and exc.errno == errno.EBUSY:
+                        busy_since = now if busy_since is None else busy_since
+                        if now - busy_since < FETCH_BUSY_FOR_S:
+                            self.fetch_waits += 1
+                            await trio.sleep(wait * random.uniform(0.5, 1.5))
+                            wait = min(2 * wait, 5.0)
+                            continue
+                    failures += 1
+                    if not await self._failed(name, node, exc, failures):
+                        return
+                    continue
                 self.fetched += 1
+                failures, busy_since, wait = 0, None, FETCH_RETRY_S
         finally:
             self._fetching.discard(name)
+
+    async def _failed(self, name: bytes, node: str, exc: Exception, failures: int) -> bool:
+        """Count and log a failed fetch; whether to try again (after a wait)."""
+        self.fetch_errors += 1
+        log.warning(
+            "cluster: fetching weights/%s from %s failed (try %d of %d): %s",
+            name.decode(errors="replace"), node, failures, FETCH_ATTEMPTS, exc,
+        )  # fmt: skip
+        if failures >= FETCH_ATTEMPTS:
+            return False
+        await trio.sleep(FETCH_RETRY_S * failures)
+        return True
+
+    async def _fetch_once(self, node: str, model: Model, name: bytes) -> None:
+        """One fetch of the version `node` publishes now, installed here."""
+        reply, payload = await self._node.peers.call(node, "weights.fetch", {"model": name})
+        listing = _listing(reply)
+        if "fetch" in reply:
+            await self._fetch_parts(node, model, int(reply["version"]), listing, reply)
+        else:
+            parts = split_payload(payload, [size for _n, size in listing])
+            files = [(n, part) for (n, _size), part in zip(listing, parts, strict=True)]
+            await self._weights.install(model, int(reply["version"]), files)
 
     async def _fetch_parts(
         self, node: str, model: Model, version: int, listing: list[tuple[bytes, int]], reply: dict[str, Any]

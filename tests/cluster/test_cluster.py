@@ -347,7 +347,8 @@ def test_a_big_model_is_fetched_in_parts_from_a_version_held_for_the_fetch(
 ) -> None:
     """A version past 32 MiB is not one reply: the publisher holds it for the fetch and
     the fetcher pulls 32 MiB parts, then lets it go. The session's ops refuse what they
-    cannot serve, and a node holds at most 16 versions for fetches at once."""
+    cannot serve, and a node holds at most 16 versions for fetches at once: a fetcher
+    that finds it busy waits and asks again."""
     a, b = cluster_node("w0"), cluster_node("w1")
     model = a.path / "weights" / "big"
     model.mkdir()
@@ -380,9 +381,17 @@ def test_a_big_model_is_fetched_in_parts_from_a_version_held_for_the_fetch(
     ]
     assert peers(a)["weights_fetch_sessions"] == 16
     assert peer_call(address, secret, {"op": "weights.fetch", "model": "big"})["errno"] == errno.EBUSY
+    # a version published meanwhile: w1's fetch waits for room (a big model's fan-out
+    # to more nodes than the publisher serves at once), and gets it once there is room
+    (model / "layers.bin").write_bytes(files["layers.bin"][::-1])
+    wait_for(lambda: peers(b)["weights_fetch_waits"] >= 1, what="w1 waiting for a busy w0")
+    assert client.model_version(b.path / "weights" / "big") == 3
     for held in sessions:
         assert peer_call(address, secret, {"op": "weights.done", "fetch": held}).get("ok") is True
-    assert peers(a)["weights_fetch_sessions"] == 0
+    wait_for(lambda: client.model_version(b.path / "weights" / "big") == 4, what="version 4 on w1", timeout_s=60)
+    assert (b.path / "weights" / "big" / "layers.bin").read_bytes() == files["layers.bin"][::-1]
+    assert peers(b)["weights_fetch_errors"] == 0
+    wait_for(lambda: peers(a)["weights_fetch_sessions"] == 0, what="w1's fetch let go of version 4")
     assert peer_call(address, secret, {**part, "offset": 0, "size": 1})["errno"] == errno.ENOENT
 
 
