@@ -21,11 +21,29 @@ class Outbox(Generic[T]):
         self._items: deque[T] = deque()
         self._posted = trio.Event()
         self.followed = False  # nothing is kept until a consumer follows
+        self._count = 0  # items posted
+        self._done = 0  # items the consumer said it handled (`handled`)
+        self._handled = trio.Event()
 
     def post(self, item: T) -> None:
         if self.followed:
             self._items.append(item)
+            self._count += 1
             self._posted.set()
+
+    def handled(self) -> None:
+        """The consumer is done with the item `next` gave it last (for `delivered`)."""
+        self._done += 1
+        self._handled.set()
+        self._handled = trio.Event()
+
+    async def delivered(self) -> None:
+        """Wait until the consumer has handled every item posted so far (a consumer
+        that says so with `handled`); at once when nobody follows. Bound it."""
+        posted = self._count
+        while self.followed and self._done < posted:
+            await self._handled.wait()
+        await trio.lowlevel.checkpoint()
 
     async def next(self) -> T:
         """The oldest news, waiting for one."""

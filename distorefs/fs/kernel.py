@@ -67,6 +67,17 @@ def invalidate(ino: int, attr_only: bool) -> bool:
     return True
 
 
+def forget_entry(parent: int, name: bytes, ino: int) -> None:
+    """Drop the kernel's entry `name` of directory `parent` where it names `ino` (gone
+    or replaced), waiting for the kernel (call it from a thread, never from a request's
+    handler: the kernel takes the directory's lock). Nothing to do where the kernel
+    does not cache it."""
+    try:
+        pyfuse3.invalidate_entry(parent, name, deleted=ino)
+    except OSError as exc:  # ENOENT: the kernel has no such entry (cached)
+        log.debug("invalidate_entry(%d, %r): %s", parent, name, exc)
+
+
 def store(ino: int, pieces: Sequence[bytes | bytearray | memoryview]) -> bool:
     """Put the concatenation of `pieces` (byte buffers) into the kernel's page cache of
     `ino` from offset 0 (extending the kernel's size where it is shorter); False where

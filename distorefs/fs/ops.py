@@ -239,11 +239,19 @@ class FsOperations(pyfuse3.Operations):
         self.virtual.degraded_reason = reason
 
     async def run_invalidations(self) -> None:
-        """Background task: entries the daemon removed itself (retention, another node's
-        rmdir) are dropped from the kernel's cache too."""
+        """Background task: entries the daemon removed or replaced itself (retention,
+        another node's rmdir, a checkpoint replica's new version) are dropped from the
+        kernel's cache too, before the outbox says they are delivered (a replica's
+        commit answers its sender only then: a read on this node right after the
+        writer's fsync sees the new file, not the cached entry of the old)."""
+        removed = self.tree.removed
         while True:
-            parent, name, ino = await self.tree.removed.next()
-            pyfuse3.invalidate_entry_async(parent, name, deleted=ino, ignore_enoent=True)
+            parent, name, ino = await removed.next()
+            try:  # from a thread: the kernel takes the directory's lock, which a request may hold
+                # (abandoned at unmount: the kernel may wait there for requests no one serves)
+                await trio.to_thread.run_sync(kernel.forget_entry, parent, name, ino, abandon_on_cancel=True)
+            finally:
+                removed.handled()
 
     def request_served(self, started: float) -> None:
         """A request served outside FUSE (a draw of a sampling session) that began at

@@ -73,6 +73,7 @@ MAX_PARTS_AHEAD = 16  # parts stored past a gap, waiting for it to fill
 MAX_INCOMING_REPLICAS = 8  # transfers being received at once
 REPLICA_FREE_MARGIN_BYTES = 256 << 20  # a replica may not leave its node's disk with less free
 REPLICA_IDLE_S = 60.0  # a transfer with no part for this long is dropped (its sender is gone)
+REPLACED_NOTICE_S = 1.0  # a commit waits this long at most for the kernel to drop the old entry (its timeout)
 REPLICATE_TRIES = 3  # sends of a file that changes size while it is sent
 REMEMBERED_COMMITS = 64  # commits answered again when a sender retries one
 
@@ -478,6 +479,8 @@ class CheckpointPolicy:
         )
         if replaced is not None:
             self.removed.post((parent, name, replaced.ino))
+            with trio.move_on_after(REPLACED_NOTICE_S):  # (the kernel would drop its entry by then itself)
+                await self.removed.delivered()
         self.replicas_received += 1
         return ino
 

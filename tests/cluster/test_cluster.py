@@ -53,6 +53,30 @@ def errno_of(call: object) -> int | None:
     return None
 
 
+def same(got: bytes, want: bytes) -> bool:
+    """`got == want` for an assert: pytest would diff megabytes of bytes (for minutes)."""
+    return got == want
+
+
+def replicated_dir(mount: Mount, name: str) -> Path:
+    """checkpoints/<name> on `mount`, its files kept on one more node (replicas = 2)."""
+    run = mount.path / "checkpoints" / name
+    run.mkdir()
+    os.setxattr(run, "user.distore.replicas", b"2")
+    return run
+
+
+def write_fsynced(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write `data` as the whole of `path` and fsync it (under replicas = 2 it returns
+    once another node holds it durably)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def test_nodes_see_each_other_and_peers_shows_the_transport(three: list[Mount]) -> None:
     report = wait_for(lambda: len(peers(three[0])["live_nodes"]) == 3 and peers(three[0]), what="3 live nodes")
     assert isinstance(report, dict)
@@ -358,7 +382,7 @@ def test_a_big_model_is_fetched_in_parts_from_a_version_held_for_the_fetch(
         (model / name).write_bytes(data)  # a version at each close: w1 fetches the newest
     wait_for(lambda: client.model_version(b.path / "weights" / "big") == 3, what="version 3 on w1", timeout_s=60)
     for name, data in files.items():
-        assert (b.path / "weights" / "big" / name).read_bytes() == data, name
+        assert same((b.path / "weights" / "big" / name).read_bytes(), data), name
     assert peers(b)["weights_fetch_errors"] == 0
     wait_for(lambda: peers(a)["weights_fetch_sessions"] == 0, what="the fetch let go of the version")
     host, port = str(peers(a)["listen"]).rsplit(":", 1)
@@ -389,7 +413,7 @@ def test_a_big_model_is_fetched_in_parts_from_a_version_held_for_the_fetch(
     for held in sessions:
         assert peer_call(address, secret, {"op": "weights.done", "fetch": held}).get("ok") is True
     wait_for(lambda: client.model_version(b.path / "weights" / "big") == 4, what="version 4 on w1", timeout_s=60)
-    assert (b.path / "weights" / "big" / "layers.bin").read_bytes() == files["layers.bin"][::-1]
+    assert same((b.path / "weights" / "big" / "layers.bin").read_bytes(), files["layers.bin"][::-1])
     assert peers(b)["weights_fetch_errors"] == 0
     wait_for(lambda: peers(a)["weights_fetch_sessions"] == 0, what="w1's fetch let go of version 4")
     assert peer_call(address, secret, {**part, "offset": 0, "size": 1})["errno"] == errno.ENOENT
@@ -468,16 +492,9 @@ def test_a_hundred_thousand_items_cross_nodes_in_one_call(cluster_node: NodeFact
 
 def test_kill9_keeps_replicated_checkpoints_and_fails_fast_on_unreplicated_data(three: list[Mount]) -> None:
     a, b, c = three
-    run = a.path / "checkpoints" / "run1"
-    run.mkdir()
-    os.setxattr(run, "user.distore.replicas", b"2")
+    run = replicated_dir(a, "run1")
     data = os.urandom(3 << 20)
-    fd = os.open(run / "step10.pt", os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)  # returns once a second node holds it durably
-    finally:
-        os.close(fd)
+    write_fsynced(run / "step10.pt", data)  # returns once a second node holds it durably
     holders = [m for m in (b, c) if (m.path / "checkpoints" / "run1" / "step10.pt").exists()]
     assert len(holders) == 1
     holder = holders[0]
@@ -509,23 +526,19 @@ def test_a_replica_travels_in_parts_and_replaces_the_old_one_on_its_holder_at_on
     shows it only whole, and a new version takes the old one's name in one change that
     the holder's kernel hears of at once (it cached the old file's entry and pages)."""
     a, b, c = three
-    run = a.path / "checkpoints" / "big"
-    run.mkdir()
-    os.setxattr(run, "user.distore.replicas", b"2")
+    run = replicated_dir(a, "big")
+    previous = b""
     for version in range(2):
         data = os.urandom(80 << 20)  # three parts
         calls_before = {n["node"]: n.get("calls", 0) for n in peers(a)["live_nodes"]}  # type: ignore[union-attr]
-        fd = os.open(run / "model.pt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)  # returns once another node holds it durably
-        finally:
-            os.close(fd)
+        write_fsynced(run / "model.pt", data, 0o640)
         holders = [m for m in (b, c) if (m.path / "checkpoints" / "big" / "model.pt").exists()]
         assert len(holders) == 1
         holder = holders[0]
         copy = holder.path / "checkpoints" / "big" / "model.pt"
-        assert copy.read_bytes() == data, f"version {version}"
+        got = copy.read_bytes()
+        assert same(got, data), f"version {version}: read {len(got)} bytes, the old version's: {got == previous}"
+        previous = data
         assert stat.S_IMODE(copy.stat().st_mode) == 0o640
         report = peers(holder)
         assert report["checkpoint_replicas_received"] == version + 1
@@ -541,32 +554,21 @@ def test_a_holder_killed_while_a_new_replica_comes_keeps_the_old_one_whole(clust
     fsync fails (EIO, nothing acknowledged), and the restarted holder has the previous
     replica, byte for byte, and nothing of the new one (no entry, no bytes held)."""
     a, b = cluster_node("h0"), cluster_node("h1")
-    run = a.path / "checkpoints" / "run"
-    run.mkdir()
-    os.setxattr(run, "user.distore.replicas", b"2")
+    run = replicated_dir(a, "run")
     old = os.urandom(3 << 20)
-    fd = os.open(run / "model.pt", os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, old)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_fsynced(run / "model.pt", old)
     held = b.path / "checkpoints" / "run" / "model.pt"
-    assert held.read_bytes() == old
+    assert same(held.read_bytes(), old)
     before = json.loads((b.path / ".distore" / "status").read_text())
     new = os.urandom(400 << 20)  # 13 parts: time to catch the transfer under way
     outcome: list[object] = []
 
     def save() -> None:
-        fd = os.open(run / "model.pt", os.O_WRONLY | os.O_TRUNC)
         try:
-            os.write(fd, new)
-            os.fsync(fd)
+            write_fsynced(run / "model.pt", new)
             outcome.append("acknowledged")
         except OSError as exc:
             outcome.append(exc.errno)
-        finally:
-            os.close(fd)
 
     saver = threading.Thread(target=save)
     saver.start()
@@ -578,7 +580,7 @@ def test_a_holder_killed_while_a_new_replica_comes_keeps_the_old_one_whole(clust
     assert outcome == [errno.EIO]
     wait_for(lambda: len(peers(a)["live_nodes"]) == 1, what="h1 leaves the member list")
     b = cluster_node("h1")
-    assert held.read_bytes() == old
+    assert same(held.read_bytes(), old)
     assert os.listdir(b.path / "checkpoints" / "run") == ["model.pt"]
     status = json.loads((b.path / ".distore" / "status").read_text())
     # the new replica's file, in no directory, went with the dead daemon
@@ -592,9 +594,7 @@ def test_a_replica_its_holder_refuses_fails_the_fsync_with_eio_and_counts_once(
     fsync says EIO (its own disk is fine), the failure is counted once, and once the
     holder has room the next fsync replicates."""
     a, b = cluster_node("r0"), cluster_node("r1")
-    run = a.path / "checkpoints" / "run"
-    run.mkdir()
-    os.setxattr(run, "user.distore.replicas", b"2")
+    run = replicated_dir(a, "run")
     host, port = str(peers(b)["listen"]).rsplit(":", 1)
     address, secret = (host, int(port)), cluster_secret(etcd)
     begin = {"op": "ckpt.begin", "mode": 0o644, "size": 1 << 20}

@@ -85,3 +85,33 @@ async def test_the_mark_goes_with_the_request_even_when_it_fails() -> None:
         assert await ticker.runs_during(scheduling.checkpoint)
 
     await _with_ticker(body)
+
+
+async def test_big_copies_go_in_slices_with_the_event_loop_let_go_between() -> None:
+    data = bytearray(range(256)) * ((9 * scheduling.SLICE_BYTES + 1000) // 256)
+    calls: list[tuple[int, int]] = []
+
+    async def read(offset: int, nbytes: int) -> memoryview:
+        calls.append((offset, nbytes))
+        return memoryview(data)[offset : offset + nbytes]  # a view, as of a cached block
+
+    async def body(ticker: Ticker) -> None:
+        before = ticker.passes
+        slices = await scheduling.read_sliced(read, 1000, len(data) - 1000)
+        assert ticker.passes - before >= 5  # others ran between the slices
+        assert b"".join(slices) == bytes(data[1000:])
+        assert all(isinstance(s, bytes) for s in slices)  # copies, not views kept past an await
+        assert max(n for _o, n in calls) == scheduling.SLICE_BYTES
+        assert len(calls) == 9
+        written = bytearray(len(data))
+
+        async def write(offset: int, view: memoryview) -> None:
+            assert len(view) <= scheduling.SLICE_BYTES
+            written[offset : offset + len(view)] = view
+
+        before = ticker.passes
+        await scheduling.write_sliced(write, 0, memoryview(data))
+        assert ticker.passes - before >= 5
+        assert written == data
+
+    await _with_ticker(body)
