@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import os
+import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import trio
 import trio.testing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from distorefs.errors import DistorefsError, StoreFull
 from distorefs.stores.checkpoints import (
@@ -280,3 +284,47 @@ async def test_a_daemon_killed_during_a_transfer_keeps_the_old_file_and_drops_th
     assert files.statistics().files == 1
     await blocks2.close()
     meta2.close()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    cuts=st.lists(st.integers(min_value=1, max_value=99_999), max_size=8),
+    again=st.lists(st.integers(min_value=0, max_value=20), max_size=5),
+    seed=st.integers(min_value=0, max_value=2**32 - 1),
+)
+def test_parts_in_any_order_and_sent_again_make_the_replica_whole_and_an_early_commit_changes_nothing(
+    tmp_path_factory: pytest.TempPathFactory, cuts: list[int], again: list[int], seed: int
+) -> None:
+    rng = random.Random(seed)
+    data = rng.randbytes(100_000)
+    bounds = [0, *sorted(set(cuts)), len(data)]
+    parts = list(itertools.pairwise(bounds))
+    sends = parts + [parts[i % len(parts)] for i in again]
+    rng.shuffle(sends)
+
+    async def body() -> None:
+        blocks, meta = open_tiers(tmp_path_factory.mktemp("replica"), 64 * 1024, 16)
+        files = FileStore.load(blocks, meta)
+        ckpt = CheckpointPolicy.load(files, meta, sync_close=False)
+        transfer = await ckpt.begin_replica(b"checkpoints/r.pt", 0o100644, len(data))
+        ino = None
+        came = bytearray(len(data))  # which bytes have been sent, as the test counts them
+        for start, end in sends:
+            await ckpt.write_replica(transfer, start, memoryview(data)[start:end])
+            came[start:end] = b"\1" * (end - start)
+            if rng.random() < 0.3:
+                if all(came):
+                    ino = await ckpt.commit_replica(transfer)
+                    break
+                with pytest.raises(DistorefsError) as early:  # before the last part came: refused
+                    await ckpt.commit_replica(transfer)
+                assert early.value.errno == errno.EINVAL
+                assert files.entries(ckpt.root) == ()
+        if ino is None:
+            ino = await ckpt.commit_replica(transfer)
+        assert files.entries(ckpt.root) == ((b"r.pt", ino),)
+        assert bytes(await files.read(ino, 0, len(data) + 1)) == data
+        await blocks.close()
+        meta.close()
+
+    trio.run(body)
