@@ -62,6 +62,7 @@ MAGIC = b"DSP2"  # DSP1 had no moved fields: its nodes are refused, not misread
 HEADER = struct.Struct("<4sIIQ")
 MAX_META_BYTES = 1 << 20
 MAX_BODY_BYTES = 1 << 36
+MAX_REPLY_BYTES = 1 << 30  # a reply's body a call takes unless it says otherwise (parts keep replies far under)
 INLINE_BYTES = 4096  # a bytes value of the map past this travels in the body
 MOVED_EXT = 1  # msgpack ext type of a moved value: its length, u64
 MOVED = struct.Struct("<Q")
@@ -80,6 +81,10 @@ class ProtocolError(Exception):
 
 class AuthenticationFailed(ProtocolError):
     """The other side did not prove that it holds the cluster's secret (or refused ours)."""
+
+
+class ReplyTooBig(ProtocolError):
+    """A reply announced a body past what its call takes (`max_reply_bytes`)."""
 
 
 # --- the handshake ----------------------------------------------------------------------
@@ -211,13 +216,19 @@ async def recv_header(stream: trio.SocketStream, stall_s: float = math.inf) -> t
 
 
 async def recv_frame(
-    stream: trio.SocketStream, header: tuple[int, int, int] | None = None, stall_s: float = math.inf
+    stream: trio.SocketStream,
+    header: tuple[int, int, int] | None = None,
+    stall_s: float = math.inf,
+    max_body: int = MAX_BODY_BYTES,
 ) -> tuple[int, dict[str, Any], memoryview]:
     """One frame (the rest of it after `header`, when that was read already):
     ProtocolError for anything that is not a frame of ours (a bad header, a meta that is
-    not a msgpack map, a stall of `stall_s`), OSError (ENOMEM) for a body the system
-    cannot map, EOFError when the other side closed."""
+    not a msgpack map, a stall of `stall_s`), ReplyTooBig for a body past `max_body`
+    (before any of it is received), OSError (ENOMEM) for a body the system cannot map,
+    EOFError when the other side closed."""
     rid, meta_len, body_len = header or await recv_header(stream, stall_s)
+    if body_len > max_body:
+        raise ReplyTooBig(f"a body of {body_len} bytes, more than the {max_body} expected")
     meta_buf = bytearray(meta_len)
     await _recv_exactly(stream, memoryview(meta_buf), stall_s)
     body = _body_buffer(body_len)
@@ -592,12 +603,14 @@ class PeerTransport:
 
     async def call(
         self, node: str, op: str, meta: dict[str, Any] | None = None, body: Sequence[Payload] = (),
-        timeout_s: float | None = None,
+        timeout_s: float | None = None, max_reply_bytes: int = MAX_REPLY_BYTES,
     ) -> tuple[dict[str, Any], memoryview]:  # fmt: skip
         """One request/reply with `node`, within `timeout_s` (default the transport's).
 
         Raises PeerUnavailable (EIO) when the node is not a live member or does not
-        answer in time, RemoteError with the peer's errno when it answers with an error.
+        answer in time, or announces a reply body past `max_reply_bytes` (refused before
+        any of it is received: a peer gone wrong cannot make this node hold more),
+        RemoteError with the peer's errno when it answers with an error.
         """
         stats = self._stats(node)
         stats.calls += 1
@@ -611,11 +624,13 @@ class PeerTransport:
             started = time.monotonic()
             try:
                 with trio.fail_at(deadline):
-                    reply, payload = await self._exchange(node, address, request, body)
+                    reply, payload = await self._exchange(node, address, request, body, max_reply_bytes)
             except trio.TooSlowError:
                 raise self._failed(node, op, f"did not answer within {timeout_s or self.timeout_s:g} s") from None
             except AuthenticationFailed as exc:  # not retried: another try meets the same secret
                 raise self._failed(node, op, f"at {address[0]}:{address[1]} failed authentication: {exc}") from None
+            except ReplyTooBig as exc:  # not retried: the peer would send it again
+                raise self._failed(node, op, f"sent a reply this call does not take: {exc}") from None
             except (OSError, EOFError, trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError) as exc:
                 attempt += 1
                 stats.last_error, stats.last_error_ns = f"{type(exc).__name__}: {exc}", time.time_ns()
@@ -641,15 +656,16 @@ class PeerTransport:
         return PeerUnavailable(message)
 
     async def _exchange(
-        self, node: str, address: tuple[str, int], request: dict[str, Any], body: Sequence[Payload]
-    ) -> tuple[dict[str, Any], memoryview]:
+        self, node: str, address: tuple[str, int], request: dict[str, Any], body: Sequence[Payload],
+        max_reply_bytes: int,
+    ) -> tuple[dict[str, Any], memoryview]:  # fmt: skip
         stats = self._stats(node)
         stream = stats.idle.pop() if stats.idle else await self._connect(address)
         ok = False
         try:
             self._rid = rid = (self._rid + 1) & 0xFFFFFFFF
             stats.bytes_sent += await send_frame(stream, rid, request, body)
-            answered, reply, payload = await recv_frame(stream)
+            answered, reply, payload = await recv_frame(stream, max_body=max_reply_bytes)
             if answered != rid:
                 raise ProtocolError(f"reply to request {answered}, expected {rid}")
             stats.bytes_received += len(payload)

@@ -23,7 +23,7 @@ import trio
 
 from distorefs import scheduling
 from distorefs.cluster.etcd import WatchEvent
-from distorefs.cluster.rpc import Payload, PeerServer, ints_value, meta_int, meta_ints, split_payload
+from distorefs.cluster.rpc import MAX_BODY_BYTES, Payload, PeerServer, ints_value, meta_int, meta_ints, split_payload
 from distorefs.errors import DistorefsError, NotFound, RemoteError, TryAgain
 from distorefs.peers.core import ClusterNode
 from distorefs.stores.replay.buffer import ReplayBuffer
@@ -59,7 +59,10 @@ class BufferPeers:
 
     async def pick(self, node: str, name: str, count: int) -> Drawn:
         try:
-            reply, payload = await self._node.peers.call(node, "buffer.pick", {"name": name, "count": count})
+            # a shard's part of a batch may pass the transport's usual bound on a big node:
+            # the joined batch is checked against this node's own (ReplayBuffer.sample_into)
+            meta = {"name": name, "count": count}
+            reply, payload = await self._node.peers.call(node, "buffer.pick", meta, max_reply_bytes=MAX_BODY_BYTES)
         except RemoteError as exc:
             if exc.errno == EAGAIN:
                 raise TryAgain(str(exc)) from None

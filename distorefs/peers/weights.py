@@ -210,7 +210,7 @@ class WeightSync:
 
                 async def part(offset: int, nbytes: int, index: int = index, pending: WeightFile = pending) -> None:
                     meta = {"fetch": session, "file": index, "offset": offset, "size": nbytes}
-                    _reply, data = await call(node, "weights.part", meta)
+                    _reply, data = await call(node, "weights.part", meta, max_reply_bytes=nbytes)
                     if len(data) != nbytes:
                         raise Corrupted(f"weights.part of {nbytes} bytes from {node} brought {len(data)}")
                     await write_sliced(partial(self._weights.write, pending), offset, data)

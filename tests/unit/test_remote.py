@@ -516,3 +516,24 @@ async def test_any_answer_to_the_nonce_but_a_proof_is_refused_and_the_server_goe
         assert served == ["peer"]
         peers.close()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_reply_past_what_the_call_takes_is_refused_before_its_body_and_not_retried() -> None:
+    """A peer gone wrong (or a stranger that learned the secret) cannot make a node hold
+    more than a call takes: the header's length is enough to refuse the reply, the
+    connection is dropped, and the call is not sent again."""
+    async with trio.open_nursery() as nursery:
+        server = await start_server(nursery)
+        peers = PeerTransport(lambda node: ("127.0.0.1", server.port), timeout_s=10, secret=SECRET)
+        payload = b"x" * (2 << 20)
+        before = server.requests
+        with pytest.raises(PeerUnavailable, match="a reply this call does not take") as excinfo:
+            await peers.call("b", "echo", {}, [payload], max_reply_bytes=1 << 20)
+        assert excinfo.value.errno == errno.EIO
+        assert server.requests == before + 1  # not retried
+        assert peers.stats["b"].idle == []  # its connection was dropped, not pooled
+        reply, body = await peers.call("b", "echo", {}, [payload])  # the usual bound: taken
+        assert reply["got"] == len(payload)
+        assert len(body) == len(payload) + 1
+        peers.close()
+        nursery.cancel_scope.cancel()
