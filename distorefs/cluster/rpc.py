@@ -146,6 +146,9 @@ async def _authenticate_from(stream: trio.SocketStream, secret: bytes, stall_s: 
     await _send_all(stream, bytes([ACCEPTED]) + proof(secret, b"server", theirs, mine), stall_s)
 
 
+RECV_CHUNK_BYTES = 1 << 20  # the most one receive copies before the event loop runs others
+
+
 async def _recv_exactly(stream: trio.SocketStream, view: memoryview, stall_s: float = math.inf) -> None:
     """Fill `view`; ProtocolError when no byte comes for `stall_s` (a frame begun and
     left unfinished would hold its connection and its memory for ever)."""
@@ -153,7 +156,7 @@ async def _recv_exactly(stream: trio.SocketStream, view: memoryview, stall_s: fl
     got = 0
     while got < len(view):
         with trio.move_on_after(stall_s):
-            n = await sock.recv_into(view[got:])
+            n = await sock.recv_into(view[got : got + RECV_CHUNK_BYTES])
             if n == 0:
                 raise EOFError("peer closed the connection")
             got += n
