@@ -290,6 +290,13 @@ def _body_buffer(size: int) -> memoryview:
     return memoryview(mmap.mmap(-1, size))
 
 
+def meta_id(meta: dict[str, Any], key: str) -> str:
+    """An id a node handed out (a transfer's, a fetch's) as a request names it: text of
+    at most 64 characters; EINVAL when missing or of another kind. An id that was never
+    handed out finds nothing where it is looked up."""
+    return meta_bytes(meta, key)[:64].decode(errors="replace")
+
+
 def meta_int(meta: dict[str, Any], key: str, low: int, high: int) -> int:
     """A request's integer field, in low..high; EINVAL otherwise (missing, another kind)."""
     value = meta.get(key)

@@ -21,7 +21,7 @@ from typing import Any
 import trio
 
 from distorefs.cluster.etcd import WatchEvent
-from distorefs.cluster.rpc import Payload, PeerServer, meta_bytes, meta_int
+from distorefs.cluster.rpc import Payload, PeerServer, meta_bytes, meta_id, meta_int
 from distorefs.errors import Busy, DistorefsError, PeerUnavailable, RemoteError
 from distorefs.peers.core import PART_BYTES, ClusterNode, in_parts
 from distorefs.stores.checkpoints import REPLICA_IDLE_S, CheckpointPolicy, ReadPart
@@ -56,7 +56,7 @@ class CheckpointReplicas:
 
         async def begin(node: str) -> None:
             reply, _ = await call(node, "ckpt.begin", {"path": path, "mode": mode, "size": size})
-            begun[node] = meta_bytes(reply, "transfer").decode()
+            begun[node] = meta_id(reply, "transfer")
 
         try:
             await gather([partial(begin, n) for n in targets])
@@ -167,16 +167,12 @@ class CheckpointSync:
 
     async def _on_part(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
         offset = meta_int(meta, "offset", 0, MAX_FILE_BYTES)
-        await self._checkpoints.write_replica(_transfer(meta), offset, body)
+        await self._checkpoints.write_replica(meta_id(meta, "transfer"), offset, body)
         return {}, ()
 
     async def _on_commit(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
-        return {"ino": await self._checkpoints.commit_replica(_transfer(meta))}, ()
+        return {"ino": await self._checkpoints.commit_replica(meta_id(meta, "transfer"))}, ()
 
     async def _on_abort(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
-        self._checkpoints.abort_replica(_transfer(meta))
+        self._checkpoints.abort_replica(meta_id(meta, "transfer"))
         return {}, ()
-
-
-def _transfer(meta: dict[str, Any]) -> str:
-    return meta_bytes(meta, "transfer")[:64].decode(errors="replace")

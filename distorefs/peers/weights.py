@@ -26,7 +26,7 @@ from typing import Any
 import trio
 
 from distorefs.cluster.etcd import WatchEvent
-from distorefs.cluster.rpc import Payload, PeerServer, meta_bytes, meta_int, split_payload
+from distorefs.cluster.rpc import Payload, PeerServer, meta_bytes, meta_id, meta_int, split_payload
 from distorefs.errors import Busy, Corrupted, DistorefsError, InvalidArgument, NotFound, RemoteError
 from distorefs.peers.core import PART_BYTES, ClusterNode, in_parts
 from distorefs.scheduling import read_sliced, write_sliced
@@ -201,7 +201,7 @@ class WeightSync:
         """A version the publisher holds for this fetch: each file pulled in parts into
         a file of this node's, then all installed at once; the publisher is told to let
         the version go, whatever happened."""
-        session = meta_bytes(reply, "fetch").decode(errors="replace")
+        session = meta_id(reply, "fetch")
         call = self._node.peers.call
         added: dict[bytes, WeightFile] = {}
         try:
@@ -267,7 +267,7 @@ class WeightSync:
         return session
 
     def _session(self, meta: dict[str, Any]) -> _Session:
-        session = self._sessions.get(meta_bytes(meta, "fetch")[:64].decode(errors="replace"))
+        session = self._sessions.get(meta_id(meta, "fetch"))
         if session is None:
             raise NotFound("no such weights fetch here (never begun, done or expired)")
         return session
@@ -283,7 +283,7 @@ class WeightSync:
         return {}, data
 
     async def _on_done(self, meta: dict[str, Any], body: memoryview) -> tuple[dict[str, Any], Sequence[Payload]]:
-        session = self._sessions.pop(meta_bytes(meta, "fetch")[:64].decode(errors="replace"), None)
+        session = self._sessions.pop(meta_id(meta, "fetch"), None)
         if session is not None:
             self._release(session)
         return {}, ()

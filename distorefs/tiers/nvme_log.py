@@ -88,9 +88,14 @@ def segment_name(segment: int) -> str:
     return f"{_SEGMENT_PREFIX}{segment:010d}{_SEGMENT_SUFFIX}"
 
 
+def _head(key: BlockKey, seq: int, payload: bytes | bytearray | memoryview) -> bytes:
+    """A header's first 32 bytes (its crc, over them and the payload, follows)."""
+    return struct.pack("<IIQQQ", MAGIC, len(payload), key.owner, key.number, seq)
+
+
 def encode_header(key: BlockKey, seq: int, payload: bytes | bytearray | memoryview) -> bytes:
     """Return the 36-byte header for `payload` under `key`, crc included."""
-    head = struct.pack("<IIQQQ", MAGIC, len(payload), key.owner, key.number, seq)
+    head = _head(key, seq, payload)
     crc = crc32c.crc32c(payload, crc32c.crc32c(head))
     return head + struct.pack("<I", crc)
 
@@ -103,10 +108,7 @@ def encode_headers(records: Sequence[tuple[BlockKey, bytes | bytearray | memoryv
     write-behind of 64 records spent most of its time waiting (docs/design.md, "Big log
     writes bypass the page cache", "The GIL once a stage")."""
     if len(records) > 1 and sum(len(payload) for _key, payload in records) >= DIRECT_MIN_BYTES:
-        heads = [
-            struct.pack("<IIQQQ", MAGIC, len(payload), key.owner, key.number, first_seq + i)
-            for i, (key, payload) in enumerate(records)
-        ]
+        heads = [_head(key, first_seq + i, payload) for i, (key, payload) in enumerate(records)]
         crcs = compiled_crcs([payload for _key, payload in records], [crc32c.crc32c(head) for head in heads])
         if crcs is not None:
             return [head + struct.pack("<I", crc) for head, crc in zip(heads, crcs, strict=True)]
