@@ -354,6 +354,7 @@ class Daemon:
         start("prefetcher", blocks.run_prefetcher)
         start("checkpoint persister", self.checkpoints.run_persister)
         start("kernel invalidations", self.ops.run_invalidations)
+        start("after replies", self.ops.run_after_reply)
         if config.busy_poll_us:
             if self.shared.sessions is not None:
                 self.shared.sessions.served = self.ops.request_served

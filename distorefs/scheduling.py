@@ -103,3 +103,32 @@ async def write_sliced(write: Callable[[int, memoryview], Awaitable[object]], of
     for start in range(0, len(data), SLICE_BYTES):
         await write(offset + start, data[start : start + SLICE_BYTES])
         await trio.lowlevel.checkpoint()
+
+
+class AfterReply:
+    """Work a request's handler leaves for after its reply (fs/ops.py `run_after_reply`
+    does it, one piece at a time, in the order given). Each piece has a key, and a
+    newer piece replaces an older one of the same key still waiting: as many pieces
+    wait as there are keys (a buffer's next batch: one per buffer)."""
+
+    def __init__(self) -> None:
+        self._work: dict[object, Callable[[], Awaitable[None]]] = {}
+        self._ready = trio.Event()
+
+    def add(self, key: object, work: Callable[[], Awaitable[None]]) -> None:
+        self._work.pop(key, None)  # (to the end of the queue)
+        self._work[key] = work
+        self._ready.set()
+
+    def discard(self, key: object) -> None:
+        self._work.pop(key, None)
+
+    async def next(self) -> Callable[[], Awaitable[None]]:
+        """The oldest piece waiting (taken off the queue); waits for one."""
+        while True:
+            while not self._work:
+                await self._ready.wait()
+                self._ready = trio.Event()
+            await checkpoint()
+            if self._work:  # (unless discarded meanwhile)
+                return self._work.pop(next(iter(self._work)))

@@ -15,6 +15,7 @@ has no FUSE_INTERRUPT hook, so this is how a signal interrupts them with EINTR.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import json
@@ -268,6 +269,47 @@ def columnar_npz(batch: bytes) -> bytes:
 CACHED_BATCH_MAX_BYTES = 16 << 20  # a sample batch up to this size may be served from the page cache
 
 
+async def columnar_batch(data: bytearray | bytes | ScatteredBytes) -> bytes:
+    """`columnar_npz` of a drawn batch, in a worker thread."""
+    joined = data.tobytes() if isinstance(data, ScatteredBytes) else bytes(data)
+    return await trio.to_thread.run_sync(columnar_npz, joined)
+
+
+def store_batch(node: BufferFile, data: bytearray | bytes | ScatteredBytes) -> bool:
+    """Put a batch as long as `node`'s size into the kernel's page cache of `node`; False
+    where the kernel refused (the open then stays direct). The caller makes sure no open
+    of the node but its own exists (SampleHandle.draw_at_open)."""
+    if len(data) < node.widest:
+        # The kernel may hold pages past this batch's end (and a size that shows
+        # them) from a longer batch before a reconfigure: drop them first.
+        if not kernel.invalidate(node.ino, attr_only=False):
+            return False
+        node.widest = len(data)
+    return kernel.store(node.ino, data.pieces() if isinstance(data, ScatteredBytes) else [data])
+
+
+# After a cached open of a sample file its next batch is drawn ahead (BufferDir.want_ahead)
+# until this many in a row were dropped unused (the buffer changed before the next open:
+# an RL loop that updates priorities between samples); then only every AHEAD_PROBE-th open.
+AHEAD_MISSES = 4
+AHEAD_PROBE = 8
+
+
+@dataclasses.dataclass
+class Ahead:
+    """A batch drawn for the next open of `node`, not counted as sampled yet, held in
+    the mount's batch allowance, stored in the node's page cache where `stored`."""
+
+    node: BufferFile
+    count: int | None
+    columnar: bool
+    changes: int  # the buffer's `changes` when it was drawn
+    data: bytearray | bytes | ScatteredBytes
+    indices: np.ndarray
+    held_bytes: int
+    stored: bool
+
+
 class BatchHolder(VirtualHandle):
     """A handle that keeps the batch it drew (counted in `held` until it lets it go)."""
 
@@ -316,7 +358,8 @@ class SampleHandle(BatchHolder):
         client's reads cost no request (numpy reads a file it is given twice, through a
         dup) and nothing drops the file's cached attributes (a read the daemon serves
         does, and the next fstat asks again). design.md, "A sample's batch in the page
-        cache".
+        cache". A batch the last release drew ahead (`BufferDir.draw_ahead`) is taken as
+        it is when nothing changed since: then the open draws and stores nothing.
 
         Only where that is safe: no other open of the node exists (the kernel keeps one
         cache per inode, and with no other open no read of it can be waiting for this
@@ -327,11 +370,30 @@ class SampleHandle(BatchHolder):
         node.opens += 1  # released in `release`, or here if the open fails
         self._node = node
         try:
-            await self._fill_cache(node)
+            if not self._take_ahead(node):
+                await self._fill_cache(node)
         except BaseException:
             node.opens -= 1
             self._node = None
             raise
+        if self.keep_cache and isinstance(node.governor, BufferDir):
+            node.governor.want_ahead(node, self._count, self._columnar)
+
+    def _take_ahead(self, node: BufferFile) -> bool:
+        """This open's batch is the one drawn ahead for it, if there is one still good:
+        counted as sampled now, served from the page cache where the release stored it."""
+        governor = node.governor
+        if not isinstance(governor, BufferDir):
+            return False
+        ahead = governor.take_ahead(node, self._count, self._columnar)
+        if ahead is None:
+            return False
+        self._buffer.commit(ahead.indices)
+        self._data, self._held_bytes = ahead.data, ahead.held_bytes
+        if ahead.stored or store_batch(node, ahead.data):
+            self.direct_io, self.keep_cache = False, True
+            governor.page_cache_batches += 1
+        return True
 
     async def _fill_cache(self, node: BufferFile) -> None:
         size = node.size
@@ -345,13 +407,7 @@ class SampleHandle(BatchHolder):
         data = self._data
         if data is None or len(data) != size or node.opens > 1:
             return
-        if size < node.widest:
-            # The kernel may hold pages past this batch's end (and a size that shows
-            # them) from a longer batch before a reconfigure: drop them first.
-            if not kernel.invalidate(node.ino, attr_only=False):
-                return
-            node.widest = size
-        if kernel.store(node.ino, data.pieces() if isinstance(data, ScatteredBytes) else [data]):
+        if store_batch(node, data):
             self.direct_io, self.keep_cache = False, True
             if isinstance(node.governor, BufferDir):
                 node.governor.page_cache_batches += 1
@@ -362,16 +418,18 @@ class SampleHandle(BatchHolder):
         batch = await run_waiting(self._pid, nonblocking, ready, lambda nb: buffer.sample_into(count, nb, self._hold))
         self._data = batch.data
         if self._columnar:
-            data = batch.data.tobytes() if isinstance(batch.data, ScatteredBytes) else bytes(batch.data)
-            self._data = await trio.to_thread.run_sync(columnar_npz, data)
+            self._data = await columnar_batch(batch.data)
 
     async def release(self) -> None:
         await scheduling.checkpoint()
         self._let_go()
         self._data = None
-        if self._node is not None:
-            self._node.opens -= 1
-            self._node = None
+        node, self._node = self._node, None
+        if node is None:
+            return
+        node.opens -= 1
+        if not node.opens and isinstance(node.governor, BufferDir):
+            node.governor.released(node)
 
     async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
         if self._data is None:
@@ -858,6 +916,12 @@ class BufferDir(NamedDir):
                 node.cache_s = CONTROL_CACHE_S
             self._add(node)
         self.page_cache_batches = 0  # batches of its sample files served from the page cache
+        self.ahead: Ahead | None = None  # the next batch of the sample file last released
+        self.drawn_ahead = 0  # batches drawn ahead: taken by the next open, or dropped
+        self.drawn_ahead_taken = 0
+        self._ahead_misses = 0  # dropped in a row
+        self._ahead_skipped = 0  # opens that asked for none since the last probe
+        self.forgotten = False  # the buffer left (forget_nodes)
         stats = ControlFile(tree.new_ino(), b"stats", self._stats_text)
         self._add(stats.govern(self, Access.READ))
         self._add(ItemsDir(tree.new_ino(), buffer).govern(self, Access.DIRECTORY))
@@ -865,8 +929,89 @@ class BufferDir(NamedDir):
         self._shared = shared
 
     def _stats_text(self) -> bytes:
-        counts = {**self.buffer.stats(), "page_cache_batches": self.page_cache_batches}
+        counts = {
+            **self.buffer.stats(),
+            "page_cache_batches": self.page_cache_batches,
+            "batches_drawn_ahead": self.drawn_ahead,
+            "batches_drawn_ahead_taken": self.drawn_ahead_taken,
+        }
         return (json.dumps(counts, indent=2) + "\n").encode()
+
+    def want_ahead(self, node: BufferFile, count: int | None, columnar: bool) -> None:
+        """An open of sample file `node` took its batch from the page cache: draw the
+        next batch after the reply, while the client reads this one, so that the next
+        open finds it drawn and already in the page cache (`_draw_ahead`, `released`,
+        `take_ahead`; design.md, "The next batch drawn while the client reads"). After
+        AHEAD_MISSES batches in a row were dropped unused, only every AHEAD_PROBE-th open
+        asks."""
+        if self._ahead_misses >= AHEAD_MISSES:
+            self._ahead_skipped += 1
+            if self._ahead_skipped < AHEAD_PROBE:
+                return
+            self._ahead_skipped = 0
+        self._tree.after_reply.add(self, functools.partial(self._draw_ahead, node, count, columnar))
+
+    async def _draw_ahead(self, node: BufferFile, count: int | None, columnar: bool) -> None:
+        """Draw `node`'s next batch, counting nothing as sampled: only what an open would
+        draw itself (a batch that can be drawn without waiting, fits the page cache and
+        the mount's batch allowance; no other open of the node). It goes into the page
+        cache once no open of the node is left (`released`)."""
+        self.drop_ahead()
+        buffer, size = self.buffer, node.size
+        if self.forgotten or node.opens > 1 or not 0 < size <= CACHED_BATCH_MAX_BYTES or not buffer.can_sample(count):
+            await scheduling.checkpoint()
+            return
+        held = self._held.take(size, lambda: f"buffers/{buffer.name}: a batch drawn ahead")
+        try:
+            changes = buffer.changes
+            batch = await buffer.draw_uncounted(count, nonblocking=True)
+            data = await columnar_batch(batch.data) if columnar else batch.data
+        except BaseException:
+            self._held.give(held)
+            raise
+        if self.forgotten or buffer.changes != changes or node.opens > 1 or len(data) != size:
+            self._held.give(held)
+            return
+        self.ahead = Ahead(node, count, columnar, changes, data, batch.indices, held, stored=False)
+        self.drawn_ahead += 1
+        if not node.opens:  # (released while it was drawn)
+            self.released(node)
+
+    def released(self, node: BufferFile) -> None:
+        """No open of sample file `node` is left: the batch drawn ahead for it goes into
+        its page cache now (from the event loop: with no open, no read of the node can
+        wait for this daemon while its pages are locked)."""
+        ahead = self.ahead
+        if ahead is None or ahead.node is not node or ahead.stored:
+            return
+        if ahead.changes != self.buffer.changes:
+            self.drop_ahead()
+            return
+        ahead.stored = store_batch(node, ahead.data)
+
+    def take_ahead(self, node: BufferFile, count: int | None, columnar: bool) -> Ahead | None:
+        """The batch drawn ahead for this open of `node` (the only open of it), or None
+        where there is none or the buffer changed since it was drawn (then it is dropped:
+        the open draws its own)."""
+        ahead = self.ahead
+        if ahead is None:
+            return None
+        self.ahead = None
+        if (ahead.node, ahead.count, ahead.columnar, ahead.changes) != (node, count, columnar, self.buffer.changes) or (
+            node.opens != 1
+        ):
+            self._held.give(ahead.held_bytes)
+            self._ahead_misses += 1
+            return None
+        self._ahead_misses = 0
+        self.drawn_ahead_taken += 1
+        return ahead
+
+    def drop_ahead(self) -> None:
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            self._held.give(ahead.held_bytes)
+            self._ahead_misses += 1
 
     def _add(self, node: VirtualNode) -> None:
         self.children[node.name] = node
@@ -994,6 +1139,9 @@ class BufferDir(NamedDir):
             raise NotFound(f"buffers/{self.buffer.name}: no directory {name.decode(errors='replace')!r}")
 
     def forget_nodes(self) -> None:
+        self.forgotten = True
+        self._tree.after_reply.discard(self)
+        self.drop_ahead()
         for node in [*self.children.values(), *self._unlisted.values(), self]:
             self._tree.unregister(node.ino)
 

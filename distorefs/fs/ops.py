@@ -253,6 +253,19 @@ class FsOperations(pyfuse3.Operations):
             finally:
                 removed.handled()
 
+    async def run_after_reply(self) -> None:
+        """Background task: the work handlers leave for after their replies
+        (`VirtualTree.after_reply`: a sample file's next batch drawn while the client
+        reads this one). It fails alone: an error of its own is for whoever asks next."""
+        queue = self.virtual.after_reply
+        while True:
+            work = await queue.next()
+            with scheduling.deferring():  # (as a request: its schedule points after it)
+                try:
+                    await work()
+                except DistorefsError as exc:
+                    log.debug("after a reply: %s", exc.message)
+
     def request_served(self, started: float) -> None:
         """A request served outside FUSE (a draw of a sampling session) that began at
         `started` (time.perf_counter): the busy poller counts it as a request."""

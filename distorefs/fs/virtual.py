@@ -636,6 +636,7 @@ class VirtualTree:
         self.inputs = Allowance(blocks.dram_budget_bytes, "open control files hold input not applied yet")
         self.batches = Allowance(blocks.dram_budget_bytes, "open sample files hold batches")
         self.listings = Allowance(blocks.dram_budget_bytes, "open directories hold listings")
+        self.after_reply = scheduling.AfterReply()  # (fs/ops.py runs it)
         control = self._add_root(VirtualDir(self.new_ino(), b".distore"))
         assert isinstance(control, VirtualDir)
         self._add_child(control, ControlFile(self.new_ino(), b"status", self.render_status))

@@ -498,6 +498,104 @@ def test_opens_of_a_sample_at_once_each_read_their_own_batch(mounted: Mount, buf
         assert time.monotonic() < deadline, "no open of the sample was served from the page cache again"
 
 
+def held_batch_bytes(mounted: Mount) -> int:
+    return int(json.loads((mounted.path / ".distore" / "status").read_text())["held_batch_bytes"])
+
+
+def test_the_next_batch_is_drawn_while_the_client_reads_and_counts_only_once_opened(
+    mounted: Mount, buffer: Path
+) -> None:
+    """After an open served from the page cache the daemon draws that file's next batch
+    while the client reads, and stores it at the release (design.md, "The next batch
+    drawn while the client reads"): the next open takes it as it is, without a READ, and
+    only the batches an open took count as sampled."""
+    configure(buffer, schema=SCHEMA, batch_size=16)
+    client.append(buffer, records(200))
+    with open(buffer / "sample", "rb") as f:  # looks it up and caches its attributes
+        own_records(np.load(f))
+    wait_for(lambda: stats(buffer)["batches_drawn_ahead"] == 1, what="a batch drawn ahead")
+    reads = data_requests(mounted, "buffers", "read")
+    drawn = []
+    for _ in range(8):
+        with open(buffer / "sample", "rb") as f:
+            drawn.append(tuple(own_records(np.load(f))))
+    assert data_requests(mounted, "buffers", "read") == reads
+    assert len(set(drawn)) == 8
+    counts = wait_for(lambda: (c := stats(buffer))["batches_drawn_ahead"] == 9 and c, what="the ninth batch drawn")
+    assert isinstance(counts, dict)
+    assert counts["batches_drawn_ahead_taken"] == 8  # each open took the batch drawn for it
+    assert counts["samples"] == 16 * 9  # the ninth, drawn but not opened, counts nothing
+    assert counts["page_cache_batches"] == 9
+
+
+def test_a_batch_drawn_ahead_is_dropped_when_the_buffer_changes_before_the_next_open(buffer: Path) -> None:
+    """A batch drawn ahead is handed out only if nothing changed since its draw: after a
+    priority update, an item rewritten or an append, the next open draws from the buffer
+    as it is then."""
+    configure(buffer, schema=SCHEMA, sampler="prioritized", alpha=1.0, epsilon=0.0, batch_size=16)
+    client.append(buffer, records(200))
+
+    def sample() -> np.ndarray:
+        with open(buffer / "sample", "rb") as f:
+            batch = np.load(f)
+        wait_for(lambda: stats(buffer)["batches_drawn_ahead"] > drawn_before, what="a batch drawn ahead")
+        return batch
+
+    drawn_before = 0
+    assert len(set(own_records(sample()).tolist())) > 1
+    client.update_priorities(buffer, list(range(200)), [0.0] * 7 + [1.0] + [0.0] * 192)
+    drawn_before = 1
+    assert set(own_records(sample()).tolist()) == {7}  # not the batch drawn before the update
+    rewritten = records(1, start=7)
+    rewritten["obs"], rewritten["reward"] = 200, 99.0
+    (buffer / "items" / "7").write_bytes(rewritten.tobytes())  # the batch drawn ahead holds the old item 7
+    drawn_before = 2
+    batch = sample()
+    assert (batch["_index"] == 7).all()
+    assert (batch["obs"] == 200).all()
+    assert (batch["reward"] == 99.0).all()
+    # a new item takes the highest priority, so half the mass: the stratified draw takes it
+    client.append(buffer, records(1, start=200))
+    drawn_before = 3
+    assert 200 in sample()["_index"]
+    counts = stats(buffer)
+    assert counts["batches_drawn_ahead_taken"] == 0
+    assert counts["samples"] == 16 * 4
+
+
+def test_a_loop_that_changes_the_buffer_between_samples_stops_drawing_ahead(buffer: Path) -> None:
+    """An RL loop that updates the priorities of each batch before the next sample drops
+    every batch drawn ahead: after four in a row, only every eighth open draws one."""
+    configure(buffer, schema=SCHEMA, sampler="prioritized", batch_size=16)
+    client.append(buffer, records(200))
+    for _ in range(40):
+        with open(buffer / "sample", "rb") as f:
+            index = own_records(np.load(f))
+        client.update_priorities(buffer, index.tolist(), [2.0] * len(index))
+    counts = stats(buffer)
+    assert counts["batches_drawn_ahead_taken"] == 0
+    assert 4 <= int(counts["batches_drawn_ahead"]) <= 4 + 40 // 8  # type: ignore[call-overload]
+    assert counts["samples"] == 16 * 40
+
+
+def test_a_buffer_removed_with_a_batch_drawn_ahead_gives_its_memory_back(mounted: Mount) -> None:
+    """A batch drawn ahead counts in the mount's held batch bytes (bounded by the DRAM
+    budget) until an open takes it, and leaves with its buffer."""
+    path = mounted.path / "buffers" / "drawn-ahead-removed"
+    path.mkdir()
+    try:
+        configure(path, schema=SCHEMA, batch_size=16)
+        client.append(path, records(100))
+        held = held_batch_bytes(mounted)
+        with open(path / "sample", "rb") as f:
+            size = len(f.read())
+        wait_for(lambda: stats(path)["batches_drawn_ahead"] == 1, what="a batch drawn ahead")
+        assert held_batch_bytes(mounted) == held + size
+    finally:
+        os.rmdir(path)
+    assert held_batch_bytes(mounted) == held
+
+
 def test_a_sample_after_its_batch_shrinks_reads_only_the_new_batch(mounted: Mount, buffer: Path) -> None:
     """The kernel may still cache the longer batch's size and pages when the config
     shrinks it: a read of the new batch ends at its end, with nothing of the old one."""

@@ -559,6 +559,52 @@ async def test_max_times_sampled_removes_items(tiers: tuple[BlockStore, MetaDb])
     assert buf.size == 0
 
 
+async def test_a_draw_uncounted_counts_nothing_until_committed(tiers: tuple[BlockStore, MetaDb]) -> None:
+    """`draw_uncounted` (a sample file's next batch, drawn ahead) leaves counts, removals
+    and the rate limiter as they were; `commit` counts it as `sample` would have."""
+    buf = make(tiers, sampler="fifo", max_times_sampled=1, batch_size=2, samples_per_insert=1.0, error_margin=2.0)
+    await buf.append([b"a", b"b", b"c"])
+    changes = buf.changes
+    batch = await buf.draw_uncounted(None, nonblocking=True)
+    assert batch.indices.tolist() == [0, 1]
+    assert (buf.samples, buf.changes, buf.live_indices().tolist()) == (0, changes, [0, 1, 2])
+    assert (await buf.draw_uncounted(None, nonblocking=True)).indices.tolist() == [0, 1]  # the same state, again
+    buf.commit(batch.indices)
+    assert (buf.samples, buf.live_indices().tolist()) == (2, [2])
+    assert buf.changes > changes
+
+
+async def test_every_change_a_draw_depends_on_moves_changes(tiers: tuple[BlockStore, MetaDb]) -> None:
+    """A batch drawn ahead is handed out only while `changes` stays: it moves on an
+    append, a priority update, a commit, an item rewritten or removed, a reconfigure."""
+    buf = make(tiers, sampler="prioritized", capacity=8)
+    await buf.append([b"a", b"b", b"c"])
+
+    async def append() -> None:
+        await buf.append([b"d"])
+
+    async def prioritise() -> None:
+        await buf.update_priorities(np.array([1]), np.array([3.0]))
+
+    async def commit() -> None:
+        buf.commit(np.array([2]))
+
+    async def rewrite() -> None:
+        await buf.write_item(2, b"z")
+
+    async def remove() -> None:
+        buf.delete_item(0)
+        await trio.lowlevel.checkpoint()
+
+    async def reconfigure() -> None:
+        buf.reconfigure({"batch_size": 3})
+
+    for change in (append, prioritise, commit, rewrite, remove, reconfigure):
+        before = buf.changes
+        await change()
+        assert buf.changes > before, change.__name__
+
+
 async def test_sample_waits_for_min_size_then_times_out_or_fails_nonblocking(
     tiers: tuple[BlockStore, MetaDb],
 ) -> None:

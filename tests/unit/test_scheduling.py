@@ -115,3 +115,32 @@ async def test_big_copies_go_in_slices_with_the_event_loop_let_go_between() -> N
         assert written == data
 
     await _with_ticker(body)
+
+
+async def test_after_reply_runs_work_in_order_one_piece_per_key() -> None:
+    """`AfterReply` (a mount's `VirtualTree.after_reply`): pieces run in the order given; a newer piece of a key
+    still waiting replaces the older (to the end of the queue); a discarded one never
+    runs."""
+    queue = scheduling.AfterReply()
+    ran: list[str] = []
+
+    def piece(name: str) -> Callable[[], Awaitable[None]]:
+        async def work() -> None:
+            ran.append(name)
+
+        return work
+
+    queue.add("a", piece("a1"))
+    queue.add("b", piece("b1"))
+    queue.add("a", piece("a2"))
+    queue.add("c", piece("c1"))
+    queue.discard("c")
+    for _ in range(2):
+        await (await queue.next())()
+    assert ran == ["b1", "a2"]
+    with trio.move_on_after(0.05) as waited:
+        await queue.next()
+    assert waited.cancelled_caught  # nothing left: next() waits
+    queue.add("d", piece("d1"))
+    await (await queue.next())()
+    assert ran == ["b1", "a2", "d1"]

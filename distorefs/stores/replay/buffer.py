@@ -158,6 +158,9 @@ class ReplayBuffer:
         self.removed = 0
         self.stored_bytes = 0
         self.blocked_readers = 0
+        # every change a draw depends on (items, priorities, counts, config, placement)
+        # moves this on: a batch drawn ahead is handed out only while it has not moved
+        self.changes = 0
         self.blocked_writers = 0
         self.errors: list[str] = []
         self.loaded_ns = time.time_ns()  # when this daemon made or restored it: its items' mtime
@@ -294,6 +297,7 @@ class ReplayBuffer:
         return BlockKey(self.owner, index)
 
     def _notify(self) -> None:
+        self.changes += 1
         self._changed.set()
         self._changed = trio.Event()
 
@@ -562,6 +566,7 @@ class ReplayBuffer:
         if self._slot_index[slot] != index:
             raise NotFound(f"buffers/{self.name}: item {index} left while it was written")
         self._size[slot] = len(data)
+        self.changes += 1  # (a batch drawn ahead may hold its old bytes)
         await self._blocks.put(self.key(index), stored)
         self._mirror_place(np.array([index], dtype=np.int64), [data])
         self._rows_place(np.array([index], dtype=np.int64), [data])
@@ -685,11 +690,21 @@ class ReplayBuffer:
                 self._check_batch_bytes(count, count * self.config.itemsize)
                 return await place(await self._spread.sample(count, nonblocking))
             return await place(await self._spread.sample(count, nonblocking, self._check_batch_bytes))
+        batch = await self.draw_uncounted(count, nonblocking)
+        placed = await place(batch)
+        self.commit(batch.indices)
+        return placed
+
+    async def draw_uncounted(self, count: int | None, nonblocking: bool) -> Batch:
+        """A batch of this node's items as `sample` would hand it out, with nothing
+        counted: `commit(batch.indices)` counts it once it is handed out. Handed out while
+        `changes` has not moved since, it is a draw from the buffer as it is then (the
+        fs layer draws a sample file's next batch ahead this way)."""
+        assert self._spread is None, "a spread buffer's shards count their own picks"
+        count = count or self.config.batch_size
         indices, probabilities, items = await self._draw(count, nonblocking)
         weights = self._weights(probabilities, len(indices))
-        placed = await place(Batch(encode_batch(self.config, items, indices, weights), indices, weights))
-        self.commit(indices)
-        return placed
+        return Batch(encode_batch(self.config, items, indices, weights), indices, weights)
 
     def _weights(self, probabilities: np.ndarray | None, count: int) -> np.ndarray:
         if probabilities is None:  # (the tree's min and total are not needed)
