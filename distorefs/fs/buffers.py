@@ -293,6 +293,10 @@ def store_batch(node: BufferFile, data: bytearray | bytes | ScatteredBytes) -> b
 # an RL loop that updates priorities between samples); then only every AHEAD_PROBE-th open.
 AHEAD_MISSES = 4
 AHEAD_PROBE = 8
+# ... and only for batches this big: a smaller one is read and parsed by the client before
+# the daemon has drawn the next, which then waits behind the draw all the same (a 66 KB
+# batch's np.load(open(sample.64)) took 30 us more p50 with it; docs/benchmarks.md)
+AHEAD_MIN_BYTES = 256 << 10
 
 
 @dataclasses.dataclass
@@ -944,6 +948,8 @@ class BufferDir(NamedDir):
         `take_ahead`; design.md, "The next batch drawn while the client reads"). After
         AHEAD_MISSES batches in a row were dropped unused, only every AHEAD_PROBE-th open
         asks."""
+        if node.size < AHEAD_MIN_BYTES:
+            return
         if self._ahead_misses >= AHEAD_MISSES:
             self._ahead_skipped += 1
             if self._ahead_skipped < AHEAD_PROBE:

@@ -498,6 +498,19 @@ def test_opens_of_a_sample_at_once_each_read_their_own_batch(mounted: Mount, buf
         assert time.monotonic() < deadline, "no open of the sample was served from the page cache again"
 
 
+BIG_OBS = 16 << 10  # a batch of 16 is past AHEAD_MIN_BYTES (256 KiB): drawn ahead
+BIG_SCHEMA = {"obs": {"dtype": "uint8", "shape": [BIG_OBS]}, "reward": "float32", "done": "bool"}
+
+
+def big_records(n: int, start: int = 0) -> np.ndarray:
+    """`records` with 16 KiB observations."""
+    small = records(n, start)
+    out = np.zeros(n, np.dtype([("obs", "u1", (BIG_OBS,)), ("reward", "<f4"), ("done", "?")]))
+    out["obs"] = small["obs"][:, :1]
+    out["reward"], out["done"] = small["reward"], small["done"]
+    return out
+
+
 def held_batch_bytes(mounted: Mount) -> int:
     return int(json.loads((mounted.path / ".distore" / "status").read_text())["held_batch_bytes"])
 
@@ -509,8 +522,20 @@ def test_the_next_batch_is_drawn_while_the_client_reads_and_counts_only_once_ope
     while the client reads, and stores it at the release (design.md, "The next batch
     drawn while the client reads"): the next open takes it as it is, without a READ, and
     only the batches an open took count as sampled."""
-    configure(buffer, schema=SCHEMA, batch_size=16)
-    client.append(buffer, records(200))
+    small = mounted.path / "buffers" / "drawn-ahead-small"
+    small.mkdir()
+    try:
+        configure(small, schema=SCHEMA, batch_size=16)
+        client.append(small, records(200))
+        for _ in range(3):  # a small batch is not drawn ahead (AHEAD_MIN_BYTES)
+            with open(small / "sample", "rb") as f:
+                own_records(np.load(f))
+        assert stats(small)["page_cache_batches"] == 3
+        assert stats(small)["batches_drawn_ahead"] == 0
+    finally:
+        os.rmdir(small)
+    configure(buffer, schema=BIG_SCHEMA, batch_size=16)
+    client.append(buffer, big_records(200))
     with open(buffer / "sample", "rb") as f:  # looks it up and caches its attributes
         own_records(np.load(f))
     wait_for(lambda: stats(buffer)["batches_drawn_ahead"] == 1, what="a batch drawn ahead")
@@ -524,7 +549,7 @@ def test_the_next_batch_is_drawn_while_the_client_reads_and_counts_only_once_ope
     counts = wait_for(lambda: (c := stats(buffer))["batches_drawn_ahead"] == 9 and c, what="the ninth batch drawn")
     assert isinstance(counts, dict)
     assert counts["batches_drawn_ahead_taken"] == 8  # each open took the batch drawn for it
-    assert counts["samples"] == 16 * 9  # the ninth, drawn but not opened, counts nothing
+    assert counts["samples"] == 16 * 9  # the ninth drawn ahead, not opened, counts nothing
     assert counts["page_cache_batches"] == 9
 
 
@@ -532,8 +557,8 @@ def test_a_batch_drawn_ahead_is_dropped_when_the_buffer_changes_before_the_next_
     """A batch drawn ahead is handed out only if nothing changed since its draw: after a
     priority update, an item rewritten or an append, the next open draws from the buffer
     as it is then."""
-    configure(buffer, schema=SCHEMA, sampler="prioritized", alpha=1.0, epsilon=0.0, batch_size=16)
-    client.append(buffer, records(200))
+    configure(buffer, schema=BIG_SCHEMA, sampler="prioritized", alpha=1.0, epsilon=0.0, batch_size=16)
+    client.append(buffer, big_records(200))
 
     def sample() -> np.ndarray:
         with open(buffer / "sample", "rb") as f:
@@ -546,7 +571,7 @@ def test_a_batch_drawn_ahead_is_dropped_when_the_buffer_changes_before_the_next_
     client.update_priorities(buffer, list(range(200)), [0.0] * 7 + [1.0] + [0.0] * 192)
     drawn_before = 1
     assert set(own_records(sample()).tolist()) == {7}  # not the batch drawn before the update
-    rewritten = records(1, start=7)
+    rewritten = big_records(1, start=7)
     rewritten["obs"], rewritten["reward"] = 200, 99.0
     (buffer / "items" / "7").write_bytes(rewritten.tobytes())  # the batch drawn ahead holds the old item 7
     drawn_before = 2
@@ -555,7 +580,7 @@ def test_a_batch_drawn_ahead_is_dropped_when_the_buffer_changes_before_the_next_
     assert (batch["obs"] == 200).all()
     assert (batch["reward"] == 99.0).all()
     # a new item takes the highest priority, so half the mass: the stratified draw takes it
-    client.append(buffer, records(1, start=200))
+    client.append(buffer, big_records(1, start=200))
     drawn_before = 3
     assert 200 in sample()["_index"]
     counts = stats(buffer)
@@ -566,8 +591,8 @@ def test_a_batch_drawn_ahead_is_dropped_when_the_buffer_changes_before_the_next_
 def test_a_loop_that_changes_the_buffer_between_samples_stops_drawing_ahead(buffer: Path) -> None:
     """An RL loop that updates the priorities of each batch before the next sample drops
     every batch drawn ahead: after four in a row, only every eighth open draws one."""
-    configure(buffer, schema=SCHEMA, sampler="prioritized", batch_size=16)
-    client.append(buffer, records(200))
+    configure(buffer, schema=BIG_SCHEMA, sampler="prioritized", batch_size=16)
+    client.append(buffer, big_records(200))
     for _ in range(40):
         with open(buffer / "sample", "rb") as f:
             index = own_records(np.load(f))
@@ -584,8 +609,8 @@ def test_a_buffer_removed_with_a_batch_drawn_ahead_gives_its_memory_back(mounted
     path = mounted.path / "buffers" / "drawn-ahead-removed"
     path.mkdir()
     try:
-        configure(path, schema=SCHEMA, batch_size=16)
-        client.append(path, records(100))
+        configure(path, schema=BIG_SCHEMA, batch_size=16)
+        client.append(path, big_records(100))
         held = held_batch_bytes(mounted)
         with open(path / "sample", "rb") as f:
             size = len(f.read())
