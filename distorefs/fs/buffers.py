@@ -302,7 +302,8 @@ AHEAD_MIN_BYTES = 256 << 10
 @dataclasses.dataclass
 class Ahead:
     """A batch drawn for the next open of `node`, not counted as sampled yet, held in
-    the mount's batch allowance, stored in the node's page cache where `stored`."""
+    the mount's allowance for batches drawn ahead (`held_bytes`; the open that takes it
+    holds it in the batch allowance), stored in the node's page cache where `stored`."""
 
     node: BufferFile
     count: int | None
@@ -895,6 +896,7 @@ class BufferDir(NamedDir):
         self._tree = tree
         self.buffer = buffer
         self._held = held = tree.batches  # the batches its sample files keep, counted mount-wide
+        self._aheads = tree.aheads  # the batch drawn for the next open, counted mount-wide apart
         b = buffer
         files = [
             (b"config", 0o664, lambda flags, pid: ConfigHandle(b), True, Access.READ_WRITE),
@@ -967,16 +969,16 @@ class BufferDir(NamedDir):
         if self.forgotten or node.opens > 1 or not 0 < size <= CACHED_BATCH_MAX_BYTES or not buffer.can_sample(count):
             await scheduling.checkpoint()
             return
-        held = self._held.take(size, lambda: f"buffers/{buffer.name}: a batch drawn ahead")
+        held = self._aheads.take(size, lambda: f"buffers/{buffer.name}: a batch drawn ahead")
         try:
             changes = buffer.changes
             batch = await buffer.draw_uncounted(count, nonblocking=True)
             data = await columnar_batch(batch.data) if columnar else batch.data
         except BaseException:
-            self._held.give(held)
+            self._aheads.give(held)
             raise
         if self.forgotten or buffer.changes != changes or node.opens > 1 or len(data) != size:
-            self._held.give(held)
+            self._aheads.give(held)
             return
         self.ahead = Ahead(node, count, columnar, changes, data, batch.indices, held, stored=False)
         self.drawn_ahead += 1
@@ -996,18 +998,23 @@ class BufferDir(NamedDir):
         ahead.stored = store_batch(node, ahead.data)
 
     def take_ahead(self, node: BufferFile, count: int | None, columnar: bool) -> Ahead | None:
-        """The batch drawn ahead for this open of `node` (the only open of it), or None
-        where there is none or the buffer changed since it was drawn (then it is dropped:
-        the open draws its own)."""
+        """The batch drawn ahead for this open of `node` (the only open of it), now held
+        for the open in the mount's batch allowance; None where there is none, the buffer
+        changed since it was drawn, or the open batches hold all they may (then it is
+        dropped, and the open draws its own as before)."""
         ahead = self.ahead
         if ahead is None:
             return None
         self.ahead = None
+        self._aheads.give(ahead.held_bytes)
         if (ahead.node, ahead.count, ahead.columnar, ahead.changes) != (node, count, columnar, self.buffer.changes) or (
             node.opens != 1
         ):
-            self._held.give(ahead.held_bytes)
             self._ahead_misses += 1
+            return None
+        try:
+            ahead.held_bytes = self._held.take(len(ahead.data), lambda: f"buffers/{self.buffer.name}: a batch")
+        except DistorefsError:
             return None
         self._ahead_misses = 0
         self.drawn_ahead_taken += 1
@@ -1016,7 +1023,7 @@ class BufferDir(NamedDir):
     def drop_ahead(self) -> None:
         ahead, self.ahead = self.ahead, None
         if ahead is not None:
-            self._held.give(ahead.held_bytes)
+            self._aheads.give(ahead.held_bytes)
             self._ahead_misses += 1
 
     def _add(self, node: VirtualNode) -> None:

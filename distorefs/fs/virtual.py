@@ -636,6 +636,9 @@ class VirtualTree:
         self.inputs = Allowance(blocks.dram_budget_bytes, "open control files hold input not applied yet")
         self.batches = Allowance(blocks.dram_budget_bytes, "open sample files hold batches")
         self.listings = Allowance(blocks.dram_budget_bytes, "open directories hold listings")
+        # batches drawn for opens still to come (fs/buffers.py): an eighth of the budget,
+        # apart, so that they never take the room of batches open files hold
+        self.aheads = Allowance(blocks.dram_budget_bytes // 8, "batches drawn ahead")
         self.after_reply = scheduling.AfterReply()  # (fs/ops.py runs it)
         control = self._add_root(VirtualDir(self.new_ino(), b".distore"))
         assert isinstance(control, VirtualDir)
@@ -732,6 +735,7 @@ class VirtualTree:
             "last_internal_error": self.last_internal_error,
             "held_input_bytes": self.inputs.held,  # input that open control files hold, not applied yet
             "held_batch_bytes": self.batches.held,  # batches that open sample files keep
+            "held_ahead_bytes": self.aheads.held,  # batches drawn for the next opens of sample files
             "held_listing_bytes": self.listings.held,  # what open directories of many entries (items/) hold
             **parts,
             "blocks": asdict(blocks),

@@ -511,8 +511,8 @@ def big_records(n: int, start: int = 0) -> np.ndarray:
     return out
 
 
-def held_batch_bytes(mounted: Mount) -> int:
-    return int(json.loads((mounted.path / ".distore" / "status").read_text())["held_batch_bytes"])
+def held_bytes(mounted: Mount, kind: str) -> int:
+    return int(json.loads((mounted.path / ".distore" / "status").read_text())[f"held_{kind}_bytes"])
 
 
 def test_the_next_batch_is_drawn_while_the_client_reads_and_counts_only_once_opened(
@@ -603,22 +603,43 @@ def test_a_loop_that_changes_the_buffer_between_samples_stops_drawing_ahead(buff
     assert counts["samples"] == 16 * 40
 
 
-def test_a_buffer_removed_with_a_batch_drawn_ahead_gives_its_memory_back(mounted: Mount) -> None:
-    """A batch drawn ahead counts in the mount's held batch bytes (bounded by the DRAM
-    budget) until an open takes it, and leaves with its buffer."""
+def test_a_batch_drawn_ahead_is_held_apart_and_leaves_with_its_buffer(mounted: Mount) -> None:
+    """A batch drawn ahead counts in the mount's held ahead bytes (an eighth of the DRAM
+    budget, apart from the batches open files hold) until an open takes it, then in the
+    held batch bytes while that open lasts; a buffer removed gives its batch back."""
     path = mounted.path / "buffers" / "drawn-ahead-removed"
     path.mkdir()
     try:
         configure(path, schema=BIG_SCHEMA, batch_size=16)
         client.append(path, big_records(100))
-        held = held_batch_bytes(mounted)
+        ahead, batches = held_bytes(mounted, "ahead"), held_bytes(mounted, "batch")
         with open(path / "sample", "rb") as f:
             size = len(f.read())
         wait_for(lambda: stats(path)["batches_drawn_ahead"] == 1, what="a batch drawn ahead")
-        assert held_batch_bytes(mounted) == held + size
+        assert (held_bytes(mounted, "ahead"), held_bytes(mounted, "batch")) == (ahead + size, batches)
+        with open(path / "sample", "rb") as f:
+            wait_for(lambda: stats(path)["batches_drawn_ahead"] == 2, what="the next batch drawn ahead")
+            assert stats(path)["batches_drawn_ahead_taken"] == 1
+            assert (held_bytes(mounted, "ahead"), held_bytes(mounted, "batch")) == (ahead + size, batches + size)
+            f.read()
     finally:
         os.rmdir(path)
-    assert held_batch_bytes(mounted) == held
+    assert (held_bytes(mounted, "ahead"), held_bytes(mounted, "batch")) == (ahead, batches)
+
+
+def test_a_batch_past_the_ahead_allowance_is_not_drawn_ahead(mount_factory: MountFactory) -> None:
+    """Batches drawn ahead may hold an eighth of the DRAM budget: a bigger one is not
+    drawn ahead, and its opens go on as before (drawn at the open, from the page cache)."""
+    mount = mount_factory("--dram-budget", "16MiB")
+    path = mount.path / "buffers" / "big-batches"
+    path.mkdir()
+    configure(path, schema=BIG_SCHEMA, batch_size=160)  # 2.5 MiB, past 16 MiB / 8
+    client.append(path, big_records(300))
+    for _ in range(3):
+        with open(path / "sample", "rb") as f:
+            assert len(own_records(np.load(f))) == 160
+    counts = stats(path)
+    assert (counts["page_cache_batches"], counts["batches_drawn_ahead"], counts["samples"]) == (3, 0, 480)
 
 
 def test_a_sample_after_its_batch_shrinks_reads_only_the_new_batch(mounted: Mount, buffer: Path) -> None:
