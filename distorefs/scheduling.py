@@ -123,6 +123,11 @@ class AfterReply:
     def discard(self, key: object) -> None:
         self._work.pop(key, None)
 
+    def take(self, key: object) -> Callable[[], Awaitable[None]] | None:
+        """The piece of `key` still waiting, taken off the queue (None where there is
+        none): a request that needs its result does it itself rather than wait its turn."""
+        return self._work.pop(key, None)
+
     async def next(self) -> Callable[[], Awaitable[None]]:
         """The oldest piece waiting (taken off the queue); waits for one."""
         while True:

@@ -315,6 +315,45 @@ class Ahead:
     stored: bool
 
 
+class AheadPolicy:
+    """When a buffer's next batch is drawn ahead (its sample files' and streams'), and
+    how many were: after AHEAD_MISSES dropped unused in a row, only every
+    AHEAD_PROBE-th chance draws one, until one is taken again."""
+
+    def __init__(self) -> None:
+        self.drawn = 0  # batches drawn ahead: taken, or dropped
+        self.taken = 0
+        self._misses = 0  # dropped in a row
+        self._skipped = 0  # chances let go since the last probe
+
+    def wanted(self, batch_bytes: int) -> bool:
+        if batch_bytes < AHEAD_MIN_BYTES:
+            return False
+        if self._misses >= AHEAD_MISSES:
+            self._skipped += 1
+            if self._skipped < AHEAD_PROBE:
+                return False
+            self._skipped = 0
+        return True
+
+    def took(self) -> None:
+        self._misses = 0
+        self.taken += 1
+
+    def dropped(self) -> None:
+        self._misses += 1
+
+
+@dataclasses.dataclass
+class AheadContext:
+    """What a stream needs to draw its next batch ahead: where the work goes, the
+    allowance it is held in until taken, and the buffer's policy."""
+
+    after_reply: scheduling.AfterReply
+    aheads: Allowance
+    policy: AheadPolicy
+
+
 class BatchHolder(VirtualHandle):
     """A handle that keeps the batch it drew (counted in `held` until it lets it go)."""
 
@@ -375,6 +414,8 @@ class SampleHandle(BatchHolder):
         node.opens += 1  # released in `release`, or here if the open fails
         self._node = node
         try:
+            if isinstance(node.governor, BufferDir):
+                await node.governor.settle_ahead()
             if not self._take_ahead(node):
                 await self._fill_cache(node)
         except BaseException:
@@ -452,11 +493,17 @@ class StreamHandle(BatchHolder):
     the current batch draws the next one (waiting as `sample` does), so a learner keeps
     one descriptor and reads one batch per call (`os.read(fd, st_size)` for a schema
     buffer, whose batches are all `st_size` long). A read never spans two batches: it
-    ends at the current batch's end."""
+    ends at the current batch's end. With `ahead`, a read that reaches the end of a
+    batch has the next one drawn after its reply, while the client works on this one;
+    the read that asks for it takes it if the buffer has not changed since (design.md,
+    "The next batch drawn while the client reads")."""
 
     kind = "buffers"
 
-    def __init__(self, buffer: ReplayBuffer, count: int | None, nonblocking: bool, pid: int, held: Allowance) -> None:
+    def __init__(
+        self, buffer: ReplayBuffer, count: int | None, nonblocking: bool, pid: int, held: Allowance,
+        ahead: AheadContext | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(buffer, held)  # (the current batch is held)
         self._count = count
         self._nonblocking = nonblocking
@@ -464,6 +511,9 @@ class StreamHandle(BatchHolder):
         self._start = 0  # offset of the current batch in the stream
         self._data: bytearray | bytes | ScatteredBytes = b""
         self.batches = 0
+        self._ahead = ahead
+        self._next: tuple[int, Batch, int] | None = None  # drawn ahead: the buffer's changes, it, its held bytes
+        self._released = False
 
     async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
         end = self._start + len(self._data)
@@ -479,23 +529,79 @@ class StreamHandle(BatchHolder):
             buffer, count = self._buffer, self._count
             self._let_go()  # read to its end: the next batch replaces it
             self._start, self._data = end, b""
-            ready = buffer.can_sample(count)
-            batch = await run_waiting(
-                self._pid, self._nonblocking, ready, lambda nb: buffer.sample_into(count, nb, self._hold)
-            )
+            if self._ahead is not None and (work := self._ahead.after_reply.take(self)) is not None:
+                await work()  # (asked for after the last read's reply, not drawn yet: now)
+            batch = self._take_next()
+            if batch is None:
+                ready = buffer.can_sample(count)
+                batch = await run_waiting(
+                    self._pid, self._nonblocking, ready, lambda nb: buffer.sample_into(count, nb, self._hold)
+                )
+            else:
+                await scheduling.checkpoint()
             self._data = batch.data
             self.batches += 1
         else:
             await scheduling.checkpoint()
         at = offset - self._start
+        if at + size >= len(self._data) and self._ahead is not None and self._ahead.policy.wanted(len(self._data)):
+            self._ahead.after_reply.add(self, self._draw_next)
         if isinstance(self._data, ScatteredBytes):
             return self._data.read(at, size)
         return memoryview(self._data)[at : at + size]
 
+    async def _draw_next(self) -> None:
+        """The next batch, drawn without counting it, held apart (`AheadContext.aheads`)."""
+        assert self._ahead is not None
+        self._drop_next()
+        buffer = self._buffer
+        if self._released or not buffer.can_sample(self._count):
+            await scheduling.checkpoint()
+            return
+        changes = buffer.changes
+        batch = await buffer.draw_uncounted(self._count, nonblocking=True)
+        if self._released or buffer.changes != changes:
+            return
+        held = self._ahead.aheads.take(len(batch.data), lambda: f"buffers/{buffer.name}: a batch drawn ahead")
+        self._next = (changes, batch, held)
+        self._ahead.policy.drawn += 1
+
+    def _take_next(self) -> Batch | None:
+        """The batch drawn ahead, counted as sampled and held now, if the buffer has not
+        changed since its draw (and the open's batches fit); None otherwise."""
+        drawn = self._next
+        if drawn is None:
+            return None
+        assert self._ahead is not None
+        self._next = None
+        changes, batch, held = drawn
+        self._ahead.aheads.give(held)
+        if changes != self._buffer.changes:
+            self._ahead.policy.dropped()
+            return None
+        try:
+            self._held_bytes = self._held.take(len(batch.data), self._batch_label)
+        except DistorefsError:
+            return None
+        self._buffer.commit(batch.indices)
+        self._ahead.policy.took()
+        return batch
+
+    def _drop_next(self) -> None:
+        drawn, self._next = self._next, None
+        if drawn is not None:
+            assert self._ahead is not None
+            self._ahead.aheads.give(drawn[2])
+            self._ahead.policy.dropped()
+
     async def release(self) -> None:
         await scheduling.checkpoint()
+        self._released = True
         self._let_go()
         self._data = b""
+        self._drop_next()
+        if self._ahead is not None:
+            self._ahead.after_reply.discard(self)
 
 
 SHM_MAGIC = b"DSSHM1"
@@ -923,10 +1029,8 @@ class BufferDir(NamedDir):
             self._add(node)
         self.page_cache_batches = 0  # batches of its sample files served from the page cache
         self.ahead: Ahead | None = None  # the next batch of the sample file last released
-        self.drawn_ahead = 0  # batches drawn ahead: taken by the next open, or dropped
-        self.drawn_ahead_taken = 0
-        self._ahead_misses = 0  # dropped in a row
-        self._ahead_skipped = 0  # opens that asked for none since the last probe
+        self.ahead_policy = AheadPolicy()
+        self._stream_ahead = AheadContext(tree.after_reply, tree.aheads, self.ahead_policy)
         self.forgotten = False  # the buffer left (forget_nodes)
         stats = ControlFile(tree.new_ino(), b"stats", self._stats_text)
         self._add(stats.govern(self, Access.READ))
@@ -938,8 +1042,8 @@ class BufferDir(NamedDir):
         counts = {
             **self.buffer.stats(),
             "page_cache_batches": self.page_cache_batches,
-            "batches_drawn_ahead": self.drawn_ahead,
-            "batches_drawn_ahead_taken": self.drawn_ahead_taken,
+            "batches_drawn_ahead": self.ahead_policy.drawn,
+            "batches_drawn_ahead_taken": self.ahead_policy.taken,
         }
         return (json.dumps(counts, indent=2) + "\n").encode()
 
@@ -950,13 +1054,8 @@ class BufferDir(NamedDir):
         `take_ahead`; design.md, "The next batch drawn while the client reads"). After
         AHEAD_MISSES batches in a row were dropped unused, only every AHEAD_PROBE-th open
         asks."""
-        if node.size < AHEAD_MIN_BYTES:
+        if not self.ahead_policy.wanted(node.size):
             return
-        if self._ahead_misses >= AHEAD_MISSES:
-            self._ahead_skipped += 1
-            if self._ahead_skipped < AHEAD_PROBE:
-                return
-            self._ahead_skipped = 0
         self._tree.after_reply.add(self, functools.partial(self._draw_ahead, node, count, columnar))
 
     async def _draw_ahead(self, node: BufferFile, count: int | None, columnar: bool) -> None:
@@ -981,9 +1080,17 @@ class BufferDir(NamedDir):
             self._aheads.give(held)
             return
         self.ahead = Ahead(node, count, columnar, changes, data, batch.indices, held, stored=False)
-        self.drawn_ahead += 1
+        self.ahead_policy.drawn += 1
         if not node.opens:  # (released while it was drawn)
             self.released(node)
+
+    async def settle_ahead(self) -> None:
+        """An open of one of its sample files: the next batch asked for after an earlier
+        reply but not drawn yet (the client came back first) is drawn now, so that the
+        open takes it rather than draw another."""
+        work = self._tree.after_reply.take(self)
+        if work is not None:
+            await work()
 
     def released(self, node: BufferFile) -> None:
         """No open of sample file `node` is left: the batch drawn ahead for it goes into
@@ -1010,21 +1117,20 @@ class BufferDir(NamedDir):
         if (ahead.node, ahead.count, ahead.columnar, ahead.changes) != (node, count, columnar, self.buffer.changes) or (
             node.opens != 1
         ):
-            self._ahead_misses += 1
+            self.ahead_policy.dropped()
             return None
         try:
             ahead.held_bytes = self._held.take(len(ahead.data), lambda: f"buffers/{self.buffer.name}: a batch")
         except DistorefsError:
             return None
-        self._ahead_misses = 0
-        self.drawn_ahead_taken += 1
+        self.ahead_policy.took()
         return ahead
 
     def drop_ahead(self) -> None:
         ahead, self.ahead = self.ahead, None
         if ahead is not None:
             self._aheads.give(ahead.held_bytes)
-            self._ahead_misses += 1
+            self.ahead_policy.dropped()
 
     def _add(self, node: VirtualNode) -> None:
         self.children[node.name] = node
@@ -1124,7 +1230,7 @@ class BufferDir(NamedDir):
         b = self.buffer
         return self._sample_node(
             b"sample.stream" if count is None else b"sample.%d.stream" % count,
-            lambda flags, pid: StreamHandle(b, count, bool(flags & os.O_NONBLOCK), pid, self._held),
+            lambda flags, pid: StreamHandle(b, count, bool(flags & os.O_NONBLOCK), pid, self._held, self._stream_ahead),
             batch_of=count or 0,
         )
 

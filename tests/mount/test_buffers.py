@@ -627,6 +627,38 @@ def test_a_batch_drawn_ahead_is_held_apart_and_leaves_with_its_buffer(mounted: M
     assert (held_bytes(mounted, "ahead"), held_bytes(mounted, "batch")) == (ahead, batches)
 
 
+def test_a_stream_has_its_next_batch_drawn_while_the_client_reads(mounted: Mount, buffer: Path) -> None:
+    """`sample.stream`: a read that reaches the end of a batch has the next one drawn
+    after its reply; the next read takes it if nothing changed (counted as sampled only
+    then), and draws afresh after a change. Its close gives a batch not taken back."""
+    configure(buffer, schema=BIG_SCHEMA, sampler="prioritized", alpha=1.0, epsilon=0.0, batch_size=16)
+    client.append(buffer, big_records(200))
+    size = (buffer / "sample.stream").stat().st_size
+    ahead = held_bytes(mounted, "ahead")
+    fd = os.open(buffer / "sample.stream", os.O_RDONLY)
+    try:
+
+        def next_batch() -> np.ndarray:
+            data = b""
+            while len(data) < size:
+                data += os.read(fd, size - len(data))
+            return np.load(io.BytesIO(data))
+
+        drawn = [tuple(own_records(next_batch())) for _ in range(6)]
+        assert len(set(drawn)) == 6
+        wait_for(lambda: stats(buffer)["batches_drawn_ahead"] == 6, what="the seventh batch drawn")
+        assert stats(buffer)["batches_drawn_ahead_taken"] == 5
+        assert held_bytes(mounted, "ahead") == ahead + size
+        client.update_priorities(buffer, list(range(200)), [0.0] * 7 + [1.0] + [0.0] * 192)
+        assert set(own_records(next_batch()).tolist()) == {7}  # not the batch drawn before
+        counts = stats(buffer)
+        assert counts["batches_drawn_ahead_taken"] == 5
+        assert counts["samples"] == 16 * 7
+    finally:
+        os.close(fd)
+    wait_for(lambda: held_bytes(mounted, "ahead") == ahead, what="the RELEASE, sent after the close")
+
+
 def test_a_batch_past_the_ahead_allowance_is_not_drawn_ahead(mount_factory: MountFactory) -> None:
     """Batches drawn ahead may hold an eighth of the DRAM budget: a bigger one is not
     drawn ahead, and its opens go on as before (drawn at the open, from the page cache)."""

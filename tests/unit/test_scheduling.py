@@ -142,5 +142,10 @@ async def test_after_reply_runs_work_in_order_one_piece_per_key() -> None:
         await queue.next()
     assert waited.cancelled_caught  # nothing left: next() waits
     queue.add("d", piece("d1"))
+    queue.add("e", piece("e1"))
+    taken = queue.take("e")  # a request that needs it does it itself
+    assert taken is not None
+    assert queue.take("e") is None
     await (await queue.next())()
-    assert ran == ["b1", "a2", "d1"]
+    await taken()
+    assert ran == ["b1", "a2", "d1", "e1"]
