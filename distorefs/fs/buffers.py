@@ -344,6 +344,15 @@ class AheadPolicy:
         self._misses += 1
 
 
+async def run_quietly(work: Callable[[], Awaitable[None]]) -> None:
+    """Draw a batch ahead from within a request: what fails (ENOMEM of the allowance,
+    an item gone) leaves the request to draw its own batch, which reports its errors."""
+    try:
+        await work()
+    except DistorefsError as exc:
+        log.debug("a batch drawn ahead: %s", exc.message)
+
+
 @dataclasses.dataclass
 class AheadContext:
     """What a stream needs to draw its next batch ahead: where the work goes, the
@@ -402,8 +411,9 @@ class SampleHandle(BatchHolder):
         client's reads cost no request (numpy reads a file it is given twice, through a
         dup) and nothing drops the file's cached attributes (a read the daemon serves
         does, and the next fstat asks again). design.md, "A sample's batch in the page
-        cache". A batch the last release drew ahead (`BufferDir.draw_ahead`) is taken as
-        it is when nothing changed since: then the open draws and stores nothing.
+        cache". A batch drawn ahead after the last open's reply (`BufferDir.want_ahead`)
+        is taken as it is when nothing changed since: then the open draws nothing, and
+        stores nothing when the last release stored it.
 
         Only where that is safe: no other open of the node exists (the kernel keeps one
         cache per inode, and with no other open no read of it can be waiting for this
@@ -415,7 +425,7 @@ class SampleHandle(BatchHolder):
         self._node = node
         try:
             if isinstance(node.governor, BufferDir):
-                await node.governor.settle_ahead()
+                await node.governor.settle_ahead(node)
             if not self._take_ahead(node):
                 await self._fill_cache(node)
         except BaseException:
@@ -530,7 +540,7 @@ class StreamHandle(BatchHolder):
             self._let_go()  # read to its end: the next batch replaces it
             self._start, self._data = end, b""
             if self._ahead is not None and (work := self._ahead.after_reply.take(self)) is not None:
-                await work()  # (asked for after the last read's reply, not drawn yet: now)
+                await run_quietly(work)  # (asked for after the last read's reply, not drawn yet: now)
             batch = self._take_next()
             if batch is None:
                 ready = buffer.can_sample(count)
@@ -1032,6 +1042,7 @@ class BufferDir(NamedDir):
         self.ahead_policy = AheadPolicy()
         self._stream_ahead = AheadContext(tree.after_reply, tree.aheads, self.ahead_policy)
         self.forgotten = False  # the buffer left (forget_nodes)
+        self._wanted: BufferFile | None = None  # the file whose next batch was asked for last
         stats = ControlFile(tree.new_ino(), b"stats", self._stats_text)
         self._add(stats.govern(self, Access.READ))
         self._add(ItemsDir(tree.new_ino(), buffer).govern(self, Access.DIRECTORY))
@@ -1056,6 +1067,7 @@ class BufferDir(NamedDir):
         asks."""
         if not self.ahead_policy.wanted(node.size):
             return
+        self._wanted = node
         self._tree.after_reply.add(self, functools.partial(self._draw_ahead, node, count, columnar))
 
     async def _draw_ahead(self, node: BufferFile, count: int | None, columnar: bool) -> None:
@@ -1084,13 +1096,14 @@ class BufferDir(NamedDir):
         if not node.opens:  # (released while it was drawn)
             self.released(node)
 
-    async def settle_ahead(self) -> None:
-        """An open of one of its sample files: the next batch asked for after an earlier
-        reply but not drawn yet (the client came back first) is drawn now, so that the
-        open takes it rather than draw another."""
+    async def settle_ahead(self, node: BufferFile) -> None:
+        """An open of sample file `node`: the next batch asked for after an earlier reply
+        but not drawn yet (the client came back first) is drawn now when it is this
+        file's, so that the open takes it rather than draw another (and dropped when it
+        is another file's). A failure here is the open's own draw's to report."""
         work = self._tree.after_reply.take(self)
-        if work is not None:
-            await work()
+        if work is not None and self._wanted is node:
+            await run_quietly(work)
 
     def released(self, node: BufferFile) -> None:
         """No open of sample file `node` is left: the batch drawn ahead for it goes into

@@ -588,6 +588,21 @@ def test_a_batch_drawn_ahead_is_dropped_when_the_buffer_changes_before_the_next_
     assert counts["samples"] == 16 * 4
 
 
+def test_opens_alternating_between_two_sample_files_never_take_the_others_batch(buffer: Path) -> None:
+    """A batch drawn ahead is for the file whose open asked for it: `sample` and
+    `sample.17` opened in turn each read a batch of their own size, drawn at their open."""
+    configure(buffer, schema=BIG_SCHEMA, batch_size=16)
+    client.append(buffer, big_records(200))
+    for _ in range(4):
+        for name, count in (("sample", 16), ("sample.17", 17)):
+            with open(buffer / name, "rb") as f:
+                assert len(own_records(np.load(f))) == count
+    counts = stats(buffer)
+    assert counts["batches_drawn_ahead_taken"] == 0
+    assert counts["samples"] == 4 * (16 + 17)
+    assert counts["page_cache_batches"] == 8
+
+
 def test_a_loop_that_changes_the_buffer_between_samples_stops_drawing_ahead(buffer: Path) -> None:
     """An RL loop that updates the priorities of each batch before the next sample drops
     every batch drawn ahead: after four in a row, only every eighth open draws one."""
