@@ -158,10 +158,10 @@ class ReplayBuffer:
         self.removed = 0
         self.stored_bytes = 0
         self.blocked_readers = 0
+        self.blocked_writers = 0
         # every change a draw depends on (items, priorities, counts, config, placement)
         # moves this on: a batch drawn ahead is handed out only while it has not moved
         self.changes = 0
-        self.blocked_writers = 0
         self.errors: list[str] = []
         self.loaded_ns = time.time_ns()  # when this daemon made or restored it: its items' mtime
         self.deleted = False
