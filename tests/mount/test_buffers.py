@@ -674,6 +674,49 @@ def test_a_stream_has_its_next_batch_drawn_while_the_client_reads(mounted: Mount
     wait_for(lambda: held_bytes(mounted, "ahead") == ahead, what="the RELEASE, sent after the close")
 
 
+def test_learners_sampling_one_file_at_once_beside_priority_updates_get_whole_batches(
+    mounted: Mount, buffer: Path
+) -> None:
+    """A learner alone, then two learner processes opening the same `sample` while a
+    third updates priorities: batches drawn ahead go only to an open that is the file's only one and
+    only while nothing changed, and into the page cache only once no open is left, so
+    every open reads one batch however often it reads it, each batch is whole (each
+    record its own item), `samples` counts exactly the batches read, and what was held
+    comes back."""
+    configure(buffer, schema=BIG_SCHEMA, sampler="prioritized", batch_size=16)
+    client.append(buffer, big_records(200))
+    held = held_bytes(mounted, "batch")
+    code = (  # each open keeps its batch: read twice, a millisecond apart, it reads the same
+        "import io, sys, time, numpy as np\n"
+        "for _ in range(40):\n"
+        "    with open(sys.argv[1], 'rb') as f:\n"
+        "        first = f.read()\n"
+        "        time.sleep(0.001)\n"
+        "        f.seek(0)\n"
+        "        assert f.read() == first, 'the batch changed under its open'\n"
+        "    b = np.load(io.BytesIO(first))\n"
+        "    assert len(b) == 16 and (b['obs'][:, 0] == b['_index'] % 256).all(), b['_index']\n"
+        "    assert (b['reward'] == b['_index'] * np.float32(0.5)).all()\n"
+    )
+    alone = subprocess.run([sys.executable, "-c", code, str(buffer / "sample")], capture_output=True, check=False)
+    assert alone.returncode == 0, alone.stderr.decode()  # (every batch drawn during the read before)
+    learners = [
+        subprocess.Popen([sys.executable, "-c", code, str(buffer / "sample")], stderr=subprocess.PIPE) for _ in range(2)
+    ]
+    try:
+        rng = np.random.default_rng(5)
+        while any(p.poll() is None for p in learners):
+            client.update_priorities(buffer, rng.integers(0, 200, 8).tolist(), (rng.random(8) + 0.1).tolist())
+            time.sleep(0.002)
+    finally:
+        errors = [p.communicate(timeout=60)[1].decode() for p in learners]
+    assert [p.returncode for p in learners] == [0, 0], errors
+    counts = stats(buffer)
+    assert counts["samples"] == 3 * 40 * 16
+    assert int(counts["batches_drawn_ahead_taken"]) <= int(counts["batches_drawn_ahead"])  # type: ignore[call-overload]
+    wait_for(lambda: held_bytes(mounted, "batch") == held, what="the learners' batches given back")
+
+
 def test_a_batch_past_the_ahead_allowance_is_not_drawn_ahead(mount_factory: MountFactory) -> None:
     """Batches drawn ahead may hold an eighth of the DRAM budget: a bigger one is not
     drawn ahead, and its opens go on as before (drawn at the open, from the page cache)."""
