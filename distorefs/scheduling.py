@@ -21,11 +21,16 @@ task (the flusher, peers, a session between draws) `checkpoint()` is trio's.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 
 import trio
+
+from distorefs.errors import DistorefsError
+
+log = logging.getLogger(__name__)
 
 DEFER_S = 0.001  # a request's schedule points are deferred for at most its first millisecond
 
@@ -137,3 +142,13 @@ class AfterReply:
             await checkpoint()
             if self._work:  # (unless discarded meanwhile)
                 return self._work.pop(next(iter(self._work)))
+
+
+async def run_quietly(work: Callable[[], Awaitable[None]]) -> None:
+    """Do a piece of `AfterReply` work, now or in its turn: what it fails with (a
+    DistorefsError: ENOMEM of an allowance, an item gone) is logged, not raised; the
+    request that wanted its result does without it and reports its own errors."""
+    try:
+        await work()
+    except DistorefsError as exc:
+        log.debug("work after a reply: %s", exc.message)

@@ -301,11 +301,12 @@ AHEAD_MIN_BYTES = 256 << 10
 
 @dataclasses.dataclass
 class Ahead:
-    """A batch drawn for the next open of `node`, not counted as sampled yet, held in
-    the mount's allowance for batches drawn ahead (`held_bytes`; the open that takes it
-    holds it in the batch allowance), stored in the node's page cache where `stored`."""
+    """A batch drawn for the next open of `node` (for a stream's next read: None), not
+    counted as sampled yet, held in the mount's allowance for batches drawn ahead
+    (`held_bytes`; whoever takes it holds it in the batch allowance), stored in the
+    node's page cache where `stored`."""
 
-    node: BufferFile
+    node: BufferFile | None
     count: int | None
     columnar: bool
     changes: int  # the buffer's `changes` when it was drawn
@@ -344,23 +345,67 @@ class AheadPolicy:
         self._misses += 1
 
 
-async def run_quietly(work: Callable[[], Awaitable[None]]) -> None:
-    """Draw a batch ahead from within a request: what fails (ENOMEM of the allowance,
-    an item gone) leaves the request to draw its own batch, which reports its errors."""
-    try:
-        await work()
-    except DistorefsError as exc:
-        log.debug("a batch drawn ahead: %s", exc.message)
-
-
 @dataclasses.dataclass
 class AheadContext:
-    """What a stream needs to draw its next batch ahead: where the work goes, the
-    allowance it is held in until taken, and the buffer's policy."""
+    """A buffer's batches drawn ahead, for its sample files (BufferDir) and its streams:
+    where the work goes, the allowance they are held in until taken, the policy, and
+    the draw, hand-over and drop they share."""
 
     after_reply: scheduling.AfterReply
     aheads: Allowance
     policy: AheadPolicy
+
+    async def draw(
+        self, buffer: ReplayBuffer, count: int | None, columnar: bool, expected_bytes: int, node: BufferFile | None
+    ) -> Ahead | None:
+        """The next batch of `count` drawn without counting it (the caller keeps or
+        drops it), held in `aheads` (`expected_bytes` before the draw, then its length);
+        None where the buffer changed while it was drawn. ENOMEM when the allowance
+        cannot hold it; whatever the draw raises (nothing held then)."""
+
+        def label() -> str:
+            return f"buffers/{buffer.name}: a batch drawn ahead"
+
+        held = self.aheads.take(expected_bytes, label)
+        try:
+            changes = buffer.changes
+            batch = await buffer.draw_uncounted(count, nonblocking=True)
+            data = await columnar_batch(batch.data) if columnar else batch.data
+            if len(data) != held:  # (a blob buffer's batches differ in length)
+                self.aheads.give(held)
+                held = 0
+                held = self.aheads.take(len(data), label)
+        except BaseException:
+            self.aheads.give(held)
+            raise
+        if buffer.changes != changes:
+            self.aheads.give(held)
+            return None
+        return Ahead(node, count, columnar, changes, data, batch.indices, held, stored=False)
+
+    def hand_over(
+        self, ahead: Ahead, buffer: ReplayBuffer, held: Allowance, label: Callable[[], str], fits: bool
+    ) -> bool:
+        """Give `ahead` to the open or read that `fits` it: False (and it is dropped)
+        where it does not, the buffer changed since its draw, or `held` (the batch
+        allowance) cannot take it; True once it is held there and counted as sampled."""
+        self.aheads.give(ahead.held_bytes)
+        if not fits or ahead.changes != buffer.changes:
+            self.policy.dropped()
+            return False
+        try:
+            ahead.held_bytes = held.take(len(ahead.data), label)
+        except DistorefsError:
+            return False
+        buffer.commit(ahead.indices)
+        self.policy.took()
+        return True
+
+    def drop(self, ahead: Ahead, missed: bool = True) -> None:
+        """Let `ahead` go (`missed`: it was drawn for nothing, which the policy counts)."""
+        self.aheads.give(ahead.held_bytes)
+        if missed:
+            self.policy.dropped()
 
 
 class BatchHolder(VirtualHandle):
@@ -441,14 +486,12 @@ class SampleHandle(BatchHolder):
         governor = node.governor
         if not isinstance(governor, BufferDir):
             return False
-        ahead = governor.take_ahead(node, self._count, self._columnar)
+        ahead = governor.take_ahead(node, self._count, self._columnar, self._batch_label)
         if ahead is None:
             return False
-        self._buffer.commit(ahead.indices)
         self._data, self._held_bytes = ahead.data, ahead.held_bytes
         if ahead.stored or store_batch(node, ahead.data):
-            self.direct_io, self.keep_cache = False, True
-            governor.page_cache_batches += 1
+            self._from_page_cache(node)
         return True
 
     async def _fill_cache(self, node: BufferFile) -> None:
@@ -464,9 +507,13 @@ class SampleHandle(BatchHolder):
         if data is None or len(data) != size or node.opens > 1:
             return
         if store_batch(node, data):
-            self.direct_io, self.keep_cache = False, True
-            if isinstance(node.governor, BufferDir):
-                node.governor.page_cache_batches += 1
+            self._from_page_cache(node)
+
+    def _from_page_cache(self, node: BufferFile) -> None:
+        """The node's page cache holds this open's batch: the open is cached, not direct."""
+        self.direct_io, self.keep_cache = False, True
+        if isinstance(node.governor, BufferDir):
+            node.governor.page_cache_batches += 1
 
     async def _draw(self, nonblocking: bool) -> None:
         buffer, count = self._buffer, self._count
@@ -522,7 +569,7 @@ class StreamHandle(BatchHolder):
         self._data: bytearray | bytes | ScatteredBytes = b""
         self.batches = 0
         self._ahead = ahead
-        self._next: tuple[int, Batch, int] | None = None  # drawn ahead: the buffer's changes, it, its held bytes
+        self._next: Ahead | None = None  # the next batch, drawn ahead
         self._released = False
 
     async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
@@ -540,16 +587,17 @@ class StreamHandle(BatchHolder):
             self._let_go()  # read to its end: the next batch replaces it
             self._start, self._data = end, b""
             if self._ahead is not None and (work := self._ahead.after_reply.take(self)) is not None:
-                await run_quietly(work)  # (asked for after the last read's reply, not drawn yet: now)
-            batch = self._take_next()
-            if batch is None:
+                await scheduling.run_quietly(work)  # (asked for after the last read's reply, not drawn yet: now)
+            ahead = self._take_next()
+            if ahead is None:
                 ready = buffer.can_sample(count)
                 batch = await run_waiting(
                     self._pid, self._nonblocking, ready, lambda nb: buffer.sample_into(count, nb, self._hold)
                 )
+                self._data = batch.data
             else:
                 await scheduling.checkpoint()
-            self._data = batch.data
+                self._data = ahead.data
             self.batches += 1
         else:
             await scheduling.checkpoint()
@@ -561,48 +609,40 @@ class StreamHandle(BatchHolder):
         return memoryview(self._data)[at : at + size]
 
     async def _draw_next(self) -> None:
-        """The next batch, drawn without counting it, held apart (`AheadContext.aheads`)."""
-        assert self._ahead is not None
+        """The next batch, drawn without counting it, held apart (`AheadContext`)."""
+        ahead = self._ahead
+        assert ahead is not None
         self._drop_next()
         buffer = self._buffer
         if self._released or not buffer.can_sample(self._count):
             await scheduling.checkpoint()
             return
-        changes = buffer.changes
-        batch = await buffer.draw_uncounted(self._count, nonblocking=True)
-        if self._released or buffer.changes != changes:
+        drawn = await ahead.draw(buffer, self._count, False, len(self._data), None)
+        if drawn is None:
             return
-        held = self._ahead.aheads.take(len(batch.data), lambda: f"buffers/{buffer.name}: a batch drawn ahead")
-        self._next = (changes, batch, held)
-        self._ahead.policy.drawn += 1
+        if self._released:
+            ahead.drop(drawn, missed=False)
+            return
+        self._next = drawn
+        ahead.policy.drawn += 1
 
-    def _take_next(self) -> Batch | None:
+    def _take_next(self) -> Ahead | None:
         """The batch drawn ahead, counted as sampled and held now, if the buffer has not
         changed since its draw (and the open's batches fit); None otherwise."""
-        drawn = self._next
+        drawn, self._next = self._next, None
         if drawn is None:
             return None
         assert self._ahead is not None
-        self._next = None
-        changes, batch, held = drawn
-        self._ahead.aheads.give(held)
-        if changes != self._buffer.changes:
-            self._ahead.policy.dropped()
+        if not self._ahead.hand_over(drawn, self._buffer, self._held, self._batch_label, fits=True):
             return None
-        try:
-            self._held_bytes = self._held.take(len(batch.data), self._batch_label)
-        except DistorefsError:
-            return None
-        self._buffer.commit(batch.indices)
-        self._ahead.policy.took()
-        return batch
+        self._held_bytes = drawn.held_bytes
+        return drawn
 
     def _drop_next(self) -> None:
         drawn, self._next = self._next, None
         if drawn is not None:
             assert self._ahead is not None
-            self._ahead.aheads.give(drawn[2])
-            self._ahead.policy.dropped()
+            self._ahead.drop(drawn)
 
     async def release(self) -> None:
         await scheduling.checkpoint()
@@ -1012,7 +1052,6 @@ class BufferDir(NamedDir):
         self._tree = tree
         self.buffer = buffer
         self._held = held = tree.batches  # the batches its sample files keep, counted mount-wide
-        self._aheads = tree.aheads  # the batch drawn for the next open, counted mount-wide apart
         b = buffer
         files = [
             (b"config", 0o664, lambda flags, pid: ConfigHandle(b), True, Access.READ_WRITE),
@@ -1040,7 +1079,8 @@ class BufferDir(NamedDir):
         self.page_cache_batches = 0  # batches of its sample files served from the page cache
         self.ahead: Ahead | None = None  # the next batch of the sample file last released
         self.ahead_policy = AheadPolicy()
-        self._stream_ahead = AheadContext(tree.after_reply, tree.aheads, self.ahead_policy)
+        # (the batch drawn for the next open, and its streams', counted mount-wide apart)
+        self._ahead = AheadContext(tree.after_reply, tree.aheads, self.ahead_policy)
         self.forgotten = False  # the buffer left (forget_nodes)
         self._wanted: BufferFile | None = None  # the file whose next batch was asked for last
         stats = ControlFile(tree.new_ino(), b"stats", self._stats_text)
@@ -1080,18 +1120,13 @@ class BufferDir(NamedDir):
         if self.forgotten or node.opens > 1 or not 0 < size <= CACHED_BATCH_MAX_BYTES or not buffer.can_sample(count):
             await scheduling.checkpoint()
             return
-        held = self._aheads.take(size, lambda: f"buffers/{buffer.name}: a batch drawn ahead")
-        try:
-            changes = buffer.changes
-            batch = await buffer.draw_uncounted(count, nonblocking=True)
-            data = await columnar_batch(batch.data) if columnar else batch.data
-        except BaseException:
-            self._aheads.give(held)
-            raise
-        if self.forgotten or buffer.changes != changes or node.opens > 1 or len(data) != size:
-            self._aheads.give(held)
+        ahead = await self._ahead.draw(buffer, count, columnar, size, node)
+        if ahead is None:
             return
-        self.ahead = Ahead(node, count, columnar, changes, data, batch.indices, held, stored=False)
+        if self.forgotten or node.opens > 1 or len(ahead.data) != size:
+            self._ahead.drop(ahead, missed=False)
+            return
+        self.ahead = ahead
         self.ahead_policy.drawn += 1
         if not node.opens:  # (released while it was drawn)
             self.released(node)
@@ -1103,7 +1138,7 @@ class BufferDir(NamedDir):
         is another file's). A failure here is the open's own draw's to report."""
         work = self._tree.after_reply.take(self)
         if work is not None and self._wanted is node:
-            await run_quietly(work)
+            await scheduling.run_quietly(work)
 
     def released(self, node: BufferFile) -> None:
         """No open of sample file `node` is left: the batch drawn ahead for it goes into
@@ -1117,33 +1152,21 @@ class BufferDir(NamedDir):
             return
         ahead.stored = store_batch(node, ahead.data)
 
-    def take_ahead(self, node: BufferFile, count: int | None, columnar: bool) -> Ahead | None:
+    def take_ahead(self, node: BufferFile, count: int | None, columnar: bool, label: Callable[[], str]) -> Ahead | None:
         """The batch drawn ahead for this open of `node` (the only open of it), now held
-        for the open in the mount's batch allowance; None where there is none, the buffer
-        changed since it was drawn, or the open batches hold all they may (then it is
-        dropped, and the open draws its own as before)."""
-        ahead = self.ahead
+        for the open in the mount's batch allowance and counted as sampled; None where
+        there is none, the buffer changed since it was drawn, or the open batches hold
+        all they may (then it is dropped, and the open draws its own as before)."""
+        ahead, self.ahead = self.ahead, None
         if ahead is None:
             return None
-        self.ahead = None
-        self._aheads.give(ahead.held_bytes)
-        if (ahead.node, ahead.count, ahead.columnar, ahead.changes) != (node, count, columnar, self.buffer.changes) or (
-            node.opens != 1
-        ):
-            self.ahead_policy.dropped()
-            return None
-        try:
-            ahead.held_bytes = self._held.take(len(ahead.data), lambda: f"buffers/{self.buffer.name}: a batch")
-        except DistorefsError:
-            return None
-        self.ahead_policy.took()
-        return ahead
+        fits = (ahead.node, ahead.count, ahead.columnar) == (node, count, columnar) and node.opens == 1
+        return ahead if self._ahead.hand_over(ahead, self.buffer, self._held, label, fits) else None
 
     def drop_ahead(self) -> None:
         ahead, self.ahead = self.ahead, None
         if ahead is not None:
-            self._aheads.give(ahead.held_bytes)
-            self.ahead_policy.dropped()
+            self._ahead.drop(ahead)
 
     def _add(self, node: VirtualNode) -> None:
         self.children[node.name] = node
@@ -1243,7 +1266,7 @@ class BufferDir(NamedDir):
         b = self.buffer
         return self._sample_node(
             b"sample.stream" if count is None else b"sample.%d.stream" % count,
-            lambda flags, pid: StreamHandle(b, count, bool(flags & os.O_NONBLOCK), pid, self._held, self._stream_ahead),
+            lambda flags, pid: StreamHandle(b, count, bool(flags & os.O_NONBLOCK), pid, self._held, self._ahead),
             batch_of=count or 0,
         )
 

@@ -261,10 +261,7 @@ class FsOperations(pyfuse3.Operations):
         while True:
             work = await queue.next()
             with scheduling.deferring():  # (as a request: its schedule points after it)
-                try:
-                    await work()
-                except DistorefsError as exc:
-                    log.debug("after a reply: %s", exc.message)
+                await scheduling.run_quietly(work)
 
     def request_served(self, started: float) -> None:
         """A request served outside FUSE (a draw of a sampling session) that began at
