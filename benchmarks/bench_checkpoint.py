@@ -42,8 +42,10 @@ def distore(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "distorefs", *args], check=True, stdout=subprocess.DEVNULL)
 
 
-def state_dict(total_bytes: int, seed: int = 0) -> dict[str, object]:
-    """float32 tensors of mixed sizes (4 KiB to 64 MiB) adding up to about `total_bytes`."""
+def state_dict(total_bytes: int, seed: int = 0, device: str = "cpu") -> dict[str, object]:
+    """float32 tensors of mixed sizes (4 KiB to 64 MiB) adding up to about `total_bytes`,
+    on `device` (a GPU's state dict: each save copies it to host memory first, as a
+    training loop's checkpoint does)."""
     import torch
 
     rng = np.random.default_rng(seed)
@@ -53,9 +55,11 @@ def state_dict(total_bytes: int, seed: int = 0) -> dict[str, object]:
     while left > 0:
         size = int(min(left, 2 ** rng.uniform(12, 26)))
         elements = max(1, size // 4)
-        out[f"layer.{i}.weight"] = torch.from_numpy(rng.standard_normal(elements, dtype=np.float32))
+        out[f"layer.{i}.weight"] = torch.from_numpy(rng.standard_normal(elements, dtype=np.float32)).to(device)
         left -= elements * 4
         i += 1
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
     return out
 
 
@@ -89,7 +93,9 @@ def measure_save(save: Callable[[Path], None], path: Path) -> tuple[float, float
     return stall, durable
 
 
-def bench_checkpoints(sizes_gib: list[float], places: dict[str, Path], repeats: int) -> list[dict[str, object]]:
+def bench_checkpoints(
+    sizes_gib: list[float], places: dict[str, Path], repeats: int, device: str = "cpu"
+) -> list[dict[str, object]]:
     """Each save `repeats` times per place, the places interleaved in a rotating order;
     medians."""
     import safetensors.torch
@@ -122,9 +128,9 @@ def bench_checkpoints(sizes_gib: list[float], places: dict[str, Path], repeats: 
     }
     rows = []
     for gib in sizes_gib:
-        sd = state_dict(int(gib * (1 << 30)))
+        sd = state_dict(int(gib * (1 << 30)), device=device)
         for saver_name, saver in savers.items():
-            row: dict[str, object] = {"size_gib": gib, "writer": saver_name, "repeats": repeats}
+            row: dict[str, object] = {"size_gib": gib, "writer": saver_name, "repeats": repeats, "device": device}
             times: dict[str, list[tuple[float, float]]] = {place: [] for place in places}
             names = list(places)
             for repeat in range(repeats):
@@ -203,6 +209,7 @@ def main() -> int:
     parser.add_argument("--no-weights", action="store_true", help="checkpoints only")
     parser.add_argument("--dram-budget", default="6GiB")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--device", default="cpu", help="the state dict's device (cuda: to host at each save)")
     args = parser.parse_args()
 
     base = Path(tempfile.mkdtemp(prefix="distorefs-bench-ckpt-", dir="/var/tmp"))
@@ -215,7 +222,7 @@ def main() -> int:
         run = mnt / "checkpoints" / "bench"
         run.mkdir()
         places = {"tmpfs": shm, "disk": base / "disk", "distorefs": run, "staged": run}
-        checkpoints = bench_checkpoints(args.sizes_gib, places, args.repeats)
+        checkpoints = bench_checkpoints(args.sizes_gib, places, args.repeats, args.device)
         weights = None if args.no_weights else bench_weights(mnt, shm, args.readers, args.seconds)
     finally:
         distore("umount", str(mnt))

@@ -7,7 +7,8 @@
 DESIGN.md's workloads: DQN (110 KB items, batch 32, prioritized), SAC (3 KB, batch 256,
 uniform), R2D2 (10 MB, batch 4, prioritized), each filled as bench_replay.py fills it.
 For the mount, blob buffers; cpprb gets one uint8 field of the item's size and the same
-sampler. Then several shm sampler processes at once on the DQN buffer (total samples/s).
+sampler. Then several shm sampler processes at once on the DQN buffer (total samples/s),
+against as many processes each sampling a cpprb buffer of its own.
 Prints JSON; docs/benchmarks.md keeps the results.
 """
 
@@ -89,6 +90,24 @@ def _worker(path: str, seconds: float, out: Any) -> None:
     out.put(sampler_rate(Path(path), "shm", seconds))
 
 
+def _cpprb_worker(seconds: float, out: Any) -> None:
+    item, batch, sampler, capacity, fill, _per_append = WORKLOADS["DQN"]
+    out.put(cpprb_rate(item, batch, sampler, capacity, fill, seconds))
+
+
+def in_processes(count: int, target: Any, args: tuple[Any, ...], seconds: float) -> int:
+    """Total samples/s of `count` processes running `target(*args, queue)` at once."""
+    context = multiprocessing.get_context("fork")
+    queue: Any = context.Queue()
+    procs = [context.Process(target=target, args=(*args, queue)) for _ in range(count)]
+    for p in procs:
+        p.start()
+    rates = [queue.get(timeout=seconds + 120) for _ in procs]
+    for p in procs:
+        p.join()
+    return round(sum(rates))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0)
@@ -146,22 +165,15 @@ def main() -> int:
                 report[name] = {k: round(v, 2 if "_vs_" in k else 0) for k, v in row.items()}
                 if name != "DQN":
                     shutil.rmtree(path, ignore_errors=True)
-            scaling = {}
+            scaling: dict[int, int] = {}
+            cpprb_scaling: dict[int, int] = {}
             for count in (int(n) for n in args.processes.split(",") if "DQN" in chosen):
-                queue: Any = multiprocessing.get_context("fork").Queue()
-                procs = [
-                    multiprocessing.get_context("fork").Process(
-                        target=_worker, args=(str(mnt / "buffers" / "dqn"), args.seconds, queue)
-                    )
-                    for _ in range(count)
-                ]
-                for p in procs:
-                    p.start()
-                rates = [queue.get(timeout=args.seconds + 60) for _ in procs]
-                for p in procs:
-                    p.join()
-                scaling[count] = round(sum(rates))
+                dqn = str(mnt / "buffers" / "dqn")
+                scaling[count] = in_processes(count, _worker, (dqn, args.seconds), args.seconds)
+                # the same number of learners, each with a cpprb buffer of its own in process
+                cpprb_scaling[count] = in_processes(count, _cpprb_worker, (args.seconds,), args.seconds)
             report["DQN_shm_processes_total_samples_per_s"] = scaling
+            report["DQN_cpprb_processes_total_samples_per_s"] = cpprb_scaling
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print(json.dumps(report, indent=2))
