@@ -435,6 +435,31 @@ async def test_importance_weights_are_normalised_to_the_rarest_item(tiers: tuple
         assert weight == pytest.approx(1.0 if index == 0 else 1 / 3, rel=1e-6)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(st.floats(0.0, 1.0), st.sampled_from([0.0, 5e-324, 1e-300, float("inf"), float("nan")])),
+        min_size=1, max_size=64,
+    ),
+    st.sampled_from([0.0, 5e-324, 1e-300, 1e-6, 0.5, 1.0, 2.0]),
+    st.sampled_from([0.0, 0.4, 1.0, 1e308, -0.5]),
+)  # fmt: skip
+def test_importance_weights_match_numpys_nan_to_num(
+    probabilities: list[float], min_probability: float, beta: float
+) -> None:
+    """The weights' cheap cleanup (NaN -> 1, inf -> the largest float32) gives what
+    np.nan_to_num(nan=1.0) gave, bit for bit, for any probabilities, P_min and beta."""
+    from distorefs.stores.replay.draws import importance_weights
+
+    p = np.array(probabilities, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        raw = np.power(p / min_probability, -beta) if min_probability > 0 else np.zeros(len(p))
+        expected = np.nan_to_num(raw.astype(np.float32), nan=1.0)
+    got = importance_weights(p, len(p), 1000, min_probability, beta)
+    assert got.dtype == np.float32
+    assert got.tobytes() == expected.tobytes()
+
+
 async def test_weights_stay_in_0_1_for_any_beta_and_scaled_priorities_stay_finite(
     tiers: tuple[BlockStore, MetaDb], pairs: bool
 ) -> None:

@@ -59,6 +59,9 @@ def uniform_weights(count: int) -> np.ndarray:
     return ones
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def importance_weights(
     probabilities: np.ndarray | None, count: int, size: int, min_probability: float, beta: float
 ) -> np.ndarray:
@@ -74,7 +77,12 @@ def importance_weights(
         return uniform_weights(count)
     with np.errstate(over="ignore", under="ignore", divide="ignore", invalid="ignore"):
         weights = np.power(probabilities / min_probability, -beta) if min_probability > 0 else np.zeros(count)
-    return np.nan_to_num(weights.astype(np.float32), nan=1.0)
+        weights = weights.astype(np.float32)
+    # what np.nan_to_num(weights, nan=1.0) gives (NaN -> 1, inf -> the largest float32),
+    # without its 5 µs of Python checks on every prioritized draw
+    weights[weights != weights] = 1.0
+    np.minimum(weights, FLOAT32_MAX, out=weights)
+    return weights
 
 
 SCALED_PRIORITY_MAX = 1e290  # (priority + epsilon) ** alpha: 2**28 slots of it still sum to a finite float
