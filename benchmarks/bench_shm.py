@@ -7,7 +7,8 @@
 DESIGN.md's workloads: DQN (110 KB items, batch 32, prioritized), SAC (3 KB, batch 256,
 uniform), R2D2 (10 MB, batch 4, prioritized), each filled as bench_replay.py fills it.
 For the mount, blob buffers; cpprb gets one uint8 field of the item's size and the same
-sampler. Then several shm sampler processes at once on the DQN buffer (total samples/s),
+sampler. Then several shm sampler processes at once on one DQN buffer (total samples/s:
+blob items as views, and schema batches gathered into one array as cpprb returns them),
 against as many processes each sampling a cpprb buffer of its own.
 Prints JSON; docs/benchmarks.md keeps the results.
 """
@@ -86,8 +87,8 @@ def version1_rate(path: Path, seconds: float) -> float:
         channel.close()
 
 
-def _worker(path: str, seconds: float, out: Any) -> None:
-    out.put(sampler_rate(Path(path), "shm", seconds))
+def _worker(path: str, seconds: float, prefetch: int, out: Any) -> None:
+    out.put(sampler_rate(Path(path), "shm", seconds, prefetch=prefetch))
 
 
 def _cpprb_worker(seconds: float, out: Any) -> None:
@@ -105,7 +106,7 @@ def in_processes(count: int, target: Any, args: tuple[Any, ...], seconds: float)
     rates = [queue.get(timeout=seconds + 120) for _ in procs]
     for p in procs:
         p.join()
-    return round(sum(rates))
+    return int(round(sum(rates)))
 
 
 def main() -> int:
@@ -149,7 +150,6 @@ def main() -> int:
                     for key in ("shm", "shm_prefetch2"):
                         row[f"{key}_vs_cpprb"] = row[key] / row["cpprb"]
                     report[name] = {k: round(v, 2 if "_vs_" in k else 0) for k, v in row.items()}
-                    shutil.rmtree(path, ignore_errors=True)
                     continue
                 row = {
                     "fuse": sampler_rate(path, "fuse", args.seconds),
@@ -165,15 +165,25 @@ def main() -> int:
                 report[name] = {k: round(v, 2 if "_vs_" in k else 0) for k, v in row.items()}
                 if name != "DQN":
                     shutil.rmtree(path, ignore_errors=True)
-            scaling: dict[int, int] = {}
-            cpprb_scaling: dict[int, int] = {}
-            for count in (int(n) for n in args.processes.split(",") if "DQN" in chosen):
-                dqn = str(mnt / "buffers" / "dqn")
-                scaling[count] = in_processes(count, _worker, (dqn, args.seconds), args.seconds)
-                # the same number of learners, each with a cpprb buffer of its own in process
-                cpprb_scaling[count] = in_processes(count, _cpprb_worker, (args.seconds,), args.seconds)
-            report["DQN_shm_processes_total_samples_per_s"] = scaling
-            report["DQN_cpprb_processes_total_samples_per_s"] = cpprb_scaling
+            # several learners at once: each shm sampler process on the one shared buffer,
+            # against as many processes each sampling a cpprb buffer of its own in process
+            scaling: dict[str, dict[int, int]] = {}
+            runs = [  # (label, workload, prefetch); no workload: cpprb
+                ("DQN_shm_views", "DQN", 0),  # blob items as views: the daemon's draws alone
+                ("DQN-schema_shm_prefetch2", "DQN-schema", 2),  # each batch gathered: a learner's copy
+                ("DQN_cpprb", None, 0),
+            ]
+            for label, workload, prefetch in runs:
+                if workload is not None and workload not in chosen:
+                    continue
+                for count in (int(n) for n in args.processes.split(",")):
+                    if workload is None:
+                        rate = in_processes(count, _cpprb_worker, (args.seconds,), args.seconds)
+                    else:
+                        buffer_dir = str(mnt / "buffers" / workload.lower())
+                        rate = in_processes(count, _worker, (buffer_dir, args.seconds, prefetch), args.seconds)
+                    scaling.setdefault(label, {})[count] = rate
+            report["processes_total_samples_per_s"] = scaling
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print(json.dumps(report, indent=2))

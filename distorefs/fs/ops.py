@@ -120,6 +120,7 @@ def _translate(mutates: bool) -> Callable[[Callable[P, Coroutine[Any, Any, R]]],
                 raise pyfuse3.FUSEError(errno.EROFS)
             started, failed = time.perf_counter(), 0
             self.request_started = started
+            self.session_request = False
             self.requests += 1
             op = fn.__name__
             serving = scheduling.deferring_since(started)  # its schedule points come after the reply
@@ -216,6 +217,7 @@ class FsOperations(pyfuse3.Operations):
         self._next_fh = 1
         self.request_done = trio.Event()  # set at the end of every request (busy polling)
         self.request_started = 0.0  # time.perf_counter() at the start of the latest request
+        self.session_request = False  # the latest request was a sampling session's draw
         self.requests = 0  # requests begun since the start
         self.initialized = trio.Event()  # set during the kernel's INIT (see init)
 
@@ -265,8 +267,10 @@ class FsOperations(pyfuse3.Operations):
 
     def request_served(self, started: float) -> None:
         """A request served outside FUSE (a draw of a sampling session) that began at
-        `started` (time.perf_counter): the busy poller counts it as a request."""
+        `started` (time.perf_counter): the busy poller counts it as a request, whose
+        window may be longer (fs/polling.py)."""
         self.request_started = started
+        self.session_request = True
         self.request_done.set()
 
     async def run_busy_poll(self, window: PollWindow) -> None:
@@ -282,7 +286,7 @@ class FsOperations(pyfuse3.Operations):
             self.request_done = trio.Event()
             while True:
                 ended = time.perf_counter()
-                until = ended + window.window_s
+                until = ended + window.length(self.session_request)
                 while time.perf_counter() < until and not self.request_done.is_set():
                     await trio.lowlevel.checkpoint()  # trio polls its I/O without blocking here
                 polled = time.perf_counter() - ended
@@ -291,7 +295,7 @@ class FsOperations(pyfuse3.Operations):
                 if self.request_started <= ended + polled:
                     window.hit(polled)  # it came while polling (and may have ended after)
                 else:
-                    window.missed(polled, self.request_started - ended)
+                    window.missed(polled, self.request_started - ended, self.session_request)
                 self.request_done = trio.Event()
 
     async def _stale_attrs(self, directory: VirtualDir) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 START_S = 50e-6  # a window grows from this (haltpoll's guest_halt_poll_grow_start)
 MIN_S = 10e-6  # a window halved below this becomes 0: no polling until a short gap again
+SESSION_FACTOR = 5  # after a sampling session's draw the window may reach this times max_s
 
 
 @dataclass
@@ -35,22 +36,32 @@ class PollWindow:
             raise ValueError(f"a poll window needs a positive maximum, got {self.max_s}")
         self.window_s = min(START_S, self.max_s)
 
+    def limit(self, session: bool) -> float:
+        """The most a window may be after a request (a sampling session's draw, or any other)."""
+        return self.max_s * SESSION_FACTOR if session else self.max_s
+
+    def length(self, session: bool) -> float:
+        """How long to poll after a request of that kind."""
+        return min(self.window_s, self.limit(session))
+
     def hit(self, polled_s: float) -> None:
         """A request came `polled_s` into the window: the window stays."""
         self.requests += 1
         self.hits += 1
         self.polled_s += polled_s
 
-    def missed(self, polled_s: float, gap_s: float) -> None:
-        """The window ran out after `polled_s`; the next request came `gap_s` after the
-        last one ended. A gap the maximum would have covered doubles the window (from
-        START_S when it was 0); a longer one halves it."""
+    def missed(self, polled_s: float, gap_s: float, session: bool = False) -> None:
+        """The window ran out after `polled_s`; the next request (a sampling session's
+        draw where `session`) came `gap_s` after the last one ended. A gap the maximum for
+        that request would have covered doubles the window (from START_S when it was 0);
+        a longer one halves it."""
         self.requests += 1
         if self.window_s > 0:
             self.misses += 1
         self.polled_s += polled_s
-        if gap_s <= self.max_s:
-            self.window_s = min(self.max_s, max(START_S, 2 * self.window_s))
+        limit = self.limit(session)
+        if gap_s <= limit:
+            self.window_s = min(limit, max(START_S, 2 * self.window_s))
         else:
             half = self.window_s / 2
             self.window_s = half if half >= MIN_S else 0.0
@@ -66,4 +77,4 @@ class PollWindow:
         }
 
 
-__all__ = ["MIN_S", "START_S", "PollWindow"]
+__all__ = ["MIN_S", "SESSION_FACTOR", "START_S", "PollWindow"]

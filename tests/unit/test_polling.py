@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from distorefs.fs.polling import MIN_S, START_S, PollWindow
+from distorefs.fs.polling import MIN_S, SESSION_FACTOR, START_S, PollWindow
 
 MAX_S = 200e-6
 
@@ -62,3 +62,30 @@ def test_a_client_that_computes_between_calls_costs_a_bounded_amount_of_polling(
         window.missed(polled, gap_s=1e-3)
     assert window.misses == 3
     assert window.polled_s == pytest.approx(START_S + START_S / 2 + START_S / 4)
+
+
+def test_a_sampling_sessions_draws_may_grow_the_window_past_the_maximum_and_others_stay_under_it() -> None:
+    """A learner drawing through a session asks again 0.4 ms after each reply (its copy
+    of the batch): the window grows to cover that, up to SESSION_FACTOR times the
+    maximum; a FUSE request after it polls no longer than the maximum, and the same gap
+    between FUSE requests halves the window as before."""
+    window = PollWindow(MAX_S)
+    sizes = []
+    for _ in range(6):
+        window.missed(window.length(session=True), gap_s=400e-6, session=True)
+        sizes.append(window.window_s)
+    assert sizes == [
+        2 * START_S,
+        4 * START_S,
+        8 * START_S,
+        16 * START_S,
+        SESSION_FACTOR * MAX_S,
+        SESSION_FACTOR * MAX_S,
+    ]
+    assert window.length(session=True) == SESSION_FACTOR * MAX_S
+    assert window.length(session=False) == MAX_S
+    window.missed(MAX_S, gap_s=400e-6)  # the same gap, between FUSE requests: past their maximum
+    assert window.window_s == SESSION_FACTOR * MAX_S / 2
+    for _ in range(10):  # a learner that computes 5 ms between its draws stops the polling
+        window.missed(window.length(session=True), gap_s=5e-3, session=True)
+    assert window.window_s == 0.0
