@@ -69,6 +69,7 @@ class PollWindow:
     def stats(self) -> dict[str, float | int]:
         return {
             "max_us": round(self.max_s * 1e6),
+            "session_max_us": round(self.limit(session=True) * 1e6),
             "window_us": round(self.window_s * 1e6),
             "requests": self.requests,
             "hits": self.hits,
