@@ -49,7 +49,8 @@ def test_hits_keep_the_window_and_every_poll_is_counted() -> None:
     assert (window.window_s, window.hits, window.misses) == (START_S / 2, 2, 1)
     assert window.polled_s == pytest.approx(80e-6)
     assert window.stats() == {
-        "max_us": 200, "session_max_us": 1000, "window_us": 25, "requests": 3, "hits": 2, "misses": 1, "polled_s": 8e-05,
+        "max_us": 200, "session_max_us": 1000, "window_us": 25,
+        "requests": 3, "hits": 2, "misses": 1, "polled_s": 8e-05,
     }  # fmt: skip
 
 
