@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from distorefs.errors import InvalidArgument
+from distorefs.stores.replay import sumtree
 from distorefs.stores.replay.config import BufferConfig
 from distorefs.stores.replay.formats import ScatteredBytes, encode_blob_batch, encode_npy_batch
 
@@ -75,9 +76,14 @@ def importance_weights(
     both of the least likely items) weighs 1, as the rarest item does."""
     if probabilities is None:
         return uniform_weights(count)
+    jit = sumtree.KERNELS.module
+    if jit is not None and min_probability > 0:  # (compiled: one call; sumtree_walks.py)
+        compiled = np.empty(len(probabilities), dtype=np.float32)
+        jit.importance_weights(np.ascontiguousarray(probabilities, dtype=np.float64), min_probability, beta, compiled)
+        return compiled
     with np.errstate(over="ignore", under="ignore", divide="ignore", invalid="ignore"):
-        weights = np.power(probabilities / min_probability, -beta) if min_probability > 0 else np.zeros(count)
-        weights = weights.astype(np.float32)
+        raw = np.power(probabilities / min_probability, -beta) if min_probability > 0 else np.zeros(count)
+        weights = raw.astype(np.float32)
     # what np.nan_to_num(weights, nan=1.0) gives (NaN -> 1, inf -> the largest float32),
     # without its 5 µs of Python checks on every prioritized draw
     weights[weights != weights] = 1.0

@@ -24,3 +24,6 @@ update_sums = numba.njit("void(float64[::1], int64, int64[::1], float64[::1])", 
 update_sums_min_max = numba.njit(
     "void(float64[::1], float64[::1], float64[::1], int64, int64[::1], float64[::1])", cache=True
 )(sumtree_walks.update_sums_min_max)
+importance_weights = numba.njit("void(float64[::1], float64, float64, float32[::1])", cache=True)(
+    sumtree_walks.importance_weights
+)

@@ -134,3 +134,22 @@ def update_sums_min_max(total: Any, low: Any, high: Any, size: int, slots: Any, 
                 high[node] = max(high[left], high[left + 1])
                 nodes[j] = node >> 1
         i += lanes
+
+
+FLOAT32_MAX = 3.4028234663852886e38  # np.finfo(np.float32).max
+
+
+def importance_weights(probabilities: Any, min_probability: float, beta: float, out: Any) -> None:
+    """out[i] = (probabilities[i] / min_probability) ** -beta as a float32, NaN -> 1 and
+    anything past the largest float32 -> that (draws.importance_weights, whose numpy
+    version this is the compiled form of: one call for a batch where numpy makes five
+    and an error-state switch). min_probability must be above 0, the probabilities not
+    below 0."""
+    for i in range(len(probabilities)):
+        w = (probabilities[i] / min_probability) ** -beta
+        if w != w:
+            out[i] = 1.0
+        elif w > FLOAT32_MAX:
+            out[i] = FLOAT32_MAX
+        else:
+            out[i] = w
