@@ -30,6 +30,7 @@ from distorefs.stores.replay.formats import (
     parse_priorities,
 )
 from distorefs.stores.replay.rate_limiter import RateLimiter
+from distorefs.stores.replay.samplers.base import stratified_prefixes
 from distorefs.stores.replay.store import BufferStore
 from distorefs.stores.replay.sumtree import SegmentTree
 from distorefs.tiers.blocks import BlockStore
@@ -123,6 +124,14 @@ def test_compiled_walks_give_the_numpy_walks_tree_and_draws(capacity: int, seed:
             found = compiled.find(prefixes)
             assert np.array_equal(found, plain.find(prefixes))
             assert (plain.leaves()[found] > 0).all()
+            # a whole prioritized draw in one compiled call: the numpy way's slots and probabilities
+            draw_seed = int(rng.integers(0, 2**32))
+            drawn = compiled.find_stratified(count, np.random.default_rng(draw_seed))
+            assert drawn is not None
+            assert plain.find_stratified(count, np.random.default_rng(draw_seed)) is None
+            numpy_slots = plain.find(stratified_prefixes(plain.total, count, np.random.default_rng(draw_seed)))
+            assert np.array_equal(drawn[0], numpy_slots)
+            assert drawn[1].tobytes() == (plain.leaves()[numpy_slots] / plain.total).tobytes()
 
 
 @pytest.mark.parametrize("compiled", [True, False])

@@ -172,6 +172,21 @@ class SegmentTree:
                 self._max[level] = np.maximum(self._max[left], self._max[right])
             low //= 2
 
+    def find_stratified(self, count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray] | None:
+        """A prioritized draw of `count` slots, one in each of `count` equal segments of
+        [0, total), with their probabilities (leaf / total), in one compiled call: the
+        same floats as `find(samplers.base.stratified_prefixes(total, count, rng))` and
+        `leaves()[slots] / total` (the sampler's numpy way, four calls more). None where
+        the walks are not compiled (the caller draws the numpy way)."""
+        jit = self._compiled_walks()
+        if jit is None:
+            return None
+        prefixes = rng.random(count)
+        slots = np.empty(count, dtype=np.int64)
+        probabilities = np.empty(count, dtype=np.float64)
+        jit.find_stratified(self._sum, self._depth, self._size, prefixes, self.total / count, slots, probabilities)
+        return slots, probabilities
+
     def find(self, prefixes: np.ndarray) -> np.ndarray:
         """For each prefix in [0, total), the slot whose cumulative interval holds it.
 

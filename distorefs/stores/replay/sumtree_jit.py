@@ -27,3 +27,18 @@ update_sums_min_max = numba.njit(
 importance_weights = numba.njit("void(float64[::1], float64, float64, float32[::1])", cache=True)(
     sumtree_walks.importance_weights
 )
+
+
+@numba.njit("void(float64[::1], int64, int64, float64[::1], float64, int64[::1], float64[::1])", cache=True)
+def find_stratified(total, depth, size, prefixes, step, slots, probabilities):  # type: ignore[no-untyped-def]
+    """A prioritized draw in one call (SegmentTree.find_stratified): `prefixes` holds one
+    uniform number per item on entry, (u_k + k) * step after, in the order
+    samplers.base.stratified_prefixes computes them (the same floats); then the slots
+    `find` lands them on, and each slot's probability, its leaf over the tree's total."""
+    for k in range(len(prefixes)):
+        prefixes[k] = (prefixes[k] + k) * step
+    find(total, depth, prefixes, slots)
+    grand = total[1]
+    for k in range(len(slots)):
+        slots[k] -= size
+        probabilities[k] = total[size + slots[k]] / grand

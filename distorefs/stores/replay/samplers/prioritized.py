@@ -21,5 +21,8 @@ class PrioritizedSampler:
         total = tree.total
         if total <= 0:
             return UniformSampler().pick(ring, count, rng)
+        drawn = tree.find_stratified(count, rng)  # (compiled: one call)
+        if drawn is not None:
+            return drawn
         slots = tree.find(stratified_prefixes(total, count, rng))
         return slots, tree.leaves()[slots] / total
