@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 START_S = 50e-6  # a window grows from this (haltpoll's guest_halt_poll_grow_start)
 MIN_S = 10e-6  # a window halved below this becomes 0: no polling until a short gap again
-SESSION_FACTOR = 5  # after a sampling session's draw the window may reach this times max_s
+SESSION_FACTOR = 5  # after a sampling session's draw the window may reach this times max_s,
+SESSION_MAX_S = 10e-3  # but no more than this (the largest --busy-poll-us takes) unless max_s is more
 
 
 @dataclass
@@ -38,7 +39,9 @@ class PollWindow:
 
     def limit(self, session: bool) -> float:
         """The most a window may be after a request (a sampling session's draw, or any other)."""
-        return self.max_s * SESSION_FACTOR if session else self.max_s
+        if not session:
+            return self.max_s
+        return max(self.max_s, min(self.max_s * SESSION_FACTOR, SESSION_MAX_S))
 
     def length(self, session: bool) -> float:
         """How long to poll after a request of that kind."""
@@ -78,4 +81,4 @@ class PollWindow:
         }
 
 
-__all__ = ["MIN_S", "SESSION_FACTOR", "START_S", "PollWindow"]
+__all__ = ["MIN_S", "SESSION_FACTOR", "SESSION_MAX_S", "START_S", "PollWindow"]

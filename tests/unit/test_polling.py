@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from distorefs.fs.polling import MIN_S, SESSION_FACTOR, START_S, PollWindow
+from distorefs.fs.polling import MIN_S, SESSION_FACTOR, SESSION_MAX_S, START_S, PollWindow
 
 MAX_S = 200e-6
 
@@ -90,3 +90,13 @@ def test_a_sampling_sessions_draws_may_grow_the_window_past_the_maximum_and_othe
     for _ in range(10):  # a learner that computes 5 ms between its draws stops the polling
         window.missed(window.length(session=True), gap_s=5e-3, session=True)
     assert window.window_s == 0.0
+
+
+def test_a_sessions_window_stays_within_the_largest_maximum_the_option_takes() -> None:
+    """5x a large --busy-poll-us would spin the daemon for tens of ms after each draw: the
+    session's maximum stops at SESSION_MAX_S (10 ms), and never falls below max_s."""
+    assert PollWindow(200e-6).limit(session=True) == pytest.approx(1e-3)
+    assert PollWindow(4e-3).limit(session=True) == SESSION_MAX_S
+    assert PollWindow(10e-3).limit(session=True) == 10e-3
+    assert PollWindow(20e-3).limit(session=True) == 20e-3  # (an option past the CLI's bound keeps its own)
+    assert PollWindow(4e-3).limit(session=False) == 4e-3
