@@ -35,7 +35,7 @@ from distorefs import scheduling
 from distorefs.errors import Busy, CrossDevice, DistorefsError, Exists, NameTooLong, NotPermitted, ReadOnly
 from distorefs.fs import kernel
 from distorefs.fs.metrics import Metrics
-from distorefs.fs.polling import PollWindow
+from distorefs.fs.polling import CpuRoom, PollWindow
 from distorefs.fs.shm import ADOPT_XATTR, borrow_sealed, parse_fd
 from distorefs.fs.virtual import (
     KindDirectory,
@@ -281,12 +281,14 @@ class FsOperations(pyfuse3.Operations):
         requests: an idle daemon, or a client that computes between its calls, costs no
         polling beyond a few windows."""
         self.virtual.add_status(lambda: {"busy_poll": window.stats()})
+        room = CpuRoom()
         while True:
             await self.request_done.wait()
             self.request_done = trio.Event()
             while True:
                 ended = time.perf_counter()
-                until = ended + window.length(self.session_request)
+                # (a session's longer window only on a CPU nobody else wants: fs/polling.py)
+                until = ended + window.length(self.session_request and room.spare())
                 while time.perf_counter() < until and not self.request_done.is_set():
                     await trio.lowlevel.checkpoint()  # trio polls its I/O without blocking here
                 polled = time.perf_counter() - ended
@@ -295,7 +297,7 @@ class FsOperations(pyfuse3.Operations):
                 if self.request_started <= ended + polled:
                     window.hit(polled)  # it came while polling (and may have ended after)
                 else:
-                    window.missed(polled, self.request_started - ended, self.session_request)
+                    window.missed(polled, self.request_started - ended, self.session_request and room.spare())
                 self.request_done = trio.Event()
 
     async def _stale_attrs(self, directory: VirtualDir) -> None:

@@ -3,9 +3,11 @@ requests. The polling itself is tested through a mount (tests/mount/test_posix.p
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from distorefs.fs.polling import MIN_S, SESSION_FACTOR, SESSION_MAX_S, START_S, PollWindow
+from distorefs.fs.polling import MIN_S, SESSION_FACTOR, SESSION_MAX_S, START_S, CpuRoom, PollWindow, runnable_threads
 
 MAX_S = 200e-6
 
@@ -100,3 +102,21 @@ def test_a_sessions_window_stays_within_the_largest_maximum_the_option_takes() -
     assert PollWindow(10e-3).limit(session=True) == 10e-3
     assert PollWindow(20e-3).limit(session=True) == 20e-3  # (an option past the CLI's bound keeps its own)
     assert PollWindow(4e-3).limit(session=False) == 4e-3
+
+
+def test_a_cpu_to_spare_is_read_from_the_runnable_threads(tmp_path: Path) -> None:
+    """Longer windows after a session's draw only while no more threads are runnable
+    than CPUs (the poller counted); re-read at most every CHECK_S; unreadable: none."""
+    assert runnable_threads("1.11 1.51 1.73 3/412 28697\n") == 3
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("0.50 0.40 0.30 2/300 100\n")
+    room = CpuRoom(str(loadavg), cpus=2)
+    assert room.spare()  # the poller and one learner on two CPUs
+    loadavg.write_text("2.50 2.40 2.30 3/300 100\n")
+    assert room.spare()  # (read again only after CHECK_S)
+    room._checked -= CpuRoom.CHECK_S
+    assert not room.spare()  # two learners and the poller on two CPUs
+    loadavg.write_text("garbage\n")
+    room._checked -= CpuRoom.CHECK_S
+    assert not room.spare()
+    assert not CpuRoom(str(tmp_path / "missing"), cpus=64).spare()
