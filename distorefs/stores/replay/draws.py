@@ -19,6 +19,7 @@ from distorefs.errors import InvalidArgument
 from distorefs.stores.replay import sumtree
 from distorefs.stores.replay.config import BufferConfig
 from distorefs.stores.replay.formats import ScatteredBytes, encode_blob_batch, encode_npy_batch
+from distorefs.stores.replay.sumtree_walks import FLOAT32_MAX
 
 
 @dataclass
@@ -58,9 +59,6 @@ def uniform_weights(count: int) -> np.ndarray:
     ones = np.ones(count, dtype=np.float32)
     ones.setflags(write=False)
     return ones
-
-
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def importance_weights(

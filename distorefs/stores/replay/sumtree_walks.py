@@ -136,7 +136,7 @@ def update_sums_min_max(total: Any, low: Any, high: Any, size: int, slots: Any, 
         i += lanes
 
 
-FLOAT32_MAX = 3.4028234663852886e38  # np.finfo(np.float32).max
+FLOAT32_MAX = 3.4028234663852886e38  # np.finfo(np.float32).max (draws.py's numpy form clamps to it too)
 
 
 def importance_weights(probabilities: Any, min_probability: float, beta: float, out: Any) -> None:
