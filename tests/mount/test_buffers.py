@@ -512,7 +512,7 @@ def big_records(n: int, start: int = 0) -> np.ndarray:
 
 
 def held_bytes(mounted: Mount, kind: str) -> int:
-    return int(json.loads((mounted.path / ".distore" / "status").read_text())[f"held_{kind}_bytes"])
+    return int(mounted.status()[f"held_{kind}_bytes"])
 
 
 def test_the_next_batch_is_drawn_while_the_client_reads_and_counts_only_once_opened(
