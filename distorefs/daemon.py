@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import pyfuse3
 import trio
 
-from distorefs import compiled, progress, service
+from distorefs import compiled, progress, scheduling, service
 from distorefs.errors import ConfigError, DistorefsError
 from distorefs.fs import kernel
 from distorefs.fs.buffers import BuffersDir
@@ -354,7 +354,8 @@ class Daemon:
         start("prefetcher", blocks.run_prefetcher)
         start("checkpoint persister", self.checkpoints.run_persister)
         start("kernel invalidations", self.ops.run_invalidations)
-        start("after replies", self.ops.run_after_reply)
+        # (the follow-up poll is busy polling too: never longer than --busy-poll-us, none without it)
+        start("after replies", self.ops.run_after_reply, min(scheduling.FOLLOW_UP_S, config.busy_poll_us / 1e6))
         if config.busy_poll_us:
             if self.shared.sessions is not None:
                 self.shared.sessions.served = self.ops.request_served
@@ -492,6 +493,7 @@ async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb, freeze
     virtual.add_status(kernels_status)
     virtual.add_status(gc_statistics)
     virtual.add_status(checkpoints.statistics)
+    virtual.add_status(kernel.statistics)
     ops = FsOperations(PosixTree(files, checkpoints), virtual, config.data_dir, config.block_bytes)
     ops.metrics.watch(virtual.status, buffers, weights, node.peers_report if node is not None else None)
     virtual.add_control(b"metrics", ops.metrics.render)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from distorefs import client
+from distorefs.fs import kernel
 from tests.conftest import Mount, blocked_read, daemon_cpu_s, data_requests, fuse_requests, wait_for
 
 pytestmark = pytest.mark.mount
@@ -453,6 +454,38 @@ def test_a_batch_of_big_records_goes_to_the_page_cache_piece_by_piece(mounted: M
             assert (batch["_weight"] > 0).all()
     assert data_requests(mounted, "buffers", "read") == reads
     assert stats(buffer)["page_cache_batches"] == cached + 6
+
+
+def test_a_big_batch_goes_to_the_page_cache_in_parts_written_at_once(mounted: Mount, buffer: Path) -> None:
+    """A batch past 2.5 MB (DQN's 32 records of 110 KB) is stored in parts, one per
+    CPU (fs/kernel.py, `write_store`): every byte of each batch is where the .npy says,
+    read without a READ request, whether the next batch was drawn ahead or at the open."""
+    obs = 110_000
+    dtype = np.dtype([("obs", "u1", (obs,)), ("step", "<i4")])
+    configure(buffer, schema={"obs": ["uint8", [obs]], "step": "int32"}, batch_size=32, capacity=400)
+    items = np.zeros(96, dtype=dtype)
+    items["obs"] = (np.arange(96) * 31 % 253)[:, None] + np.arange(obs) % 3
+    items["step"] = np.arange(96) * 7
+    client.append(buffer, items)
+    with open(buffer / "sample", "rb") as f:  # looks it up and caches its attributes
+        np.load(f)
+    before = mounted.status()["page_cache_stores"]
+    parts_max = before["parts_max"]
+    assert parts_max == min(kernel.STORE_PARTS_MAX, len(os.sched_getaffinity(0)))
+    reads = data_requests(mounted, "buffers", "read")
+    for _ in range(6):
+        with open(buffer / "sample", "rb") as f:
+            batch = np.load(f)
+        assert len(batch) == 32
+        index = batch["_index"]
+        assert (batch["obs"] == items["obs"][index]).all()
+        assert (batch["step"] == items["step"][index]).all()
+        assert (batch["_weight"] > 0).all()
+    assert data_requests(mounted, "buffers", "read") == reads
+    after = mounted.status()["page_cache_stores"]
+    assert after["stores"] >= before["stores"] + 6
+    stored_in_parts = after["in_parts"] - before["in_parts"]
+    assert stored_in_parts >= 6 if parts_max > 1 else stored_in_parts == 0
 
 
 def test_opens_of_a_sample_at_once_each_read_their_own_batch(mounted: Mount, buffer: Path) -> None:

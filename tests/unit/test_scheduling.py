@@ -149,3 +149,37 @@ async def test_after_reply_runs_work_in_order_one_piece_per_key() -> None:
     await (await queue.next())()
     await taken()
     assert ran == ["b1", "a2", "d1", "e1"]
+
+
+async def test_after_reply_first_serves_what_a_client_sends_at_once() -> None:
+    """With a follow-up window (scheduling.FOLLOW_UP_S) the queue hands out a piece only
+    after polling that long, other tasks running meanwhile (the request loop serving the
+    ioctl Python's open() sends right after the OPEN's reply); a request that takes the
+    piece meanwhile leaves nothing to hand out."""
+    window = 0.02
+
+    async def body(ticker: Ticker) -> None:
+        queue = scheduling.AfterReply()
+
+        async def work() -> None:
+            pass
+
+        queue.add("a", work)
+        passes, started = ticker.passes, time.perf_counter()
+        assert await queue.next(window) is work
+        assert time.perf_counter() - started >= window
+        assert ticker.passes - passes > 10  # the event loop went round while it polled
+        queue.add("b", work)
+        queue.add("c", work)
+        async with trio.open_nursery() as nursery:
+
+            async def request() -> None:
+                for _ in range(3):  # (a few passes in: well inside the window)
+                    await trio.lowlevel.checkpoint()
+                assert queue.take("b") is work  # the open came back before the piece ran
+
+            nursery.start_soon(request)
+            assert await queue.next(10 * window) is work
+            assert queue.take("c") is None  # handed out was c: b was taken
+
+    await _with_ticker(body)
