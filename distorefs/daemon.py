@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import pyfuse3
 import trio
 
-from distorefs import compiled, progress, scheduling, service
+from distorefs import compiled, progress, service
 from distorefs.errors import ConfigError, DistorefsError
 from distorefs.fs import kernel
 from distorefs.fs.buffers import BuffersDir
@@ -354,8 +354,7 @@ class Daemon:
         start("prefetcher", blocks.run_prefetcher)
         start("checkpoint persister", self.checkpoints.run_persister)
         start("kernel invalidations", self.ops.run_invalidations)
-        # (the follow-up poll is busy polling too: never longer than --busy-poll-us, none without it)
-        start("after replies", self.ops.run_after_reply, min(scheduling.FOLLOW_UP_S, config.busy_poll_us / 1e6))
+        start("after replies", self.ops.run_after_reply)
         if config.busy_poll_us:
             if self.shared.sessions is not None:
                 self.shared.sessions.served = self.ops.request_served

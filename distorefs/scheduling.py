@@ -110,14 +110,6 @@ async def write_sliced(write: Callable[[int, memoryview], Awaitable[object]], of
         await trio.lowlevel.checkpoint()
 
 
-# How long the work after a reply waits, polling, for a request the client sends right
-# after that reply. Python's open() asks whether the file is a terminal (an ioctl the
-# kernel sends to the daemon) right after the OPEN's reply: behind the next batch's draw
-# that round trip took 150 µs of an `np.load(open(sample))` (docs/benchmarks.md,
-# "Twenty-sixth session"); polling first, 49 µs.
-FOLLOW_UP_S = 50e-6
-
-
 class AfterReply:
     """Work a request's handler leaves for after its reply (fs/ops.py `run_after_reply`
     does it, one piece at a time, in the order given). Each piece has a key, and a
@@ -141,20 +133,26 @@ class AfterReply:
         none): a request that needs its result does it itself rather than wait its turn."""
         return self._work.pop(key, None)
 
-    async def next(self, follow_up_s: float = 0.0) -> Callable[[], Awaitable[None]]:
-        """The oldest piece waiting (taken off the queue); waits for one. With
-        `follow_up_s`, the event loop first polls that long for what a client sends right
-        after a reply (FOLLOW_UP_S), so that it is served before the piece, not behind it."""
+    async def next(self) -> Callable[[], Awaitable[None]]:
+        """The oldest piece waiting (taken off the queue); waits for one."""
         while True:
             while not self._work:
                 await self._ready.wait()
                 self._ready = trio.Event()
-            until = time.perf_counter() + follow_up_s
             await checkpoint()
-            while self._work and time.perf_counter() < until:
-                await checkpoint()  # (trio polls its I/O without blocking at each)
-            if self._work:  # (unless discarded, or taken by a request that wanted it, meanwhile)
+            if self._work:  # (unless discarded meanwhile)
                 return self._work.pop(next(iter(self._work)))
+
+    async def run(self) -> None:
+        """Do each piece in turn, for ever, as background work: its schedule points let
+        the requests that come meanwhile in (not deferred as a request's are), so that
+        what a client sends right after a reply is not served behind the work that reply
+        left. Python's `open()` asks whether the file is a terminal, an ioctl the kernel
+        sends to the daemon, 10-30 µs after the OPEN's reply: behind the next batch's draw
+        it took 150 µs of an `np.load(open(sample))` (docs/benchmarks.md, "Twenty-sixth
+        session"). A piece's failure is logged (`run_quietly`)."""
+        while True:
+            await run_quietly(await self.next())
 
 
 async def run_quietly(work: Callable[[], Awaitable[None]]) -> None:

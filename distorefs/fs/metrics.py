@@ -57,7 +57,11 @@ class DaemonCollector(Collector):
                 value = int(value)
             if isinstance(value, (int, float)) and key != "pid":
                 yield GaugeMetricFamily(f"distorefs_{key}", f"{key} (as in .distore/status)", value=float(value))
-        for part, what in (("blocks", "block tier"), ("busy_poll", "polling for the next request")):
+        for part, what in (
+            ("blocks", "block tier"),
+            ("busy_poll", "polling for the next request"),
+            ("page_cache_stores", "batches stored into the page cache"),
+        ):
             numbers = status.get(part)
             if isinstance(numbers, dict):
                 for key, value in numbers.items():

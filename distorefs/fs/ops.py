@@ -255,17 +255,13 @@ class FsOperations(pyfuse3.Operations):
             finally:
                 removed.handled()
 
-    async def run_after_reply(self, follow_up_s: float = 0.0) -> None:
+    async def run_after_reply(self) -> None:
         """Background task: the work handlers leave for after their replies
         (`VirtualTree.after_reply`: a sample file's next batch drawn while the client
-        reads this one), each piece after `follow_up_s` of polling for a request the
-        client sends at once (scheduling.FOLLOW_UP_S). It fails alone: an error of its
-        own is for whoever asks next."""
-        queue = self.virtual.after_reply
-        while True:
-            work = await queue.next(follow_up_s)
-            with scheduling.deferring():  # (as a request: its schedule points after it)
-                await scheduling.run_quietly(work)
+        reads this one), yielding to requests at its schedule points
+        (`scheduling.AfterReply.run`). It fails alone: an error of its own is for whoever
+        asks next."""
+        await self.virtual.after_reply.run()
 
     def request_served(self, started: float) -> None:
         """A request served outside FUSE (a draw of a sampling session) that began at

@@ -8,6 +8,7 @@ import io
 import json
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -486,6 +487,10 @@ def test_a_big_batch_goes_to_the_page_cache_in_parts_written_at_once(mounted: Mo
     assert after["stores"] >= before["stores"] + 6
     stored_in_parts = after["in_parts"] - before["in_parts"]
     assert stored_in_parts >= 6 if parts_max > 1 else stored_in_parts == 0
+    metrics = (mounted.path / ".distore" / "metrics").read_text()
+    stores = re.search(r"^distorefs_page_cache_stores_stores (\S+)$", metrics, re.MULTILINE)
+    assert stores is not None
+    assert float(stores.group(1)) >= after["stores"]
 
 
 def test_opens_of_a_sample_at_once_each_read_their_own_batch(mounted: Mount, buffer: Path) -> None:
