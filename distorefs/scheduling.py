@@ -119,6 +119,7 @@ class AfterReply:
     def __init__(self) -> None:
         self._work: dict[object, Callable[[], Awaitable[None]]] = {}
         self._ready = trio.Event()
+        self._running: dict[object, trio.Event] = {}  # key -> set when its piece (run by `run`) ends
 
     def add(self, key: object, work: Callable[[], Awaitable[None]]) -> None:
         self._work.pop(key, None)  # (to the end of the queue)
@@ -133,15 +134,33 @@ class AfterReply:
         none): a request that needs its result does it itself rather than wait its turn."""
         return self._work.pop(key, None)
 
+    async def settle(self, key: object) -> None:
+        """Make sure the piece of `key` is done: the request that needs its result does
+        it here if it still waits (`take`), or waits for it if `run` is doing it (it
+        yields at its schedule points, so the request can come in meanwhile), rather
+        than do the same work a second time beside it. A failure of the piece is logged
+        (`run_quietly`); the request does without its result."""
+        work = self.take(key)
+        if work is not None:
+            await run_quietly(work)
+        elif (running := self._running.get(key)) is not None:
+            await running.wait()
+        else:
+            await checkpoint()
+
     async def next(self) -> Callable[[], Awaitable[None]]:
         """The oldest piece waiting (taken off the queue); waits for one."""
+        return (await self._next_keyed())[1]
+
+    async def _next_keyed(self) -> tuple[object, Callable[[], Awaitable[None]]]:
         while True:
             while not self._work:
                 await self._ready.wait()
                 self._ready = trio.Event()
             await checkpoint()
             if self._work:  # (unless discarded meanwhile)
-                return self._work.pop(next(iter(self._work)))
+                key = next(iter(self._work))
+                return key, self._work.pop(key)
 
     async def run(self) -> None:
         """Do each piece in turn, for ever, as background work: its schedule points let
@@ -152,7 +171,13 @@ class AfterReply:
         it took 150 µs of an `np.load(open(sample))` (docs/benchmarks.md, "Twenty-sixth
         session"). A piece's failure is logged (`run_quietly`)."""
         while True:
-            await run_quietly(await self.next())
+            key, work = await self._next_keyed()
+            self._running[key] = ended = trio.Event()
+            try:
+                await run_quietly(work)
+            finally:
+                del self._running[key]
+                ended.set()
 
 
 async def run_quietly(work: Callable[[], Awaitable[None]]) -> None:

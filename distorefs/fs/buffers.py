@@ -586,8 +586,8 @@ class StreamHandle(BatchHolder):
             buffer, count = self._buffer, self._count
             self._let_go()  # read to its end: the next batch replaces it
             self._start, self._data = end, b""
-            if self._ahead is not None and (work := self._ahead.after_reply.take(self)) is not None:
-                await scheduling.run_quietly(work)  # (asked for after the last read's reply, not drawn yet: now)
+            if self._ahead is not None:  # (asked for after the last read's reply: drawn now, or its draw ended)
+                await self._ahead.after_reply.settle(self)
             ahead = self._take_next()
             if ahead is None:
                 ready = buffer.can_sample(count)
@@ -1135,10 +1135,13 @@ class BufferDir(NamedDir):
         """An open of sample file `node`: the next batch asked for after an earlier reply
         but not drawn yet (the client came back first) is drawn now when it is this
         file's, so that the open takes it rather than draw another (and dropped when it
-        is another file's). A failure here is the open's own draw's to report."""
-        work = self._tree.after_reply.take(self)
-        if work is not None and self._wanted is node:
-            await scheduling.run_quietly(work)
+        is another file's). One being drawn (the draw yields to requests) is waited for.
+        A failure here is the open's own draw's to report."""
+        if self._wanted is node:
+            await self._tree.after_reply.settle(self)
+        else:
+            self._tree.after_reply.discard(self)
+            await scheduling.checkpoint()
 
     def released(self, node: BufferFile) -> None:
         """No open of sample file `node` is left: the batch drawn ahead for it goes into

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 import trio
+import trio.testing
 
 from distorefs import scheduling
 from distorefs.errors import InvalidArgument
@@ -180,3 +181,44 @@ async def test_work_after_a_reply_lets_requests_in_at_its_schedule_points() -> N
         assert seen == [True]
 
     await _with_ticker(body)
+
+
+async def test_a_request_settles_the_piece_it_needs_once() -> None:
+    """`AfterReply.settle`: a piece still waiting is done by the request that needs it;
+    one `run` is doing (it yields to requests) is waited for, not done a second time
+    beside it; with neither, nothing to wait for."""
+    queue = scheduling.AfterReply()
+    ran: list[str] = []
+    started, go_on = trio.Event(), trio.Event()
+
+    async def waiting() -> None:
+        ran.append("waiting")
+
+    async def slow() -> None:
+        ran.append("slow begins")
+        started.set()
+        await go_on.wait()  # (a draw's schedule points: a request comes in meanwhile)
+        ran.append("slow ends")
+
+    queue.add("a", waiting)
+    await queue.settle("a")
+    assert ran == ["waiting"]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.run)
+        queue.add("b", slow)
+        await started.wait()
+        settled = trio.Event()
+
+        async def request() -> None:
+            await queue.settle("b")
+            settled.set()
+
+        nursery.start_soon(request)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not settled.is_set()  # it waits for the piece run is doing
+        go_on.set()
+        with trio.fail_after(10):
+            await settled.wait()
+        await queue.settle("b")  # done: nothing to wait for
+        nursery.cancel_scope.cancel()
+    assert ran == ["waiting", "slow begins", "slow ends"]
