@@ -135,17 +135,17 @@ class AfterReply:
         return self._work.pop(key, None)
 
     async def settle(self, key: object) -> None:
-        """Make sure the piece of `key` is done: the request that needs its result does
-        it here if it still waits (`take`), or waits for it if `run` is doing it (it
-        yields at its schedule points, so the request can come in meanwhile), rather
-        than do the same work a second time beside it. A failure of the piece is logged
+        """Make sure the piece of `key` is done: the request that needs its result waits
+        for the one `run` is doing (it yields at its schedule points, so the request can
+        come in meanwhile), then does the one still waiting here (`take`), rather than
+        do the same work a second time beside it. A failure of the piece is logged
         (`run_quietly`); the request does without its result."""
+        if (running := self._running.get(key)) is not None:
+            await running.wait()  # (first: a newer piece of the key must not run beside it)
         work = self.take(key)
         if work is not None:
             await run_quietly(work)
-        elif (running := self._running.get(key)) is not None:
-            await running.wait()
-        else:
+        elif running is None:
             await checkpoint()
 
     async def next(self) -> Callable[[], Awaitable[None]]:

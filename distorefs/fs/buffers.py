@@ -623,6 +623,7 @@ class StreamHandle(BatchHolder):
         if self._released:
             ahead.drop(drawn, missed=False)
             return
+        self._drop_next()  # (one drawn meanwhile: the draw yields to requests)
         self._next = drawn
         ahead.policy.drawn += 1
 
@@ -1126,6 +1127,7 @@ class BufferDir(NamedDir):
         if self.forgotten or node.opens > 1 or len(ahead.data) != size:
             self._ahead.drop(ahead, missed=False)
             return
+        self.drop_ahead()  # (one drawn meanwhile: the draw yields to requests)
         self.ahead = ahead
         self.ahead_policy.drawn += 1
         if not node.opens:  # (released while it was drawn)

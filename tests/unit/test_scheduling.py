@@ -186,7 +186,8 @@ async def test_work_after_a_reply_lets_requests_in_at_its_schedule_points() -> N
 async def test_a_request_settles_the_piece_it_needs_once() -> None:
     """`AfterReply.settle`: a piece still waiting is done by the request that needs it;
     one `run` is doing (it yields to requests) is waited for, not done a second time
-    beside it; with neither, nothing to wait for."""
+    beside it, and a newer piece of the key runs only after it; with neither, nothing to
+    wait for."""
     queue = scheduling.AfterReply()
     ran: list[str] = []
     started, go_on = trio.Event(), trio.Event()
@@ -209,6 +210,11 @@ async def test_a_request_settles_the_piece_it_needs_once() -> None:
         await started.wait()
         settled = trio.Event()
 
+        async def newer() -> None:
+            ran.append("newer")
+
+        queue.add("b", newer)  # a newer piece of the key, asked for while the first runs
+
         async def request() -> None:
             await queue.settle("b")
             settled.set()
@@ -221,4 +227,4 @@ async def test_a_request_settles_the_piece_it_needs_once() -> None:
             await settled.wait()
         await queue.settle("b")  # done: nothing to wait for
         nursery.cancel_scope.cancel()
-    assert ran == ["waiting", "slow begins", "slow ends"]
+    assert ran == ["waiting", "slow begins", "slow ends", "newer"]  # never two of a key at once
