@@ -134,16 +134,18 @@ class AfterReply:
         none): a request that needs its result does it itself rather than wait its turn."""
         return self._work.pop(key, None)
 
-    async def settle(self, key: object) -> None:
+    async def settle(self, key: object, run_waiting: bool = True) -> None:
         """Make sure the piece of `key` is done: the request that needs its result waits
         for the one `run` is doing (it yields at its schedule points, so the request can
         come in meanwhile), then does the one still waiting here (`take`), rather than
         do the same work a second time beside it. A failure of the piece is logged
-        (`run_quietly`); the request does without its result."""
+        (`run_quietly`); the request does without its result. Without `run_waiting` the
+        piece still waiting is dropped instead (a request that does not want it, but must
+        not run beside the one under way)."""
         if (running := self._running.get(key)) is not None:
             await running.wait()  # (first: a newer piece of the key must not run beside it)
         work = self.take(key)
-        if work is not None:
+        if work is not None and run_waiting:
             await run_quietly(work)
         elif running is None:
             await checkpoint()

@@ -266,7 +266,10 @@ def columnar_npz(batch: bytes) -> bytes:
     return out.getvalue()
 
 
-CACHED_BATCH_MAX_BYTES = 16 << 20  # a sample batch up to this size may be served from the page cache
+CACHED_BATCH_MAX_BYTES = 64 << 20  # a sample batch up to this size may be served from the page cache
+# A bigger batch than this goes into the page cache from a worker thread, the event loop
+# serving other requests meanwhile (R2D2's 40 MB took 3-4 ms to store on two CPUs).
+LOOP_STORE_MAX_BYTES = 16 << 20
 
 
 async def columnar_batch(data: bytearray | bytes | ScatteredBytes) -> bytes:
@@ -286,6 +289,15 @@ def store_batch(node: BufferFile, data: bytearray | bytes | ScatteredBytes) -> b
             return False
         node.widest = len(data)
     return kernel.store(node.ino, data.pieces() if isinstance(data, ScatteredBytes) else [data])
+
+
+async def store_batch_off_loop(node: BufferFile, data: bytearray | bytes | ScatteredBytes) -> bool:
+    """`store_batch`, from a worker thread for a batch past LOOP_STORE_MAX_BYTES. The
+    caller's rule holds the same: no open of `node` whose client may read it meanwhile."""
+    if len(data) <= LOOP_STORE_MAX_BYTES:
+        await scheduling.checkpoint()
+        return store_batch(node, data)
+    return await trio.to_thread.run_sync(store_batch, node, data)
 
 
 # After a cached open of a sample file its next batch is drawn ahead (BufferDir.want_ahead)
@@ -471,7 +483,7 @@ class SampleHandle(BatchHolder):
         try:
             if isinstance(node.governor, BufferDir):
                 await node.governor.settle_ahead(node)
-            if not self._take_ahead(node):
+            if not await self._take_ahead(node):
                 await self._fill_cache(node)
         except BaseException:
             node.opens -= 1
@@ -480,17 +492,19 @@ class SampleHandle(BatchHolder):
         if self.keep_cache and isinstance(node.governor, BufferDir):
             node.governor.want_ahead(node, self._count, self._columnar)
 
-    def _take_ahead(self, node: BufferFile) -> bool:
+    async def _take_ahead(self, node: BufferFile) -> bool:
         """This open's batch is the one drawn ahead for it, if there is one still good:
         counted as sampled now, served from the page cache where the release stored it."""
         governor = node.governor
         if not isinstance(governor, BufferDir):
+            await scheduling.checkpoint()
             return False
         ahead = governor.take_ahead(node, self._count, self._columnar, self._batch_label)
         if ahead is None:
+            await scheduling.checkpoint()
             return False
         self._data, self._held_bytes = ahead.data, ahead.held_bytes
-        if ahead.stored or store_batch(node, ahead.data):
+        if ahead.stored or await store_batch_off_loop(node, ahead.data):
             self._from_page_cache(node)
         return True
 
@@ -506,7 +520,7 @@ class SampleHandle(BatchHolder):
         data = self._data
         if data is None or len(data) != size or node.opens > 1:
             return
-        if store_batch(node, data):
+        if await store_batch_off_loop(node, data):
             self._from_page_cache(node)
 
     def _from_page_cache(self, node: BufferFile) -> None:
@@ -1139,11 +1153,9 @@ class BufferDir(NamedDir):
         file's, so that the open takes it rather than draw another (and dropped when it
         is another file's). One being drawn (the draw yields to requests) is waited for.
         A failure here is the open's own draw's to report."""
-        if self._wanted is node:
-            await self._tree.after_reply.settle(self)
-        else:
-            self._tree.after_reply.discard(self)
-            await scheduling.checkpoint()
+        # (another file's piece is dropped, but one under way finishes first: a store into
+        # this node's pages from a thread must not run beside this open's own)
+        await self._tree.after_reply.settle(self, run_waiting=self._wanted is node)
 
     def released(self, node: BufferFile) -> None:
         """No open of sample file `node` is left: the batch drawn ahead for it goes into
@@ -1155,7 +1167,19 @@ class BufferDir(NamedDir):
         if ahead.changes != self.buffer.changes:
             self.drop_ahead()
             return
+        if len(ahead.data) > LOOP_STORE_MAX_BYTES:  # from a thread, after this reply (the next open settles it)
+            self._tree.after_reply.add(self, functools.partial(self._store_ahead, node, ahead))
+            return
         ahead.stored = store_batch(node, ahead.data)
+
+    async def _store_ahead(self, node: BufferFile, ahead: Ahead) -> None:
+        """A big batch drawn ahead into `node`'s page cache from a worker thread, queued by
+        `released`: an open of the node settles it before it replies, so no client of
+        the node reads while its pages are filled."""
+        if self.ahead is not ahead or node.opens > 1 or ahead.changes != self.buffer.changes:
+            await scheduling.checkpoint()
+            return
+        ahead.stored = await trio.to_thread.run_sync(store_batch, node, ahead.data)
 
     def take_ahead(self, node: BufferFile, count: int | None, columnar: bool, label: Callable[[], str]) -> Ahead | None:
         """The batch drawn ahead for this open of `node` (the only open of it), now held

@@ -45,6 +45,7 @@ STORE_PARTS_MAX = 4
 _device_fd: int | None = None  # this process's /dev/fuse descriptor while mounted
 _helpers: StoreHelpers | None = None  # made at attach (one per further CPU), stopped at detach
 _stores = [0, 0]  # stores written, those of them in parts (`statistics`)
+_stores_lock = threading.Lock()  # (a big batch is stored from a worker thread)
 Pieces = Sequence[bytes | bytearray | memoryview]
 
 
@@ -119,8 +120,9 @@ def store(ino: int, pieces: Pieces) -> bool:
     try:
         if fd is not None and len(pieces) < IOV_MAX:
             parts = write_store(fd, ino, pieces, _helpers)
-            _stores[0] += 1
-            _stores[1] += parts > 1
+            with _stores_lock:
+                _stores[0] += 1
+                _stores[1] += parts > 1
         else:
             data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
             pyfuse3.notify_store(ino, 0, data)  # type: ignore[arg-type]  # any contiguous buffer

@@ -493,6 +493,37 @@ def test_a_big_batch_goes_to_the_page_cache_in_parts_written_at_once(mounted: Mo
     assert float(stores.group(1)) >= after["stores"]
 
 
+def test_a_batch_past_what_the_event_loop_stores_goes_in_from_a_thread(mounted: Mount, buffer: Path) -> None:
+    """A batch past 16 MiB (R2D2's 40 MB; fs/buffers.py LOOP_STORE_MAX_BYTES) is stored
+    from a worker thread while the event loop serves others, at the open or, drawn
+    ahead, after the release (the next open waits for it): each open reads its whole
+    batch from the page cache, without a READ request, and takes the batch drawn
+    ahead for it."""
+    obs = 5_000_000
+    dtype = np.dtype([("obs", "u1", (obs,)), ("step", "<i4")])
+    configure(buffer, schema={"obs": ["uint8", [obs]], "step": "int32"}, batch_size=4, capacity=20)
+    items = np.zeros(12, dtype=dtype)
+    items["obs"] = (np.arange(12) * 37 % 251)[:, None] + (np.arange(obs) % 5)[None, :]
+    items["step"] = np.arange(12) * 11
+    client.append(buffer, items)
+    assert (buffer / "sample").stat().st_size > 16 << 20
+    with open(buffer / "sample", "rb") as f:  # looks it up and caches its attributes
+        np.load(f)
+    wait_for(lambda: stats(buffer)["batches_drawn_ahead"] >= 1, what="a batch drawn ahead")
+    reads, before = data_requests(mounted, "buffers", "read"), stats(buffer)
+    for _ in range(4):
+        with open(buffer / "sample", "rb") as f:
+            batch = np.load(f)
+        index = batch["_index"]
+        assert len(index) == 4
+        assert (batch["step"] == items["step"][index]).all()
+        assert (batch["obs"] == items["obs"][index]).all()
+    assert data_requests(mounted, "buffers", "read") == reads
+    after = stats(buffer)
+    assert after["page_cache_batches"] == before["page_cache_batches"] + 4
+    assert after["batches_drawn_ahead_taken"] == before["batches_drawn_ahead_taken"] + 4
+
+
 def test_opens_of_a_sample_at_once_each_read_their_own_batch(mounted: Mount, buffer: Path) -> None:
     """Only an open with no other open of the file beside it reads from the page cache
     (the kernel keeps one cache per file); the others read from the daemon, and each
