@@ -16,6 +16,7 @@ docs/design.md, "A big page-cache store in parts").
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
@@ -201,6 +202,8 @@ class StoreHelpers:
                 os.writev(fd, notice)
             except OSError as exc:
                 done.put(exc)
+            except Exception as exc:  # (never leave the caller waiting: it would wait for ever)
+                done.put(OSError(errno.EIO, f"a page-cache store's part failed: {exc!r}"))
             else:
                 done.put(None)
 

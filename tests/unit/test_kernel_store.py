@@ -94,3 +94,19 @@ def test_a_part_that_fails_fails_the_store_and_the_helpers_go_on(tmp_path: Path)
         assert sorted(written_notices(tmp_path / "device")) == [0, kernel.STORE_CUT]
     finally:
         helpers.stop()
+
+
+def test_a_part_that_breaks_its_helper_still_answers_the_caller(tmp_path: Path) -> None:
+    """Whatever a helper's write raises, the caller gets an OSError back (it never waits
+    for ever) and the helper goes on with the next store."""
+    helpers = kernel.StoreHelpers(1)
+    fd = os.open(tmp_path / "device", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        with pytest.raises(OSError) as failed:
+            helpers.write(fd, [[b"first"], [object()]])  # type: ignore[list-item]  # not a buffer: TypeError
+        assert failed.value.errno == errno.EIO
+        helpers.write(fd, [[b"a"], [b"b"]])
+    finally:
+        os.close(fd)
+        helpers.stop()
+    assert sorted((tmp_path / "device").read_bytes()) == sorted(b"firstab")
