@@ -267,6 +267,7 @@ def columnar_npz(batch: bytes) -> bytes:
 
 
 CACHED_BATCH_MAX_BYTES = 64 << 20  # a sample batch up to this size may be served from the page cache
+STREAM_JOIN_MAX_BYTES = 4 << 20  # the most a stream's open keeps for joining a read's pieces
 # A bigger batch than this goes into the page cache from a worker thread, the event loop
 # serving other requests meanwhile (R2D2's 40 MB took 3-4 ms to store on two CPUs).
 LOOP_STORE_MAX_BYTES = 16 << 20
@@ -585,6 +586,9 @@ class StreamHandle(BatchHolder):
         self._ahead = ahead
         self._next: Ahead | None = None  # the next batch, drawn ahead
         self._released = False
+        # A read that spans a batch's pieces is joined here, kept for the next: pyfuse3
+        # copies a reply into the kernel before any other request of this open runs.
+        self._joined = bytearray()
 
     async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
         end = self._start + len(self._data)
@@ -619,7 +623,9 @@ class StreamHandle(BatchHolder):
         if at + size >= len(self._data) and self._ahead is not None and self._ahead.policy.wanted(len(self._data)):
             self._ahead.after_reply.add(self, self._draw_next)
         if isinstance(self._data, ScatteredBytes):
-            return self._data.read(at, size)
+            if len(self._joined) < size <= STREAM_JOIN_MAX_BYTES:
+                self._joined = bytearray(size)
+            return self._data.read(at, size, self._joined)
         return memoryview(self._data)[at : at + size]
 
     async def _draw_next(self) -> None:

@@ -778,6 +778,28 @@ def test_scattered_bytes_reads_any_range_as_the_joined_bytes() -> None:
             assert bytes(data.read(offset, size)) == joined[offset : offset + size]
 
 
+def test_scattered_bytes_join_a_read_into_the_callers_buffer() -> None:
+    """A read that spans pieces goes into the buffer the caller keeps (a stream's open:
+    no new memory per read) where it is big enough, whatever it held before; a read
+    inside one piece stays a view of it; a buffer too small is left alone."""
+    pieces = [b"head", b"", b"x" * 10, b"yz", b"tail-end"]
+    joined = b"".join(pieces)
+    data = ScatteredBytes(pieces)
+    into = bytearray(b"#" * 16)
+    for offset in range(len(joined) + 2):
+        for size in (1, 3, 7, 16):
+            got = data.read(offset, size, into)
+            assert bytes(got) == joined[offset : offset + size]
+            if isinstance(got, memoryview) and got.obj is into:
+                assert len(got) == min(size, len(joined) - offset)
+    spanning = data.read(2, 10, into)
+    assert isinstance(spanning, memoryview)
+    assert spanning.obj is into
+    small = bytearray(4)
+    assert bytes(data.read(2, 10, small)) == joined[2:12]
+    assert small == bytearray(4)
+
+
 async def test_concurrent_appenders_keep_fifo_order_in_a_small_ring(tiers: tuple[BlockStore, MetaDb]) -> None:
     """Two appenders race through a ring of 4 with DRAM waits in between; whatever the
     interleaving, the live items are the newest 4 indices, each with its own bytes."""

@@ -487,7 +487,10 @@ class ScatteredBytes:
         """The pieces in order (to copy them somewhere without joining them first)."""
         return list(self._pieces)
 
-    def read(self, offset: int, size: int) -> memoryview | bytes:
+    def read(self, offset: int, size: int, into: bytearray | None = None) -> memoryview | bytes:
+        """The bytes from `offset` (at most `size`): a view of one piece, or the pieces
+        it spans joined, into `into` where it is big enough (a buffer the caller keeps
+        for its next read: no new memory per read) and into new memory otherwise."""
         end = min(offset + size, self.length)
         if offset >= end:
             return b""
@@ -496,13 +499,22 @@ class ScatteredBytes:
         piece = self._pieces[first]
         if inner + (end - offset) <= len(piece):
             return piece[inner : inner + end - offset]
-        out = bytearray()
-        at = first
-        while len(out) < end - offset:
+        if into is None or len(into) < end - offset:
+            out = bytearray()
+            at = first
+            while len(out) < end - offset:
+                start = inner if at == first else 0
+                out += self._pieces[at][start : start + (end - offset - len(out))]
+                at += 1
+            return memoryview(out)
+        view, filled, at = memoryview(into), 0, first
+        while filled < end - offset:
             start = inner if at == first else 0
-            out += self._pieces[at][start : start + (end - offset - len(out))]
+            part = self._pieces[at][start : start + end - offset - filled]
+            view[filled : filled + len(part)] = part
+            filled += len(part)
             at += 1
-        return memoryview(out)
+        return view[:filled]
 
     def tobytes(self) -> bytes:
         return b"".join(self._pieces)
