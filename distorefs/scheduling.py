@@ -150,11 +150,8 @@ class AfterReply:
         elif running is None:
             await checkpoint()
 
-    async def next(self) -> Callable[[], Awaitable[None]]:
-        """The oldest piece waiting (taken off the queue); waits for one."""
-        return (await self._next_keyed())[1]
-
-    async def _next_keyed(self) -> tuple[object, Callable[[], Awaitable[None]]]:
+    async def next(self) -> tuple[object, Callable[[], Awaitable[None]]]:
+        """The oldest piece waiting and its key (taken off the queue); waits for one."""
         while True:
             while not self._work:
                 await self._ready.wait()
@@ -173,7 +170,7 @@ class AfterReply:
         it took 150 µs of an `np.load(open(sample))` (docs/benchmarks.md, "Twenty-sixth
         session"). A piece's failure is logged (`run_quietly`)."""
         while True:
-            key, work = await self._next_keyed()
+            key, work = await self.next()
             self._running[key] = ended = trio.Event()
             try:
                 await run_quietly(work)

@@ -1185,7 +1185,7 @@ class BufferDir(NamedDir):
         if self.ahead is not ahead or node.opens > 1 or ahead.changes != self.buffer.changes:
             await scheduling.checkpoint()
             return
-        ahead.stored = await trio.to_thread.run_sync(store_batch, node, ahead.data)
+        ahead.stored = await store_batch_off_loop(node, ahead.data)
 
     def take_ahead(self, node: BufferFile, count: int | None, columnar: bool, label: Callable[[], str]) -> Ahead | None:
         """The batch drawn ahead for this open of `node` (the only open of it), now held

@@ -116,7 +116,6 @@ def store(ino: int, pieces: Pieces) -> bool:
     sample's batch in the page cache"). Without the descriptor (`attach`), or with more
     pieces than one `writev` takes, they are joined and stored through pyfuse3. A big
     store goes in parts at once (`write_store`)."""
-    size = sum(len(p) for p in pieces)
     fd = _device_fd
     try:
         if fd is not None and len(pieces) < IOV_MAX:
@@ -128,7 +127,7 @@ def store(ino: int, pieces: Pieces) -> bool:
             data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
             pyfuse3.notify_store(ino, 0, data)  # type: ignore[arg-type]  # any contiguous buffer
     except OSError as exc:
-        log.debug("notify_store(%d, %d bytes): %s", ino, size, exc)
+        log.debug("notify_store(%d, %d bytes): %s", ino, sum(len(p) for p in pieces), exc)
         return False
     return True
 

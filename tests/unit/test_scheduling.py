@@ -138,7 +138,7 @@ async def test_after_reply_runs_work_in_order_one_piece_per_key() -> None:
     queue.add("c", piece("c1"))
     queue.discard("c")
     for _ in range(2):
-        await (await queue.next())()
+        await (await queue.next())[1]()
     assert ran == ["b1", "a2"]
     with trio.move_on_after(0.05) as waited:
         await queue.next()
@@ -148,7 +148,7 @@ async def test_after_reply_runs_work_in_order_one_piece_per_key() -> None:
     taken = queue.take("e")  # a request that needs it does it itself
     assert taken is not None
     assert queue.take("e") is None
-    await (await queue.next())()
+    await (await queue.next())[1]()
     await taken()
     assert ran == ["b1", "a2", "d1", "e1"]
 

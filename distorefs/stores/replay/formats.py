@@ -499,21 +499,14 @@ class ScatteredBytes:
         piece = self._pieces[first]
         if inner + (end - offset) <= len(piece):
             return piece[inner : inner + end - offset]
+        last = int(np.searchsorted(self._starts, end, side="left")) - 1
+        parts = [piece[inner:], *self._pieces[first + 1 : last], self._pieces[last][: end - self._starts[last]]]
         if into is None or len(into) < end - offset:
-            out = bytearray()
-            at = first
-            while len(out) < end - offset:
-                start = inner if at == first else 0
-                out += self._pieces[at][start : start + (end - offset - len(out))]
-                at += 1
-            return memoryview(out)
-        view, filled, at = memoryview(into), 0, first
-        while filled < end - offset:
-            start = inner if at == first else 0
-            part = self._pieces[at][start : start + end - offset - filled]
+            return b"".join(parts)
+        view, filled = memoryview(into), 0
+        for part in parts:
             view[filled : filled + len(part)] = part
             filled += len(part)
-            at += 1
         return view[:filled]
 
     def tobytes(self) -> bytes:
