@@ -48,6 +48,7 @@ _helpers: StoreHelpers | None = None  # made at attach (one per further CPU), st
 _stores = [0, 0]  # stores written, those of them in parts (`statistics`)
 _stores_lock = threading.Lock()  # (a big batch is stored from a worker thread)
 Pieces = Sequence[bytes | bytearray | memoryview]
+Notice = list[bytes | bytearray | memoryview]  # one notification: its head, then its bytes
 
 
 def attach() -> int | None:
@@ -157,11 +158,14 @@ def write_store(fd: int, ino: int, pieces: Pieces, helpers: StoreHelpers | None)
     the page cache)."""
     size = sum(len(p) for p in pieces)
     bounds = store_cuts(size, 1 + (helpers.count if helpers is not None else 0))
-    notices = [
-        [STORE_HEAD.pack(STORE_HEAD.size + end - start, FUSE_NOTIFY_STORE, 0, ino, start, end - start, 0)]
-        + _between(pieces, start, end)
-        for start, end in zip(bounds, bounds[1:], strict=False)
-    ]
+    notices: list[Notice] = []
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        notice: Notice = [
+            STORE_HEAD.pack(STORE_HEAD.size + end - start, FUSE_NOTIFY_STORE, 0, ino, start, end - start, 0)
+        ]
+        # (a store in one part takes the pieces as they are: no view made of each)
+        notice.extend(pieces if len(bounds) == 2 else _between(pieces, start, end))
+        notices.append(notice)
     if len(notices) == 1 or helpers is None:
         os.writev(fd, notices[0])
         return 1
@@ -186,7 +190,7 @@ class StoreHelpers:
 
     def __init__(self, count: int) -> None:
         self.count = max(0, count)
-        self._jobs: queue.SimpleQueue[tuple[int, list[bytes | memoryview], queue.SimpleQueue[OSError | None]] | None]
+        self._jobs: queue.SimpleQueue[tuple[int, Notice, queue.SimpleQueue[OSError | None]] | None]
         self._jobs = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._run, name=f"page-cache store {k}", daemon=True) for k in range(self.count)
@@ -206,7 +210,7 @@ class StoreHelpers:
             else:
                 done.put(None)
 
-    def write(self, fd: int, notices: list[list[bytes | memoryview]]) -> None:
+    def write(self, fd: int, notices: list[Notice]) -> None:
         """Write the first notice here and the others on helper threads, all at once;
         return when all are written, raising the first OSError where one failed."""
         done: queue.SimpleQueue[OSError | None] = queue.SimpleQueue()

@@ -378,6 +378,46 @@ async def test_schema_batches_are_npy_with_index_and_weight(tiers: tuple[BlockSt
         assert row["r"] == pytest.approx(row["_index"] * 0.5)
 
 
+@pytest.mark.parametrize("record", [16, formats.RECORD_COPY_BYTES - 1, formats.RECORD_COPY_BYTES, 3000])
+@pytest.mark.parametrize("count", [0, 1, 7])
+@pytest.mark.parametrize("as_rows", [False, True])
+def test_a_copied_batch_writes_every_byte_it_hands_out(
+    monkeypatch: pytest.MonkeyPatch, record: int, count: int, as_rows: bool
+) -> None:
+    """A batch of records under SCATTER_RECORD_BYTES is built in memory that is not
+    zeroed first: the header, each record (copied one by one from RECORD_COPY_BYTES,
+    joined below it, or from a buffer's rows) and its `_index`/`_weight` must cover every
+    byte. The memory is filled with 0xAB here, so any byte left unwritten shows."""
+    monkeypatch.setattr(formats, "unzeroed", lambda size: bytearray(b"\xab" * size))
+    schema = np.dtype([("obs", np.uint8, (record - 4,)), ("r", "<f4")])
+    rng = np.random.default_rng(record + count)
+    raw = rng.integers(0, 256, (count, record), dtype=np.uint8)
+    payloads = raw if as_rows else [memoryview(row.tobytes()) for row in raw]
+    indices = rng.integers(0, 10**9, count)
+    weights = rng.random(count, dtype=np.float32)
+    data = encode_npy_batch(schema, payloads, indices, weights)
+    assert isinstance(data, bytearray)
+    expected = np.zeros(count, dtype=formats.batch_dtype(schema))
+    for k in range(count):
+        expected[k]["obs"] = raw[k, : record - 4]
+        expected[k]["r"] = raw[k, record - 4 :].view("<f4")[0]
+    expected["_index"], expected["_weight"] = indices, weights
+    header = formats.npy_batch_header(schema, count)
+    assert bytes(data[: len(header)]) == header
+    assert bytes(data[len(header) :]) == expected.tobytes()
+    assert len(data) == len(header) + expected.nbytes
+    batch = np.load(io.BytesIO(bytes(data)))
+    assert batch.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("record", [100, 3000])
+def test_a_payload_of_another_length_fails_the_batch(record: int) -> None:
+    schema = np.dtype([("obs", np.uint8, (record,))])
+    payloads = [memoryview(b"x" * record), memoryview(b"y" * (record - 1))]
+    with pytest.raises(ValueError):
+        encode_npy_batch(schema, payloads, np.array([1, 2]), np.ones(2, np.float32))
+
+
 def test_big_record_batches_are_views_that_read_as_the_same_npy(monkeypatch: pytest.MonkeyPatch) -> None:
     schema = np.dtype([("obs", np.uint8, (5000,)), ("r", "<f4")])
     records = np.zeros(3, dtype=schema)
