@@ -398,9 +398,7 @@ def test_a_copied_batch_writes_every_byte_it_hands_out(
     data = encode_npy_batch(schema, payloads, indices, weights)
     assert isinstance(data, bytearray)
     expected = np.zeros(count, dtype=formats.batch_dtype(schema))
-    for k in range(count):
-        expected[k]["obs"] = raw[k, : record - 4]
-        expected[k]["r"] = raw[k, record - 4 :].view("<f4")[0]
+    expected.view(np.uint8).reshape(count, expected.dtype.itemsize)[:, :record] = raw  # the records, bit for bit
     expected["_index"], expected["_weight"] = indices, weights
     header = formats.npy_batch_header(schema, count)
     assert bytes(data[: len(header)]) == header

@@ -431,7 +431,7 @@ def npy_batch_bytes(schema: np.dtype[Any], count: int) -> int:
 
 SCATTER_RECORD_BYTES = 4096  # records this big are served as views, not copied into one buffer
 # Smaller records are copied into the batch one memcpy each from this size, which skips
-# the joined copy in between (a SAC batch of 256 x 3 KB: 85 -> 37 µs alone); below it,
+# the joined copy in between (a SAC batch of 256 x 3 KB: 85 -> 46 µs alone); below it,
 # a step per record costs more than the second copy (1,024 x 100 bytes: 21 against 71 µs)
 RECORD_COPY_BYTES = 1024
 _TAIL = np.dtype([("index", "<i8"), ("weight", "<f4")])  # what batch_dtype adds after a record
