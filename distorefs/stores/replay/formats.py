@@ -465,8 +465,8 @@ def encode_npy_batch(
     # and `_weight`, packed); zeroing 770 KB first cost a SAC batch 30-60 µs of memset
     out = unzeroed(len(header) + count * dtype.itemsize)
     out[: len(header)] = header
+    rows = np.frombuffer(out, dtype=np.uint8, offset=len(header)).reshape(count, dtype.itemsize)
     if isinstance(payloads, np.ndarray):
-        rows = np.frombuffer(out, dtype=np.uint8, offset=len(header)).reshape(count, dtype.itemsize)
         rows[:, : schema.itemsize] = payloads
     elif schema.itemsize >= RECORD_COPY_BYTES:  # one memcpy a record, straight into its row
         flat, at, size = memoryview(out), len(header), schema.itemsize
@@ -475,7 +475,6 @@ def encode_npy_batch(
             at += dtype.itemsize
     elif count:  # tiny records: one joined copy and one strided copy, not a step per record
         joined = b"".join(payloads)
-        rows = np.frombuffer(out, dtype=np.uint8, offset=len(header)).reshape(count, dtype.itemsize)
         rows[:, : schema.itemsize] = np.frombuffer(joined, dtype=np.uint8).reshape(count, schema.itemsize)
     records = np.frombuffer(out, dtype=dtype, offset=len(header))
     records["_index"] = indices
