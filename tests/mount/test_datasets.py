@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import mmap
 import multiprocessing
 import os
 import subprocess
@@ -186,6 +187,41 @@ def test_schema_stream_loads_with_numpy(dataset: Path) -> None:
     assert got["_index"].tolist() == expected.tolist()
     assert np.array_equal(got["x"], records["x"][expected])
     assert np.all(got["_weight"] == 1.0)
+
+
+def stream_reads(mounted: Mount) -> float:
+    """READ requests of dataset files the daemon has served so far (`.distore/metrics`)."""
+    for line in client.read_all(mounted.path / ".distore" / "metrics").decode().splitlines():
+        if line.startswith('distorefs_data_request_seconds_count{kind="datasets",op="read"}'):
+            return float(line.split()[-1])
+    raise AssertionError("no datasets read count in .distore/metrics")
+
+
+def test_a_stream_read_into_a_buffer_off_a_page_boundary_costs_two_requests(mounted: Mount, dataset: Path) -> None:
+    """What namespace.md tells stream readers: a 1 MiB read into a buffer that starts on a
+    page is one request, into one that does not (a bytearray's) two, the same bytes."""
+    items = [blob(i, 10_000) for i in range(330)]  # a stream of 3.3 MB: 3 full MiB and a rest
+    client.append(dataset, items)
+    (dataset / "state").write_text("seal\n")
+    expected = client.read_all(dataset / "stream")
+    full, rest = divmod(len(expected), 1 << 20)
+    assert full == 3 and rest > 0
+    memory = mmap.mmap(-1, (1 << 20) + mmap.PAGESIZE)
+    for skew, per_full_read in ((0, 1), (16, 2)):
+        buf = memoryview(memory)[skew : skew + (1 << 20)]
+        before = stream_reads(mounted)
+        got = bytearray()
+        fd = os.open(dataset / "stream", os.O_RDONLY)
+        try:
+            while n := os.readv(fd, [buf]):
+                got += buf[:n]
+        finally:
+            os.close(fd)
+        assert bytes(got) == expected
+        # the full reads, the rest (within 256 pages either way), the read at the end
+        assert stream_reads(mounted) - before == full * per_full_read + 1 + 1
+        buf.release()
+    memory.close()
 
 
 def test_bad_input_gets_clear_errnos(dataset: Path) -> None:
