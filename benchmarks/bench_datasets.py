@@ -17,7 +17,11 @@ order `shuffle 1`. Then, each cold (remounted and the kernel's caches dropped):
   to the next here); each stream is divided by its own round's disk speed;
 - `records/<i>` opened and read one by one in the same order (for `--seconds`);
 - the same records as one file each on the local disk, read in the same order (for
-  `--seconds`), and one file of the dataset's size read sequentially (the disk's speed).
+  `--seconds`), and one file of the dataset's size read sequentially (the disk's speed);
+- the FUSE ceiling of a stream: a file of the dataset's size in the bare pyfuse3
+  filesystem (ceiling_fs.py `--direct-io`: no page cache, as a stream is read), read in
+  each round with the same 1 MiB reads as the streams. A stream cannot be served faster
+  than that; each stream is divided by its own round's.
 `--listing-records N` also times `ls -U records/ | wc -l` of an N-record dataset.
 
 Needs root to drop the page cache (else "cold" only means not in distorefs' DRAM).
@@ -28,6 +32,7 @@ keeps the results and the aims.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -40,7 +45,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-from bench_posix import disk_read_speeds, drop_caches  # the script's own directory is on sys.path
+from bench_posix import Ceiling, disk_read_speeds, drop_caches, read_file, write_file  # the script's directory
 from daemon import wait_for_kernels
 
 from distorefs.stores.datasets.formats import shuffled
@@ -155,6 +160,7 @@ def main() -> int:
     can_drop = drop_caches()
     results["caches_dropped"] = can_drop
     buf = bytearray(1 << 20)
+    stack = contextlib.ExitStack()  # the ceiling's mount, from the streams' rounds on
     try:
         # --- the local disk: one file, and one file per record ---------------------------
         disk_file = base / "disk.bin"
@@ -197,10 +203,16 @@ def main() -> int:
         variants = [(window, pc) for window in args.windows for pc in args.page_cache]
         streams: dict[str, dict[str, object]] = {f"{w} {pc}": {"rounds": []} for w, pc in variants}
         disk_rounds = []
+        ceiling_rounds: list[float] = []
+        ceiling_file = stack.enter_context(Ceiling(base, ["--direct-io"])) / "stream"
+        write_file(ceiling_file, count * size, os.urandom(1 << 20))
         for _round in range(args.rounds):
             speeds = disk_read_speeds(disk_file)
             disk_gbps = speeds["best"]
             disk_rounds.append(speeds)
+            started = time.perf_counter()
+            ceiling_gbps = read_file(ceiling_file) / (time.perf_counter() - started) / 1e9
+            ceiling_rounds.append(ceiling_gbps)
             for window, page_cache in variants:
                 budget = f"{max(parse_size(window) + (256 << 20), 1 << 30) >> 20}MiB"
                 daemon.mount(budget, window, ds / "stream", page_cache)
@@ -218,6 +230,8 @@ def main() -> int:
                         "gbps": total / elapsed / 1e9,
                         "disk_gbps": disk_gbps,
                         "vs_disk": total / elapsed / 1e9 / disk_gbps,
+                        "ceiling_gbps": ceiling_gbps,
+                        "vs_ceiling": total / elapsed / 1e9 / ceiling_gbps,
                         "log_parts": status["blocks"]["gathered_log_parts"],
                         "log_spans": status["blocks"]["gathered_log_spans"],
                         "whole": stats_whole,
@@ -228,12 +242,15 @@ def main() -> int:
         results["disk_sequential_gbps"] = statistics.median(r["best"] for r in disk_rounds)
         results["disk_one_reader_gbps"] = statistics.median(r["one_1m"] for r in disk_rounds)
         results["disk_sequential_rounds"] = disk_rounds
+        results["ceiling_gbps"] = statistics.median(ceiling_rounds)
+        results["ceiling_rounds_gbps"] = ceiling_rounds
         for s in streams.values():
             rounds = s["rounds"]
             assert isinstance(rounds, list)
             s["budget"] = rounds[0]["budget"]
             s["gbps"] = statistics.median(r["gbps"] for r in rounds)
             s["vs_disk"] = statistics.median(r["vs_disk"] for r in rounds)
+            s["vs_ceiling"] = statistics.median(r["vs_ceiling"] for r in rounds)
         results["stream"] = streams
 
         if args.listing_records:
@@ -241,6 +258,7 @@ def main() -> int:
             results["listing"] = bench_listing(daemon, args.listing_records)
             daemon.umount()
     finally:
+        stack.close()
         subprocess.run(["fusermount3", "-u", "-z", str(daemon.mnt)], check=False, capture_output=True)
         shutil.rmtree(base, ignore_errors=True)
 
@@ -248,14 +266,20 @@ def main() -> int:
     per_rec = results["records_per_file"]["gbps"]  # type: ignore[index]
     print(f"\n{count} records of {size} bytes ({count * size / 1e9:.2f} GB), order `shuffle 1`, cold")
     print(f"caches dropped: {can_drop}\n")
-    print("| reader | rate | GB/s | vs disk sequential | vs records/<i> |")
-    print("| --- | --- | --- | --- | --- |")
-    print(f"| local disk, one file, sequential (its best: one reader 8 MiB or four readers) | | {disk:.2f} | 1.00x | |")
+    ceiling = float(results["ceiling_gbps"])  # type: ignore[arg-type]
+    print("| reader | rate | GB/s | vs disk sequential | vs records/<i> | vs FUSE ceiling |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    best = "its best: one reader 8 MiB or four readers"
+    print(f"| local disk, one file, sequential ({best}) | | {disk:.2f} | 1.00x | | |")
+    print(
+        f"| FUSE ceiling: ceiling_fs.py --direct-io, one file from its memory, 1 MiB reads | | {ceiling:.2f} | "
+        f"{ceiling / disk:.2f}x | | 1.00x |"
+    )
     one = float(results["disk_one_reader_gbps"])  # type: ignore[arg-type]
-    print(f"| local disk, one file, one reader with 1 MiB reads | | {one:.2f} | {one / disk:.2f}x | |")
+    print(f"| local disk, one file, one reader with 1 MiB reads | | {one:.2f} | {one / disk:.2f}x | | |")
     for label, key in (("local disk, a file per record", "disk_per_file"), ("records/<i>", "records_per_file")):
         r = results[key]
-        print(f"| {label} | {r['files_per_s']:.0f} files/s | {r['gbps']:.3f} | {r['gbps'] / disk:.2f}x | |")  # type: ignore[index]
+        print(f"| {label} | {r['files_per_s']:.0f} files/s | {r['gbps']:.3f} | {r['gbps'] / disk:.2f}x | | |")  # type: ignore[index]
     for variant, s in streams.items():
         gbps, vs_disk = float(s["gbps"]), float(s["vs_disk"])  # type: ignore[arg-type]
         window, page_cache = variant.split()
@@ -263,8 +287,10 @@ def main() -> int:
         assert isinstance(rounds, list)
         how = "whole, via the page cache" if rounds[0]["whole"] else "record by record"
         label = f"stream, window {window}, --dataset-page-cache {page_cache} ({how}; DRAM {s['budget']})"
-        print(f"| {label} | | {gbps:.2f} | {vs_disk:.2f}x | {gbps / per_rec:.1f}x |")
-    print(f"\nstream and disk: medians of {args.rounds} rounds; `vs disk` is the median of each round's ratio")
+        vs_ceiling = float(s["vs_ceiling"])  # type: ignore[arg-type]
+        print(f"| {label} | | {gbps:.2f} | {vs_disk:.2f}x | {gbps / per_rec:.1f}x | {vs_ceiling:.2f}x |")
+    print(f"\nstream, disk and ceiling: medians of {args.rounds} rounds; `vs disk` and `vs FUSE ceiling` are the")
+    print("medians of each round's ratios")
     print(f"\nappend (framed, one open): {results['append_gbps']:.2f} GB/s")
     if "listing" in results:
         lst = results["listing"]

@@ -153,14 +153,16 @@ def remove_entries(root: Path) -> None:
 class Ceiling:
     """The bare pyfuse3 filesystem of benchmarks/ceiling_fs.py: the FUSE ceiling."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, options: Sequence[str] = ()) -> None:
         self.mnt = base / "ceiling"
         self.mnt.mkdir(parents=True, exist_ok=True)
+        self.options = list(options)  # ceiling_fs.py's own (--direct-io)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> Path:
         script = Path(__file__).resolve().parent / "ceiling_fs.py"
-        self.proc = subprocess.Popen([sys.executable, str(script), str(self.mnt)], stdout=subprocess.PIPE)
+        argv = [sys.executable, str(script), str(self.mnt), *self.options]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE)
         assert self.proc.stdout is not None
         if self.proc.stdout.readline().strip() != b"ready":
             raise RuntimeError("the ceiling filesystem did not mount")

@@ -3,12 +3,16 @@ bytearrays, with no log, no cache tier, no metadata database and no checks beyon
 POSIX needs. Whatever distorefs does per request costs on top of this; a benchmark
 divides by it to say how much of the FUSE ceiling distorefs reaches.
 
-    python benchmarks/ceiling_fs.py MOUNTPOINT      # prints "ready" once mounted; SIGTERM/umount ends it
+    python benchmarks/ceiling_fs.py MOUNTPOINT [--direct-io]   # prints "ready" once mounted; SIGTERM/umount ends it
 
 Mounted with the options distorefs uses (pyfuse3's defaults, fsname/subtype, noatime)
 and the same open flags (keep_cache for files); getxattr is left to pyfuse3's default
 (ENOSYS), so the kernel stops asking for security.capability before each write, which
 distorefs answers every time: that difference is part of what the ceiling shows.
+
+`--direct-io` opens every file without the page cache (`direct_io`, no `keep_cache`), as
+distorefs serves its control files and dataset streams: each read() is READ requests
+answered from the filesystem's memory, the ceiling of such a file.
 """
 
 from __future__ import annotations
@@ -44,8 +48,9 @@ class Node:
 class CeilingFs(pyfuse3.Operations):
     enable_writeback_cache = False
 
-    def __init__(self) -> None:
+    def __init__(self, direct_io: bool = False) -> None:
         super().__init__()
+        self.direct_io = direct_io
         self.nodes = {ROOT: Node(ROOT, stat.S_IFDIR | 0o777, os.getuid(), os.getgid())}
         self.next_ino = ROOT + 1
 
@@ -100,13 +105,18 @@ class CeilingFs(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         node = self._make(parent_inode, name, mode, ctx)
-        return pyfuse3.FileInfo(fh=node.ino, keep_cache=True), self._attrs(node)
+        return self._info(node.ino), self._attrs(node)
 
     async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
         node = self._node(inode)
         if flags & os.O_TRUNC:  # pyfuse3 sets atomic_o_trunc
             node.chunks, node.size = [], 0
-        return pyfuse3.FileInfo(fh=inode, keep_cache=True)
+        return self._info(inode)
+
+    def _info(self, ino: int) -> pyfuse3.FileInfo:
+        if self.direct_io:
+            return pyfuse3.FileInfo(fh=ino, direct_io=True)
+        return pyfuse3.FileInfo(fh=ino, keep_cache=True)
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         node = self.nodes[fh]
@@ -220,7 +230,7 @@ def main() -> int:
     mountpoint = sys.argv[1]
     keep_freed_memory()
     options = set(pyfuse3.default_options) | {"fsname=ceiling", "subtype=ceiling", "noatime"}
-    pyfuse3.init(CeilingFs(), mountpoint, options)
+    pyfuse3.init(CeilingFs(direct_io="--direct-io" in sys.argv[2:]), mountpoint, options)
     print("ready", flush=True)
     try:
         trio.run(pyfuse3.main)
