@@ -25,6 +25,7 @@ import numpy as np
 from distorefs import scheduling
 from distorefs.errors import DistorefsError, FileTooLarge, InvalidArgument, NotFound, ReadOnly, describe
 from distorefs.fs.virtual import (
+    READ_PIECES,
     Access,
     AppendStreamHandle,
     ControlFile,
@@ -32,6 +33,7 @@ from distorefs.fs.virtual import (
     NamedDir,
     NamedKindDirectory,
     PositionListing,
+    ReadReply,
     RenderedHandle,
     VirtualDir,
     VirtualFile,
@@ -249,7 +251,12 @@ class StreamHandle(VirtualHandle):
         self._store = store
         self.stream = stream
 
-    async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
+    async def read(self, offset: int, size: int) -> ReadReply:
+        # Served from DRAM: views of the block cache, replied before anything else runs
+        # (no await between here and pyfuse3's writev, so no eviction can reuse a buffer).
+        pieces = self.stream.read_pieces(offset, size)
+        if pieces is not None:
+            return pieces
         return await self.stream.read(offset, size)
 
     async def release(self) -> None:
@@ -308,7 +315,8 @@ class StreamFile(VirtualFile):
             raise ReadOnly(f"{_label(self.ds, self.name.decode())} is read-only")
         if self.ds.deleted:
             raise NotFound(f"datasets/{self.ds.name} was removed")
-        return StreamHandle(self._store, await self._store.open_stream(self.ds, self.rank, self.world))
+        stream = await self._store.open_stream(self.ds, self.rank, self.world, READ_PIECES)
+        return StreamHandle(self._store, stream)
 
 
 class RecordNode(VirtualFile):

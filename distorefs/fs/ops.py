@@ -40,6 +40,7 @@ from distorefs.fs.shm import ADOPT_XATTR, borrow_sealed, parse_fd
 from distorefs.fs.virtual import (
     KindDirectory,
     PositionListing,
+    ReadReply,
     VirtualDir,
     VirtualFile,
     VirtualHandle,
@@ -630,14 +631,16 @@ class FsOperations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=_created_direct(flags, kind)), self._entry(inode)
 
     @_translate(mutates=False)
-    async def read(self, fh: int, off: int, size: int) -> bytes | bytearray | memoryview:  # type: ignore[override]
+    async def read(self, fh: int, off: int, size: int) -> ReadReply:  # type: ignore[override]
         handle = self._handles[fh]
         started = time.perf_counter()
+        data: ReadReply
         if handle.vhandle is not None:
-            data = await handle.vhandle.read(off, size)
+            data = await handle.vhandle.read(off, size)  # a list of pieces only where READ_PIECES allows
         else:
             data = await self.tree.read(handle.ino, off, size)
-        self.metrics.transferred(handle.kind, "read", len(data), started)
+        nbytes = sum(map(len, data)) if isinstance(data, list) else len(data)
+        self.metrics.transferred(handle.kind, "read", nbytes, started)
         return data
 
     @_translate(mutates=True)

@@ -20,7 +20,9 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Self, overload
+from typing import Any, Self, TypeAlias, overload
+
+import pyfuse3
 
 from distorefs import __version__, scheduling
 from distorefs.errors import (
@@ -171,6 +173,14 @@ class Allowance:
 
 UNBOUNDED = Allowance(sys.maxsize, "unbounded")  # a handle's until the fs layer gives it the mount's
 
+# A read's reply: one buffer, or a list of them whose bytes are the reply in order, which
+# pyfuse3 built with scripts/pyfuse3-read-pieces.patch (scripts/setup.sh does) writes to
+# the kernel in one writev, with no copy here (fuse_reply_iov; docs/design.md, "A stream's
+# READs in pieces"). READ_PIECES is the most pieces a reply may have: 0 with stock pyfuse3,
+# which takes one buffer only.
+ReadReply: TypeAlias = bytes | bytearray | memoryview | list[bytes | memoryview]
+READ_PIECES = int(getattr(pyfuse3, "READ_PIECES_MAX", 0)) if getattr(pyfuse3, "READ_PIECES", False) else 0
+
 
 class VirtualHandle:
     """One open of a virtual file. Reads and writes go here; `direct_io` means every read
@@ -208,7 +218,7 @@ class VirtualHandle:
             self.inputs.give(held - now)
         self._input_held = now
 
-    async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
+    async def read(self, offset: int, size: int) -> ReadReply:
         await scheduling.checkpoint()
         return b""
 

@@ -122,6 +122,28 @@ class ByteRanges(BlockTierBase):
             and dram.peek(BlockKey(owner, number)) is None
         )
 
+    @property
+    def dram_departures(self) -> int:
+        """Blocks that left DRAM (or changed buffer) so far: views of cached blocks taken
+        when this was n are still what the cache holds while it is n."""
+        return self._dram.departures
+
+    def dram_blocks(self, owner: int, count: int) -> list[tuple[bytearray | memoryview | bytes, int]] | None:
+        """The buffers of blocks 0 .. `count` - 1 of `owner` as cached in DRAM, each with
+        its valid bytes; None when one is not cached. Not copies: they hold the blocks'
+        bytes while `dram_departures` has not moved (an eviction may give a buffer to
+        another block), so a caller checks that before each use, and uses what it takes
+        from them before its next await. Bytes in DRAM were checked when they were loaded,
+        or are as written."""
+        peek = self._dram.peek
+        found: list[tuple[bytearray | memoryview | bytes, int]] = []
+        for number in range(count):
+            block = peek(BlockKey(owner, number))
+            if block is None:
+                return None
+            found.append((block.buf, min(block.length, len(block.buf))))
+        return found
+
     async def will_need(self, locations: list[LogLocation]) -> None:
         """Have the kernel read these log records into its page cache, in the background
         (NvmeLog.will_need, from a worker thread: the hints queue the reads and return)."""

@@ -145,6 +145,9 @@ class DramCache:
         # to keep a copy); it must not touch the cache.
         self.evicted: Callable[[BlockKey, Block], None] | None = None
         self._watchers: dict[int, Callable[[int], None]] = {}  # owner -> told of each block that leaves
+        # Blocks that left the cache or changed buffer so far: a reader that keeps views of
+        # cached blocks (a dataset stream served from DRAM) looks again when it moved.
+        self.departures = 0
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -294,6 +297,7 @@ class DramCache:
     def remove(self, key: tuple[int, int]) -> Block | None:
         block = self._blocks.pop(key, None)
         if block is not None:
+            self.departures += 1
             watcher = self._watchers.get(key[0])
             if watcher is not None:
                 watcher(key[1])
@@ -312,6 +316,7 @@ class DramCache:
     def replace_buffer(self, key: BlockKey, block: Block, buf: bytearray) -> None:
         """Swap the buffer of the cached block of `key` for a bigger (or smaller) one,
         keeping the accounting."""
+        self.departures += 1
         delta = len(buf) - block.capacity_bytes
         add_owned(self._owner_bytes, key[0], delta)
         if block.transient:

@@ -225,6 +225,53 @@ def test_a_stream_read_into_a_buffer_off_a_page_boundary_costs_two_requests(moun
     memory.close()
 
 
+def stream_stats(path: Path) -> dict[str, int]:
+    """The `stats` entry of the one stream open on the dataset at `path`."""
+    streams = stats(path)["streams"]
+    assert isinstance(streams, list)
+    assert len(streams) == 1
+    entry: dict[str, int] = streams[0]
+    return entry
+
+
+def test_a_stream_of_records_in_dram_is_read_from_the_block_cache(dataset: Path) -> None:
+    """Records just appended are in the daemon's DRAM: a stream of them is served as
+    pieces of the block cache (no batch gathered), and reads the same bytes in any sizes."""
+    items = [blob(i, 3000 + (i * 997) % 4000) for i in range(400)]  # 1.5-2.8 MB of 3-7 KB records
+    client.append(dataset, items)
+    (dataset / "state").write_text("seal\n")
+    (dataset / "order").write_text("shuffle 12\n")
+    order = shuffled(12, 400).tolist()
+    with open(dataset / "stream", "rb", buffering=0) as f:
+        got = bytearray()
+        for size in [1, 19, 4096, 100_000, 1 << 20, 7] * 10:
+            got += f.read(size)
+        got += f.read()
+        during = stream_stats(dataset)
+    assert during["from_dram"] == 1
+    assert during["dram_reads"] > 0
+    assert during["fetched_batches"] == 0
+    assert [(i, bytes(b)) for i, _w, b in decode_blob_batch(bytes(got))] == [(i, items[i]) for i in order]
+
+
+def test_a_schema_stream_in_dram_loads_with_numpy(dataset: Path) -> None:
+    (dataset / "config").write_text(json.dumps({"schema": {"label": "int32", "x": ["uint8", [6000]]}}))
+    records = np.zeros(300, [("label", "<i4"), ("x", "u1", (6000,))])
+    records["label"] = np.arange(300)
+    records["x"] = np.random.default_rng(3).integers(0, 256, (300, 6000))
+    with open(dataset / "append", "wb") as f:
+        np.save(f, records)
+    (dataset / "state").write_text("seal\n")
+    (dataset / "order").write_text("shuffle 4\n")
+    with open(dataset / "stream", "rb") as f:
+        got = np.load(f)
+        assert stream_stats(dataset)["from_dram"] == 1
+    expected = shuffled(4, 300)
+    assert got["_index"].tolist() == expected.tolist()
+    assert np.array_equal(got["x"], records["x"][expected])
+    assert np.all(got["_weight"] == 1.0)
+
+
 def test_bad_input_gets_clear_errnos(dataset: Path) -> None:
     (dataset / "config").write_text(json.dumps({"schema": SCHEMA}))
     assert errno_of(lambda: (dataset / "append").write_bytes(b"x" * 19)) == errno.EINVAL

@@ -418,3 +418,88 @@ async def test_a_stream_fetches_at_most_its_in_flight_batches_at_once(
     assert peak <= FITS_IN_FLIGHT + 1, f"{peak} batches fetched at once"
     await blocks.close()
     meta.close()
+
+
+def big_blobs(count: int, seed: int) -> list[bytes]:
+    """Records of 3-5 KB: big enough for a stream to be read as pieces (Stream.from_dram)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, int(rng.integers(3000, 5000)), dtype=np.uint8).tobytes() for _ in range(count)]
+
+
+async def read_joined(stream: Stream, ranges: list[tuple[int, int]]) -> list[bytes]:
+    """Each range read as pieces, joined (the pieces checked against the stream's bound)."""
+    out = []
+    for offset, size in ranges:
+        pieces = stream.read_pieces(offset, size)
+        assert pieces is not None
+        assert len(pieces) <= stream.max_pieces
+        out.append(b"".join(pieces))
+        await trio.lowlevel.checkpoint()
+    return out
+
+
+@pytest.mark.parametrize("schema", [False, True])
+async def test_a_stream_in_dram_reads_as_pieces_the_bytes_its_batches_read(store: DatasetStore, schema: bool) -> None:
+    ds = store.create("d")
+    if schema:
+        dtype = np.dtype([("label", "<i4"), ("x", "u1", (4000,))])
+        ds.reconfigure({"schema": {"label": "int32", "x": {"dtype": "uint8", "shape": [4000]}}})
+        records = np.zeros(300, dtype)
+        records["label"] = np.arange(300)
+        records["x"] = np.random.default_rng(1).integers(0, 256, (300, 4000))
+        await ds.append([r.tobytes() for r in records])
+    else:
+        await ds.append(big_blobs(300, seed=1))  # about 1.2 MB in 64 KiB blocks: records cross blocks
+    await ds.seal()
+    await ds.set_order(*order_of(b"shuffle 5\n", ds.count))
+    batches = await store.open_stream(ds, 0, 1)  # no pieces: the batch path, as before
+    assert not batches.from_dram
+    expected = await read_all(batches)
+    store.close_stream(batches)
+    stream = await store.open_stream(ds, 0, 1, pieces=1023)
+    assert stream.from_dram  # the appended records are still in DRAM
+    rng = np.random.default_rng(2)
+    ranges = [(0, 1), (0, len(expected)), (len(expected) - 3, 100), (len(expected), 10), (5, 4096)]
+    ranges += [(int(rng.integers(0, len(expected))), int(rng.integers(1, 300_000))) for _ in range(200)]
+    got = await read_joined(stream, ranges)
+    assert got == [expected[offset : offset + size] for offset, size in ranges]
+    assert stream.statistics()["dram_reads"] == len(ranges)
+    assert stream.statistics()["fetched_batches"] == 0  # nothing was gathered
+    store.close_stream(stream)
+
+
+async def test_a_stream_whose_records_leave_dram_goes_back_to_batches(tmp_path: Path) -> None:
+    datasets, blocks, meta = open_store(tmp_path, dram_blocks=24)  # 1.5 MiB of DRAM
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(datasets.run_streams)
+        ds = datasets.create("d")
+        await ds.append(big_blobs(200, seed=4))  # about 0.8 MB
+        await ds.seal()
+        await ds.set_order(*order_of(b"shuffle 6\n", ds.count))
+        stream = await datasets.open_stream(ds, 0, 1, pieces=1023)
+        assert stream.from_dram
+        first = await read_joined(stream, [(0, 50_000)])
+        other = datasets.create("other")  # 3 MB through DRAM: the first dataset's blocks go
+        await other.append(big_blobs(750, seed=5))
+        await other.seal()
+        await other.set_order(*order_of(b"shuffle 7\n", other.count))
+        assert len(decode_blob_batch(await read_all(await datasets.open_stream(other, 0, 1)))) == 750
+        assert blocks.dram_blocks(ds.data_owner, -(-ds.data_bytes // BLOCK)) is None
+        rest = bytearray(first[0])
+        while True:
+            if (pieces := stream.read_pieces(len(rest), 65536)) is None:
+                piece = await stream.read(len(rest), 65536)  # what the fs layer does then
+            else:
+                piece = b"".join(pieces)
+            if not piece:
+                break
+            rest += piece
+        assert not stream.from_dram
+        batch = decode_blob_batch(bytes(rest))
+        items = big_blobs(200, seed=4)
+        assert [i for i, _w, _b in batch] == shuffled(6, 200).tolist()
+        assert all(item == items[i] for i, _w, item in batch)
+        datasets.close_stream(stream)
+        nursery.cancel_scope.cancel()
+    await blocks.close()
+    meta.close()

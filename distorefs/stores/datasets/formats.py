@@ -211,6 +211,7 @@ class OrderInput:
 
 _BATCH_ITEM_DTYPE = np.dtype([("index", "<i8"), ("weight", "<f4"), ("length", "<u8")])
 assert _BATCH_ITEM_DTYPE.itemsize == BATCH_ITEM.size
+_ROW_SUFFIX_DTYPE = np.dtype([("index", "<i8"), ("weight", "<f4")])  # a schema row's `_index`, `_weight`
 
 
 def npy_header_bytes(dtype: np.dtype[Any], count: int) -> bytes:
@@ -256,23 +257,28 @@ class StreamLayout:
         """The position whose bytes hold `offset` (len(self) past the end)."""
         return int(np.searchsorted(self.ends, offset, side="right"))
 
+    def affixes(self, first: int, last: int) -> np.ndarray:
+        """The bytes the layout adds to positions [first, last), back to back: each blob
+        item's `<q index><f 1.0><Q length>` prefix, or each schema row's `_index` (int64)
+        and `_weight` (float32, 1.0) suffix; a (last - first, prefix + suffix) uint8 array.
+        All at once: 3,000 pack_into calls a batch cost a few ms on the event loop."""
+        items = np.empty(last - first, dtype=_BATCH_ITEM_DTYPE if self.prefix else _ROW_SUFFIX_DTYPE)
+        items["index"] = self.indices[first:last]
+        items["weight"] = 1.0
+        if self.prefix:
+            items["length"] = self.lengths[first:last]
+        return items.view(np.uint8).reshape(last - first, self.prefix + self.suffix)
+
     def frame(self, out: Writable, first: int, last: int) -> np.ndarray:
         """Lay out positions [first, last) in `out` (sized for them) with their prefixes or
         suffixes written; returns where each record's own bytes go in `out`."""
         base = self.start(first)
         starts = self.ends[first:last] - base - self.lengths[first:last] - self.suffix
-        indices = self.indices[first:last]
+        affixes = self.affixes(first, last)
         if self.prefix:
-            # every item's `<q index><f 1.0><Q length>` at once: 3,000 pack_into calls a
-            # batch cost a few ms on the event loop
-            items = np.empty(last - first, dtype=_BATCH_ITEM_DTYPE)
-            items["index"] = indices
-            items["weight"] = 1.0
-            items["length"] = self.lengths[first:last]
             where = (starts - self.prefix)[:, None] + np.arange(self.prefix)
-            np.frombuffer(out, dtype=np.uint8)[where] = items.view(np.uint8).reshape(-1, self.prefix)
+            np.frombuffer(out, dtype=np.uint8)[where] = affixes
         else:
             rows = np.frombuffer(out, dtype=np.uint8).reshape(last - first, -1)
-            rows[:, -12:-4] = indices.astype("<i8").view(np.uint8).reshape(-1, 8)
-            rows[:, -4:] = np.frombuffer(np.float32(1.0).tobytes(), dtype=np.uint8)
+            rows[:, -self.suffix :] = affixes
         return starts

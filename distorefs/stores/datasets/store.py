@@ -135,13 +135,14 @@ class DatasetStore:
 
     # --- streams ----------------------------------------------------------------------------
 
-    async def open_stream(self, ds: Dataset, rank: int, world: int) -> Stream:
-        """A stream of rank `rank`'s share of the current order (Busy until sealed)."""
+    async def open_stream(self, ds: Dataset, rank: int, world: int, pieces: int = 0) -> Stream:
+        """A stream of rank `rank`'s share of the current order (Busy until sealed).
+        `pieces`: the most pieces the caller takes a read as (Stream.read_pieces); 0: none."""
         positions = await ds.shard(rank, world)
         index = await ds.index()
         layout = StreamLayout(ds.dtype, positions, index["length"][positions])
         window = ds.config.prefetch_window_bytes or self.window_bytes
-        stream = Stream(ds, layout, index, self._blocks, window, self._page_cache_limit())
+        stream = Stream(ds, layout, index, self._blocks, window, self._page_cache_limit(), pieces)
         ds.streams_opened += 1
         self.streams.add(stream)
         try:

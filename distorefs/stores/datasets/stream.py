@@ -22,6 +22,12 @@ hundred reads ahead.
 The reader never depends on the task: a read whose batch is not fetched or on its way
 fetches it itself. A read far from where the stream was (a seek) restarts the prefetch
 there.
+
+A stream whose dataset is all in the daemon's DRAM when it opens, for a caller that
+takes a read's bytes as pieces (`read_pieces`: the FUSE layer replies with them in one
+writev), fetches no batches: each read is the layout's own bytes and views of the
+records where they lie in the block cache, with no copy in the daemon. A read that finds
+a record gone from DRAM turns the stream back to batches for good.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ class Stream:
         blocks: BlockStore,
         window_bytes: int,
         whole_bytes: int = 0,
+        pieces: int = 0,
     ) -> None:
         self.dataset = dataset
         self.layout = layout
@@ -98,6 +105,20 @@ class Stream:
         self._first_done = trio.Event()  # a batch has been fetched (or failed)
         self.reader_waits = 0  # reads that found their batch not fetched yet
         self.restarts = 0
+        # Served from DRAM in pieces (see the module's doc): the caller takes up to `pieces`
+        # pieces a read, every block of the dataset is cached now, and a read of 1 MiB
+        # (FUSE's largest) stays within `pieces` (tiny records make too many).
+        self.max_pieces = pieces
+        width = layout.prefix + layout.suffix
+        mean = dataset.data_bytes // max(1, dataset.count) + width
+        self._dram: list[tuple[bytearray | memoryview | bytes, int]] | None = None
+        self._dram_seen = blocks.dram_departures
+        # a read of 1 MiB (FUSE's largest): two pieces a position, one more a block crossed
+        most = 2 * ((1 << 20) // max(1, mean) + 2) + (1 << 20) // blocks.block_bytes + 2
+        if pieces > 0 and most <= pieces:
+            self._dram = blocks.dram_blocks(dataset.data_owner, -(-dataset.data_bytes // blocks.block_bytes))
+        self.from_dram = self._dram is not None
+        self.dram_reads = 0
 
     @property
     def size(self) -> int:
@@ -224,11 +245,17 @@ class Stream:
                 return
 
     async def run_prefetch(self) -> None:
-        """Fetch batches ahead of the reader while they fit in the window; ends at close."""
+        """Fetch batches ahead of the reader while they fit in the window (none while the
+        stream is served from DRAM); ends at close."""
         async with trio.open_nursery() as nursery:
-            if self.fits:
-                nursery.start_soon(self._hint_records)
+            hinting = False
             while not self.closed:
+                if self.from_dram:
+                    await self._wait_wake()
+                    continue
+                if self.fits and not hinting:
+                    nursery.start_soon(self._hint_records)
+                    hinting = True
                 if (
                     self._cursor < len(self.layout)
                     and self._in_flight < self.max_in_flight
@@ -290,6 +317,104 @@ class Stream:
             return pieces[0]
         return b"".join(pieces)
 
+    def read_pieces(self, offset: int, size: int) -> list[bytes | memoryview] | None:
+        """What `read(offset, size)` returns, as pieces, while the stream is served from
+        DRAM: the layout's own bytes (the header, each record's prefix or suffix) and each
+        record's bytes as views of the block cache's buffers, used before the caller's
+        next await. None when the stream is not served from DRAM, or when a record is no
+        longer there (the stream then goes back to batches for good), or when the pieces
+        would be more than the stream's `max_pieces`: then `read`."""
+        if not self._dram_current():
+            return None
+        buffers = self._dram
+        assert buffers is not None
+        layout = self.layout
+        end = min(offset + size, layout.total)
+        pieces: list[bytes | memoryview] = []
+        header = len(layout.header)
+        if offset < header:
+            pieces.append(layout.header[offset : min(end, header)])
+        at = max(offset, header)
+        if at < end:
+            first = layout.position_at(at)
+            last = min(len(layout), layout.position_at(end - 1) + 1)
+            if not self._pieces_of(pieces, buffers, first, last, at, end):
+                self._leave_dram()
+                return None
+            if len(pieces) > self.max_pieces:
+                return None
+        self.dram_reads += 1
+        self.dataset.streamed_bytes += max(0, end - offset)
+        return pieces
+
+    def _dram_current(self) -> bool:
+        """Whether the stream is served from DRAM, its block buffers taken again if any
+        block left DRAM since (and gone back to batches when one of its own did)."""
+        if self._dram is None:
+            return False
+        now = self._blocks.dram_departures
+        if now != self._dram_seen:
+            self._dram = self._blocks.dram_blocks(self.dataset.data_owner, len(self._dram))
+            self._dram_seen = now
+            if self._dram is None:
+                self._leave_dram()
+                return False
+        return True
+
+    def _leave_dram(self) -> None:
+        self._dram = None
+        self.from_dram = False
+        self._wake.set()  # the prefetch takes over
+
+    def _pieces_of(
+        self,
+        pieces: list[bytes | memoryview],
+        buffers: list[tuple[bytearray | memoryview | bytes, int]],
+        first: int,
+        last: int,
+        at: int,
+        end: int,
+    ) -> bool:
+        """Append to `pieces` the bytes of positions [first, last) that lie in [at, end):
+        each position's prefix or suffix (`layout.affixes`) and its record's bytes as views
+        of `buffers` (one, or two for a record that crosses into the next block). False
+        when a record's bytes are past what its block holds."""
+        layout = self.layout
+        prefix, suffix = layout.prefix, layout.suffix
+        width = prefix + suffix
+        bb = self._blocks.block_bytes
+        affixes = layout.affixes(first, last).reshape(-1).data
+        ends = layout.ends[first:last].tolist()
+        lengths = layout.lengths[first:last].tolist()
+        addresses = self._index["offset"][layout.indices[first:last]].astype(np.int64).tolist()
+        for k in range(last - first):
+            stop = ends[k]
+            record_end = stop - suffix
+            record_start = record_end - lengths[k]
+            # a prefix lies at [record_start - prefix, record_start), a suffix at [record_end, stop)
+            region = record_start - prefix if prefix else record_end
+            lo, hi = max(region, at), min(region + width, end)
+            if prefix and lo < hi:
+                pieces.append(affixes[k * width + lo - region : k * width + hi - region])
+            rlo, rhi = max(record_start, at), min(record_end, end)
+            if rlo < rhi:
+                number, inner = divmod(addresses[k] + rlo - record_start, bb)
+                reach = inner + rhi - rlo
+                buf, valid = buffers[number]
+                if reach <= bb:
+                    if reach > valid:
+                        return False
+                    pieces.append(memoryview(buf)[inner:reach])
+                else:
+                    after, after_valid = buffers[number + 1] if number + 1 < len(buffers) else (b"", 0)
+                    if valid < bb or reach - bb > after_valid:
+                        return False
+                    pieces.append(memoryview(buf)[inner:bb])
+                    pieces.append(memoryview(after)[: reach - bb])
+            if suffix and lo < hi:
+                pieces.append(affixes[k * width + lo - region : k * width + hi - region])
+        return True
+
     def close(self) -> None:
         self.closed = True
         self._first_done.set()  # the hint task waits for nothing more
@@ -306,6 +431,8 @@ class Stream:
             "fetched_batches": self.fetched_batches,
             "reader_waits": self.reader_waits,
             "restarts": self.restarts,
+            "from_dram": int(self.from_dram),
+            "dram_reads": self.dram_reads,
         }
 
 
