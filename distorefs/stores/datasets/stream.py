@@ -118,6 +118,8 @@ class Stream:
         if pieces > 0 and most <= pieces:
             self._dram = blocks.dram_blocks(dataset.data_owner, -(-dataset.data_bytes // blocks.block_bytes))
         self.from_dram = self._dram is not None
+        # where each position's record starts in the dataset's bytes (served from DRAM)
+        self._addresses = index["offset"][layout.indices].astype(np.int64) if self.from_dram else np.zeros(0, np.int64)
         self.dram_reads = 0
 
     @property
@@ -378,7 +380,8 @@ class Stream:
         """Append to `pieces` the bytes of positions [first, last) that lie in [at, end):
         each position's prefix or suffix (`layout.affixes`) and its record's bytes as views
         of `buffers` (one, or two for a record that crosses into the next block). False
-        when a record's bytes are past what its block holds."""
+        when a record's bytes are past what its block holds. Only the first and the last
+        position can be cut by the range; the ones between are whole (the fast loop)."""
         layout = self.layout
         prefix, suffix = layout.prefix, layout.suffix
         width = prefix + suffix
@@ -386,34 +389,53 @@ class Stream:
         affixes = layout.affixes(first, last).reshape(-1).data
         ends = layout.ends[first:last].tolist()
         lengths = layout.lengths[first:last].tolist()
-        addresses = self._index["offset"][layout.indices[first:last]].astype(np.int64).tolist()
-        for k in range(last - first):
+        addresses = self._addresses[first:last].tolist()
+        count = last - first
+
+        def record(k: int, skip: int, take: int) -> bool:
+            """Views of `take` bytes of position k's record from `skip` bytes into it."""
+            number, inner = divmod(addresses[k] + skip, bb)
+            reach = inner + take
+            buf, valid = buffers[number]
+            if reach <= bb:
+                if reach > valid:
+                    return False
+                pieces.append(memoryview(buf)[inner:reach])
+                return True
+            after, after_valid = buffers[number + 1] if number + 1 < len(buffers) else (b"", 0)
+            if valid < bb or reach - bb > after_valid:
+                return False
+            pieces.append(memoryview(buf)[inner:bb])
+            pieces.append(memoryview(after)[: reach - bb])
+            return True
+
+        def cut(k: int) -> bool:
+            """Position k, cut to [at, end): a prefix lies at [record_start - prefix,
+            record_start), a suffix at [record_end, stop)."""
             stop = ends[k]
             record_end = stop - suffix
             record_start = record_end - lengths[k]
-            # a prefix lies at [record_start - prefix, record_start), a suffix at [record_end, stop)
             region = record_start - prefix if prefix else record_end
             lo, hi = max(region, at), min(region + width, end)
             if prefix and lo < hi:
                 pieces.append(affixes[k * width + lo - region : k * width + hi - region])
             rlo, rhi = max(record_start, at), min(record_end, end)
-            if rlo < rhi:
-                number, inner = divmod(addresses[k] + rlo - record_start, bb)
-                reach = inner + rhi - rlo
-                buf, valid = buffers[number]
-                if reach <= bb:
-                    if reach > valid:
-                        return False
-                    pieces.append(memoryview(buf)[inner:reach])
-                else:
-                    after, after_valid = buffers[number + 1] if number + 1 < len(buffers) else (b"", 0)
-                    if valid < bb or reach - bb > after_valid:
-                        return False
-                    pieces.append(memoryview(buf)[inner:bb])
-                    pieces.append(memoryview(after)[: reach - bb])
+            if rlo < rhi and not record(k, rlo - record_start, rhi - rlo):
+                return False
             if suffix and lo < hi:
                 pieces.append(affixes[k * width + lo - region : k * width + hi - region])
-        return True
+            return True
+
+        if not cut(0):
+            return False
+        for k in range(1, count - 1):  # whole positions
+            if prefix:
+                pieces.append(affixes[k * width : k * width + width])
+            if not record(k, 0, lengths[k]):
+                return False
+            if suffix:
+                pieces.append(affixes[k * width : k * width + width])
+        return count < 2 or cut(count - 1)
 
     def close(self) -> None:
         self.closed = True
