@@ -43,6 +43,7 @@ from distorefs.fs import kernel
 from distorefs.fs.shm import SLOTS as SHM_SLOTS
 from distorefs.fs.shm import Region, SharedMemory, no_room
 from distorefs.fs.virtual import (
+    READ_PIECES,
     Access,
     Allowance,
     AppendStreamHandle,
@@ -51,6 +52,7 @@ from distorefs.fs.virtual import (
     NamedDir,
     NamedKindDirectory,
     PositionListing,
+    ReadReply,
     VirtualDir,
     VirtualFile,
     VirtualHandle,
@@ -549,15 +551,28 @@ class SampleHandle(BatchHolder):
         if not node.opens and isinstance(node.governor, BufferDir):
             node.governor.released(node)
 
-    async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
+    async def read(self, offset: int, size: int) -> ReadReply:
         if self._data is None:
             await self._draw(self._nonblocking)
         else:
             await scheduling.checkpoint()
         assert self._data is not None
         if isinstance(self._data, ScatteredBytes):
-            return self._data.read(offset, size)
+            return scattered_reply(self._data, offset, size)
         return memoryview(self._data)[offset : offset + size]
+
+
+def scattered_reply(data: ScatteredBytes, offset: int, size: int) -> ReadReply:
+    """A read of a batch kept in pieces: the pieces it spans as they are, where pyfuse3
+    takes a reply in pieces (READ_PIECES: one writev, no copy here), else joined. The
+    pieces are views of the batch's items, which the batch holds until its release, and
+    pyfuse3 writes the reply before anything else of this open runs."""
+    if READ_PIECES:
+        parts = data.parts(offset, size)
+        if 1 < len(parts) <= READ_PIECES:
+            pieces: list[bytes | memoryview] = list(parts)
+            return pieces
+    return data.read(offset, size)
 
 
 class StreamHandle(BatchHolder):
@@ -590,7 +605,7 @@ class StreamHandle(BatchHolder):
         # copies a reply into the kernel before any other request of this open runs.
         self._joined = bytearray()
 
-    async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
+    async def read(self, offset: int, size: int) -> ReadReply:
         end = self._start + len(self._data)
         if offset < self._start or offset > end:
             raise _recorded(
@@ -623,6 +638,8 @@ class StreamHandle(BatchHolder):
         if at + size >= len(self._data) and self._ahead is not None and self._ahead.policy.wanted(len(self._data)):
             self._ahead.after_reply.add(self, self._draw_next)
         if isinstance(self._data, ScatteredBytes):
+            if READ_PIECES:
+                return scattered_reply(self._data, at, size)
             if len(self._joined) < size <= STREAM_JOIN_MAX_BYTES:
                 self._joined = bytearray(size)
             return self._data.read(at, size, self._joined)

@@ -814,6 +814,9 @@ def test_scattered_bytes_reads_any_range_as_the_joined_bytes() -> None:
     for offset in range(len(joined) + 2):
         for size in (1, 3, 7, 30):
             assert bytes(data.read(offset, size)) == joined[offset : offset + size]
+            parts = data.parts(offset, size)  # what a READ replies in pieces
+            assert b"".join(parts) == joined[offset : offset + size]
+            assert all(len(part) > 0 for part in parts)
 
 
 def test_scattered_bytes_join_a_read_into_the_callers_buffer() -> None:

@@ -498,21 +498,32 @@ class ScatteredBytes:
         """The pieces in order (to copy them somewhere without joining them first)."""
         return list(self._pieces)
 
-    def read(self, offset: int, size: int, into: bytearray | None = None) -> memoryview | bytes:
-        """The bytes from `offset` (at most `size`): a view of one piece, or the pieces
-        it spans joined, into `into` where it is big enough (a buffer the caller keeps
-        for its next read: no new memory per read) and into new memory otherwise."""
+    def parts(self, offset: int, size: int) -> list[memoryview]:
+        """The bytes from `offset` (at most `size`) as views of the pieces they span, in
+        order, not joined: none empty, none past the end."""
         end = min(offset + size, self.length)
         if offset >= end:
-            return b""
+            return []
         first = int(np.searchsorted(self._starts, offset, side="right")) - 1
         inner = offset - self._starts[first]
         piece = self._pieces[first]
         if inner + (end - offset) <= len(piece):
-            return piece[inner : inner + end - offset]
+            return [piece[inner : inner + end - offset]]
         last = int(np.searchsorted(self._starts, end, side="left")) - 1
-        parts = [piece[inner:], *self._pieces[first + 1 : last], self._pieces[last][: end - self._starts[last]]]
-        if into is None or len(into) < end - offset:
+        between = [part for part in self._pieces[first + 1 : last] if len(part)]
+        return [piece[inner:], *between, self._pieces[last][: end - self._starts[last]]]
+
+    def read(self, offset: int, size: int, into: bytearray | None = None) -> memoryview | bytes:
+        """The bytes from `offset` (at most `size`): a view of one piece, or the pieces
+        it spans joined, into `into` where it is big enough (a buffer the caller keeps
+        for its next read: no new memory per read) and into new memory otherwise."""
+        parts = self.parts(offset, size)
+        if not parts:
+            return b""
+        if len(parts) == 1:
+            return parts[0]
+        total = sum(len(part) for part in parts)
+        if into is None or len(into) < total:
             return b"".join(parts)
         view, filled = memoryview(into), 0
         for part in parts:
