@@ -711,6 +711,29 @@ def test_a_batch_drawn_ahead_is_held_apart_and_leaves_with_its_buffer(mounted: M
     assert (held_bytes(mounted, "ahead"), held_bytes(mounted, "batch")) == (ahead, batches)
 
 
+@pytest.mark.parametrize("chunk", [None, 30_001, 4097])
+def test_a_kept_stream_of_big_records_reads_every_byte_in_reads_of_any_size(buffer: Path, chunk: int | None) -> None:
+    """A read of `sample.stream` that spans a batch's records is replied as the records'
+    own pieces (no join, where pyfuse3 takes pieces): whatever the reads' sizes, every
+    row of every batch is the record appended, byte for byte."""
+    configure(buffer, schema=BIG_SCHEMA, batch_size=8)
+    appended = big_records(50)
+    appended["obs"] = np.random.default_rng(9).integers(0, 256, appended["obs"].shape)
+    client.append(buffer, appended)
+    size = (buffer / "sample.stream").stat().st_size
+    with open(buffer / "sample.stream", "rb", buffering=0) as f:
+        for _ in range(5):
+            data = b""
+            while len(data) < size:
+                data += f.read(min(chunk or size, size - len(data)))
+            batch = np.load(io.BytesIO(data))
+            assert len(batch) == 8
+            for row in batch:
+                item = appended[int(row["_index"])]
+                assert row["obs"].tobytes() == item["obs"].tobytes()
+                assert (row["reward"], row["done"]) == (item["reward"], item["done"])
+
+
 def test_a_stream_has_its_next_batch_drawn_while_the_client_reads(mounted: Mount, buffer: Path) -> None:
     """`sample.stream`: a read that reaches the end of a batch has the next one drawn
     after its reply; the next read takes it if nothing changed (counted as sampled only
