@@ -174,13 +174,18 @@ def test_shards_split_the_epoch_between_processes(dataset: Path) -> None:
     assert sorted(i for shard in shards for i in shard) == list(range(1000))
 
 
-def test_schema_stream_loads_with_numpy(dataset: Path) -> None:
-    (dataset / "config").write_text(json.dumps({"schema": SCHEMA}))
-    records = schema_records(5000)
+def sealed_schema_dataset(dataset: Path, schema: object, records: np.ndarray, order: str) -> None:
+    """`records` appended with np.save to a dataset of `schema`, sealed, `order` set."""
+    (dataset / "config").write_text(json.dumps({"schema": schema}))
     with open(dataset / "append", "wb") as f:
         np.save(f, records)
     (dataset / "state").write_text("seal\n")
-    (dataset / "order").write_text("shuffle 9\n")
+    (dataset / "order").write_text(order)
+
+
+def test_schema_stream_loads_with_numpy(dataset: Path) -> None:
+    records = schema_records(5000)
+    sealed_schema_dataset(dataset, SCHEMA, records, "shuffle 9\n")
     with open(dataset / "stream-1-of-2", "rb") as f:
         got = np.load(f)
     expected = shuffled(9, 5000)[1::2]
@@ -255,14 +260,10 @@ def test_a_stream_of_records_in_dram_is_read_from_the_block_cache(dataset: Path)
 
 
 def test_a_schema_stream_in_dram_loads_with_numpy(dataset: Path) -> None:
-    (dataset / "config").write_text(json.dumps({"schema": {"label": "int32", "x": ["uint8", [6000]]}}))
     records = np.zeros(300, [("label", "<i4"), ("x", "u1", (6000,))])
     records["label"] = np.arange(300)
     records["x"] = np.random.default_rng(3).integers(0, 256, (300, 6000))
-    with open(dataset / "append", "wb") as f:
-        np.save(f, records)
-    (dataset / "state").write_text("seal\n")
-    (dataset / "order").write_text("shuffle 4\n")
+    sealed_schema_dataset(dataset, {"label": "int32", "x": ["uint8", [6000]]}, records, "shuffle 4\n")
     with open(dataset / "stream", "rb") as f:
         got = np.load(f)
         assert stream_stats(dataset)["from_dram"] == 1, "not served from DRAM: is pyfuse3 patched (setup.sh)?"

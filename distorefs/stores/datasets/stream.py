@@ -286,11 +286,7 @@ class Stream:
         if offset >= end:
             await scheduling.checkpoint()
             return b""
-        pieces: list[memoryview | bytes] = []
-        header = len(layout.header)
-        if offset < header:
-            pieces.append(layout.header[offset : min(end, header)])
-        at = max(offset, header)
+        pieces, at = self._head(offset, end)
         if at < end:
             self._passed(layout.position_at(at))
         while at < end:
@@ -332,11 +328,7 @@ class Stream:
         assert buffers is not None
         layout = self.layout
         end = min(offset + size, layout.total)
-        pieces: list[bytes | memoryview] = []
-        header = len(layout.header)
-        if offset < header:
-            pieces.append(layout.header[offset : min(end, header)])
-        at = max(offset, header)
+        pieces, at = self._head(offset, end)
         if at < end:
             first = layout.position_at(at)
             last = min(len(layout), layout.position_at(end - 1) + 1)
@@ -348,6 +340,15 @@ class Stream:
         self.dram_reads += 1
         self.dataset.streamed_bytes += max(0, end - offset)
         return pieces
+
+    def _head(self, offset: int, end: int) -> tuple[list[bytes | memoryview], int]:
+        """A read of [offset, end): the stream header's bytes in it as its first piece (if
+        any), and where its positions' bytes begin."""
+        header = self.layout.header
+        pieces: list[bytes | memoryview] = []
+        if offset < len(header):
+            pieces.append(header[offset : min(end, len(header))])
+        return pieces, max(offset, len(header))
 
     def _dram_current(self) -> bool:
         """Whether the stream is served from DRAM, its block buffers taken again if any
