@@ -22,7 +22,7 @@ from distorefs.stores.datasets.stream import FITS_IN_FLIGHT, Stream
 from distorefs.stores.replay.formats import decode_blob_batch
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.metadb import MetaDb
-from distorefs.types import LogLocation
+from distorefs.types import BlockKey, LogLocation
 from tests.unit.tiers import open_tiers
 
 BLOCK = 64 * 1024
@@ -498,6 +498,41 @@ async def test_a_stream_whose_records_leave_dram_goes_back_to_batches(tmp_path: 
         batch = decode_blob_batch(bytes(rest))
         items = big_blobs(200, seed=4)
         assert [i for i, _w, _b in batch] == shuffled(6, 200).tolist()
+        assert all(item == items[i] for i, _w, item in batch)
+        datasets.close_stream(stream)
+        nursery.cancel_scope.cancel()
+    await blocks.close()
+    meta.close()
+
+
+async def test_a_stream_in_dram_beside_churn_goes_back_to_batches(tmp_path: Path) -> None:
+    """Blocks of another owner keep leaving DRAM: the stream looks at its own blocks again
+    a few times, then takes batches (looking at all of them for every read costs more),
+    and reads the same bytes either way."""
+    datasets, blocks, meta = open_store(tmp_path)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(datasets.run_streams)
+        ds = datasets.create("d")
+        items = big_blobs(100, seed=8)
+        await ds.append(items)
+        await ds.seal()
+        await ds.set_order(*order_of(b"shuffle 2\n", ds.count))
+        stream = await datasets.open_stream(ds, 0, 1, pieces=1023)
+        assert stream.from_dram
+        got = bytearray()
+        other = 10**9  # an owner of nobody's: one block written, then deleted, before each read
+        while True:
+            await blocks.write_whole(BlockKey(other, 0), bytes(BLOCK))
+            blocks.delete(BlockKey(other, 0))
+            pieces = stream.read_pieces(len(got), 7000)
+            piece = b"".join(pieces) if pieces is not None else await stream.read(len(got), 7000)
+            if not piece:
+                break
+            got += piece
+        assert not stream.from_dram
+        assert 0 < stream.statistics()["dram_reads"] < 30  # a few reads from DRAM, then batches
+        batch = decode_blob_batch(bytes(got))
+        assert [i for i, _w, _b in batch] == shuffled(2, 100).tolist()
         assert all(item == items[i] for i, _w, item in batch)
         datasets.close_stream(stream)
         nursery.cancel_scope.cancel()

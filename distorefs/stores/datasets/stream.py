@@ -51,6 +51,8 @@ MAX_BATCH_BYTES = 32 << 20
 BATCHES_IN_FLIGHT = 2  # batches fetched at once (for a dataset that fits: one more, FITS_IN_FLIGHT)
 FITS_IN_FLIGHT = 3  # each of its batches is a few short waits (a worker thread's turn, the reads, the check)
 RESERVE_RETRY_S = 0.02
+DRAM_REFRESHES = 8  # a stream served from DRAM looks at its blocks again this often for free,
+DRAM_REFRESH_READS = 8  # and once more every this many reads; past that it takes batches
 HINT_GROUP_BYTES = 64 << 20  # a fitting dataset's records are hinted this much at a time (a close stops it between)
 
 
@@ -121,6 +123,7 @@ class Stream:
         # where each position's record starts in the dataset's bytes (served from DRAM)
         self._addresses = index["offset"][layout.indices].astype(np.int64) if self.from_dram else np.zeros(0, np.int64)
         self.dram_reads = 0
+        self._dram_refreshes = 0
 
     @property
     def size(self) -> int:
@@ -357,6 +360,13 @@ class Stream:
             return False
         now = self._blocks.dram_departures
         if now != self._dram_seen:
+            # Each look is a lookup per block of the dataset: where other blocks keep
+            # leaving DRAM (another reader's churn), batches cost less than looking again
+            # for every read, so after a few the stream goes back to them.
+            self._dram_refreshes += 1
+            if self._dram_refreshes > DRAM_REFRESHES + self.dram_reads // DRAM_REFRESH_READS:
+                self._leave_dram()
+                return False
             self._dram = self._blocks.dram_blocks(self.dataset.data_owner, len(self._dram))
             self._dram_seen = now
             if self._dram is None:
