@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import errno
 import io
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -468,16 +468,43 @@ async def test_a_stream_in_dram_reads_as_pieces_the_bytes_its_batches_read(store
     store.close_stream(stream)
 
 
+async def stream_in_dram(datasets: DatasetStore, items: list[bytes], seed: int) -> Stream:
+    """A sealed dataset of `items` in order `shuffle seed`, just appended (so in DRAM), and
+    a stream of it served from DRAM."""
+    ds = datasets.create("d")
+    await ds.append(items)
+    await ds.seal()
+    await ds.set_order(*order_of(f"shuffle {seed}\n".encode(), ds.count))
+    stream = await datasets.open_stream(ds, 0, 1, pieces=1023)
+    assert stream.from_dram
+    return stream
+
+
+async def read_rest(stream: Stream, got: bytearray, chunk: int, before: Callable[[], Awaitable[object]]) -> bytes:
+    """Read `stream` on from `len(got)` as the fs layer does (pieces while it can, else
+    `read`), `before()` awaited before each read; returns the whole stream's bytes."""
+    while True:
+        await before()
+        pieces = stream.read_pieces(len(got), chunk)
+        piece = b"".join(pieces) if pieces is not None else await stream.read(len(got), chunk)
+        if not piece:
+            return bytes(got)
+        got += piece
+
+
+def assert_blob_stream(data: bytes, items: list[bytes], seed: int) -> None:
+    batch = decode_blob_batch(data)
+    assert [i for i, _w, _b in batch] == shuffled(seed, len(items)).tolist()
+    assert all(item == items[i] for i, _w, item in batch)
+
+
 async def test_a_stream_whose_records_leave_dram_goes_back_to_batches(tmp_path: Path) -> None:
     datasets, blocks, meta = open_store(tmp_path, dram_blocks=24)  # 1.5 MiB of DRAM
     async with trio.open_nursery() as nursery:
         nursery.start_soon(datasets.run_streams)
-        ds = datasets.create("d")
-        await ds.append(big_blobs(200, seed=4))  # about 0.8 MB
-        await ds.seal()
-        await ds.set_order(*order_of(b"shuffle 6\n", ds.count))
-        stream = await datasets.open_stream(ds, 0, 1, pieces=1023)
-        assert stream.from_dram
+        items = big_blobs(200, seed=4)  # about 0.8 MB
+        stream = await stream_in_dram(datasets, items, 6)
+        ds = stream.dataset
         first = await read_joined(stream, [(0, 50_000)])
         other = datasets.create("other")  # 3 MB through DRAM: the first dataset's blocks go
         await other.append(big_blobs(750, seed=5))
@@ -485,20 +512,8 @@ async def test_a_stream_whose_records_leave_dram_goes_back_to_batches(tmp_path: 
         await other.set_order(*order_of(b"shuffle 7\n", other.count))
         assert len(decode_blob_batch(await read_all(await datasets.open_stream(other, 0, 1)))) == 750
         assert blocks.dram_blocks(ds.data_owner, -(-ds.data_bytes // BLOCK)) is None
-        rest = bytearray(first[0])
-        while True:
-            if (pieces := stream.read_pieces(len(rest), 65536)) is None:
-                piece = await stream.read(len(rest), 65536)  # what the fs layer does then
-            else:
-                piece = b"".join(pieces)
-            if not piece:
-                break
-            rest += piece
+        assert_blob_stream(await read_rest(stream, bytearray(first[0]), 65536, trio.lowlevel.checkpoint), items, 6)
         assert not stream.from_dram
-        batch = decode_blob_batch(bytes(rest))
-        items = big_blobs(200, seed=4)
-        assert [i for i, _w, _b in batch] == shuffled(6, 200).tolist()
-        assert all(item == items[i] for i, _w, item in batch)
         datasets.close_stream(stream)
         nursery.cancel_scope.cancel()
     await blocks.close()
@@ -512,28 +527,17 @@ async def test_a_stream_in_dram_beside_churn_goes_back_to_batches(tmp_path: Path
     datasets, blocks, meta = open_store(tmp_path)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(datasets.run_streams)
-        ds = datasets.create("d")
         items = big_blobs(100, seed=8)
-        await ds.append(items)
-        await ds.seal()
-        await ds.set_order(*order_of(b"shuffle 2\n", ds.count))
-        stream = await datasets.open_stream(ds, 0, 1, pieces=1023)
-        assert stream.from_dram
-        got = bytearray()
-        other = 10**9  # an owner of nobody's: one block written, then deleted, before each read
-        while True:
-            await blocks.write_whole(BlockKey(other, 0), bytes(BLOCK))
-            blocks.delete(BlockKey(other, 0))
-            pieces = stream.read_pieces(len(got), 7000)
-            piece = b"".join(pieces) if pieces is not None else await stream.read(len(got), 7000)
-            if not piece:
-                break
-            got += piece
+        stream = await stream_in_dram(datasets, items, 2)
+        other = BlockKey(10**9, 0)  # an owner of nobody's: one block written, then deleted, before each read
+
+        async def churn() -> None:
+            await blocks.write_whole(other, bytes(BLOCK))
+            blocks.delete(other)
+
+        assert_blob_stream(await read_rest(stream, bytearray(), 7000, churn), items, 2)
         assert not stream.from_dram
         assert 0 < stream.statistics()["dram_reads"] < 30  # a few reads from DRAM, then batches
-        batch = decode_blob_batch(bytes(got))
-        assert [i for i, _w, _b in batch] == shuffled(2, 100).tolist()
-        assert all(item == items[i] for i, _w, item in batch)
         datasets.close_stream(stream)
         nursery.cancel_scope.cancel()
     await blocks.close()
