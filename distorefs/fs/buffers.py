@@ -71,6 +71,7 @@ from distorefs.stores.replay.formats import (
     RecordStream,
     ScatteredBytes,
     batch_dtype,
+    joined,
     npy_batch_bytes,
     parse_priorities,
 )
@@ -562,17 +563,17 @@ class SampleHandle(BatchHolder):
         return memoryview(self._data)[offset : offset + size]
 
 
-def scattered_reply(data: ScatteredBytes, offset: int, size: int) -> ReadReply:
+def scattered_reply(data: ScatteredBytes, offset: int, size: int, into: bytearray | None = None) -> ReadReply:
     """A read of a batch kept in pieces: the pieces it spans as they are, where pyfuse3
-    takes a reply in pieces (READ_PIECES: one writev, no copy here), else joined. The
-    pieces are views of the batch's items, which the batch holds until its release, and
-    pyfuse3 writes the reply before anything else of this open runs."""
-    if READ_PIECES:
-        parts = data.parts(offset, size)
-        if 1 < len(parts) <= READ_PIECES:
-            pieces: list[bytes | memoryview] = list(parts)
-            return pieces
-    return data.read(offset, size)
+    takes a reply in pieces (READ_PIECES: one writev, no copy here), else joined (into
+    `into` where it is big enough: `joined`). The pieces are views of the batch's items,
+    which the batch holds until its release, and pyfuse3 writes the reply before anything
+    else of this open runs."""
+    parts = data.parts(offset, size)
+    if 1 < len(parts) <= READ_PIECES:
+        pieces: list[bytes | memoryview] = list(parts)
+        return pieces
+    return joined(parts, into)
 
 
 class StreamHandle(BatchHolder):
@@ -638,11 +639,9 @@ class StreamHandle(BatchHolder):
         if at + size >= len(self._data) and self._ahead is not None and self._ahead.policy.wanted(len(self._data)):
             self._ahead.after_reply.add(self, self._draw_next)
         if isinstance(self._data, ScatteredBytes):
-            if READ_PIECES:
-                return scattered_reply(self._data, at, size)
-            if len(self._joined) < size <= STREAM_JOIN_MAX_BYTES:
+            if not READ_PIECES and len(self._joined) < size <= STREAM_JOIN_MAX_BYTES:
                 self._joined = bytearray(size)
-            return self._data.read(at, size, self._joined)
+            return scattered_reply(self._data, at, size, self._joined)
         return memoryview(self._data)[at : at + size]
 
     async def _draw_next(self) -> None:

@@ -119,11 +119,15 @@ class Stream:
         most = 2 * ((1 << 20) // max(1, mean) + 2) + (1 << 20) // blocks.block_bytes + 2
         if pieces > 0 and most <= pieces:
             self._dram = blocks.dram_blocks(dataset.data_owner, -(-dataset.data_bytes // blocks.block_bytes))
-        self.from_dram = self._dram is not None
         # where each position's record starts in the dataset's bytes (served from DRAM)
         self._addresses = index["offset"][layout.indices].astype(np.int64) if self.from_dram else np.zeros(0, np.int64)
         self.dram_reads = 0
         self._dram_refreshes = 0
+
+    @property
+    def from_dram(self) -> bool:
+        """Whether the stream is served from DRAM (`read_pieces`), not in batches."""
+        return self._dram is not None
 
     @property
     def size(self) -> int:
@@ -325,10 +329,9 @@ class Stream:
         next await. None when the stream is not served from DRAM, or when a record is no
         longer there (the stream then goes back to batches for good), or when the pieces
         would be more than the stream's `max_pieces`: then `read`."""
-        if not self._dram_current():
+        buffers = self._dram_buffers()
+        if buffers is None:
             return None
-        buffers = self._dram
-        assert buffers is not None
         layout = self.layout
         end = min(offset + size, layout.total)
         pieces, at = self._head(offset, end)
@@ -353,11 +356,12 @@ class Stream:
             pieces.append(header[offset : min(end, len(header))])
         return pieces, max(offset, len(header))
 
-    def _dram_current(self) -> bool:
-        """Whether the stream is served from DRAM, its block buffers taken again if any
-        block left DRAM since (and gone back to batches when one of its own did)."""
+    def _dram_buffers(self) -> list[tuple[bytearray | memoryview | bytes, int]] | None:
+        """The dataset's block buffers while the stream is served from DRAM, taken again if
+        any block left DRAM since; None when it is not (or has just gone back to batches,
+        one of its own blocks gone or the churn too much)."""
         if self._dram is None:
-            return False
+            return None
         now = self._blocks.dram_departures
         if now != self._dram_seen:
             # Each look is a lookup per block of the dataset: where other blocks keep
@@ -366,17 +370,15 @@ class Stream:
             self._dram_refreshes += 1
             if self._dram_refreshes > DRAM_REFRESHES + self.dram_reads // DRAM_REFRESH_READS:
                 self._leave_dram()
-                return False
+                return None
             self._dram = self._blocks.dram_blocks(self.dataset.data_owner, len(self._dram))
             self._dram_seen = now
             if self._dram is None:
                 self._leave_dram()
-                return False
-        return True
+        return self._dram
 
     def _leave_dram(self) -> None:
         self._dram = None
-        self.from_dram = False
         self._wake.set()  # the prefetch takes over
 
     def _pieces_of(

@@ -517,22 +517,27 @@ class ScatteredBytes:
         """The bytes from `offset` (at most `size`): a view of one piece, or the pieces
         it spans joined, into `into` where it is big enough (a buffer the caller keeps
         for its next read: no new memory per read) and into new memory otherwise."""
-        parts = self.parts(offset, size)
-        if not parts:
-            return b""
-        if len(parts) == 1:
-            return parts[0]
-        total = sum(len(part) for part in parts)
-        if into is None or len(into) < total:
-            return b"".join(parts)
-        view, filled = memoryview(into), 0
-        for part in parts:
-            view[filled : filled + len(part)] = part
-            filled += len(part)
-        return view[:filled]
+        return joined(self.parts(offset, size), into)
 
     def tobytes(self) -> bytes:
         return b"".join(self._pieces)
+
+
+def joined(parts: list[memoryview], into: bytearray | None = None) -> memoryview | bytes:
+    """`parts` (ScatteredBytes.parts) as one buffer: the part itself when there is one,
+    else joined into `into` where it is big enough, and into new memory otherwise."""
+    if not parts:
+        return b""
+    if len(parts) == 1:
+        return parts[0]
+    total = sum(len(part) for part in parts)
+    if into is None or len(into) < total:
+        return b"".join(parts)
+    view, filled = memoryview(into), 0
+    for part in parts:
+        view[filled : filled + len(part)] = part
+        filled += len(part)
+    return view[:filled]
 
 
 def encode_blob_batch(
