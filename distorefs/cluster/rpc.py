@@ -44,7 +44,7 @@ import mmap
 import secrets
 import struct
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -147,6 +147,8 @@ async def _authenticate_from(stream: trio.SocketStream, secret: bytes, stall_s: 
 
 
 RECV_CHUNK_BYTES = 1 << 20  # the most one receive copies before the event loop runs others
+JOIN_PART_BYTES = 64 << 10  # a frame's parts under this are joined with their neighbours for the send
+SEND_JOIN_BYTES = 1 << 20  # the most one joined send holds
 
 
 async def _recv_exactly(stream: trio.SocketStream, view: memoryview, stall_s: float = math.inf) -> None:
@@ -172,10 +174,32 @@ async def send_frame(
     parts = [*moved, *body]
     packed = msgpack.packb(inline, use_bin_type=True)
     length = sum(memoryview(part).nbytes for part in parts)
-    await _send_all(stream, HEADER.pack(MAGIC, rid, len(packed), length) + packed, stall_s)
-    for part in parts:
-        await _send_all(stream, part, stall_s)
+    for piece in _send_pieces([HEADER.pack(MAGIC, rid, len(packed), length) + packed, *parts]):
+        await _send_all(stream, piece, stall_s)
     return HEADER.size + len(packed) + length
+
+
+def _send_pieces(parts: Sequence[Payload]) -> Iterator[Payload]:
+    """A frame's parts as they are sent: runs of small parts joined (a join ends once
+    it passes SEND_JOIN_BYTES), big ones as they are (no copy). Sent one by one, the
+    100,000 records of a shard's part of a batch were 100,000 sends: 0.8 s."""
+    run: list[Payload] = []
+    size = 0
+    for part in parts:
+        n = memoryview(part).nbytes
+        if n >= JOIN_PART_BYTES:
+            if run:
+                yield b"".join(run)
+                run, size = [], 0
+            yield part
+            continue
+        run.append(part)
+        size += n
+        if size >= SEND_JOIN_BYTES:
+            yield b"".join(run)
+            run, size = [], 0
+    if run:
+        yield b"".join(run) if len(run) > 1 else run[0]
 
 
 async def _send_all(stream: trio.SocketStream, data: Payload, stall_s: float) -> None:

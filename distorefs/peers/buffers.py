@@ -24,7 +24,7 @@ import trio
 from distorefs import scheduling
 from distorefs.cluster.etcd import WatchEvent
 from distorefs.cluster.rpc import MAX_BODY_BYTES, Payload, PeerServer, ints_value, meta_int, meta_ints, split_payload
-from distorefs.errors import DistorefsError, NotFound, RemoteError, TryAgain
+from distorefs.errors import DistorefsError, NotFound, PeerUnavailable, RemoteError, TryAgain
 from distorefs.peers.core import ClusterNode
 from distorefs.stores.replay.buffer import ReplayBuffer
 from distorefs.stores.replay.config import MAX_BATCH_SIZE, BufferConfig
@@ -67,10 +67,21 @@ class BufferPeers:
             if exc.errno == EAGAIN:
                 raise TryAgain(str(exc)) from None
             raise
-        indices = np.frombuffer(reply["indices"], dtype=np.int64)
+        indices = meta_ints(reply, "indices")
         probabilities = None if reply["probabilities"] is None else np.frombuffer(reply["probabilities"], np.float64)
-        payloads: list[bytes | memoryview] = list(split_payload(payload, meta_ints(reply, "sizes").tolist()))
-        return Drawn(indices, probabilities, payloads)
+        if probabilities is not None and len(probabilities) != len(indices):
+            raise PeerUnavailable(f"peer pick: {len(probabilities)} probabilities for {len(indices)} items")
+        if "itemsize" not in reply:
+            sizes = meta_ints(reply, "sizes")
+            if len(sizes) != len(indices):
+                raise PeerUnavailable(f"peer pick: {len(sizes)} sizes for {len(indices)} items")
+            payloads: list[bytes | memoryview] = list(split_payload(payload, sizes.tolist()))
+            return Drawn(indices, probabilities, payloads)
+        # a schema buffer's records, back to back: one array (no view per record)
+        itemsize = meta_int(reply, "itemsize", 1, MAX_BODY_BYTES)
+        if len(payload) != len(indices) * itemsize:
+            raise PeerUnavailable(f"peer pick: {len(payload)} bytes for {len(indices)} records of {itemsize}")
+        return Drawn(indices, probabilities, np.frombuffer(payload, np.uint8).reshape(len(indices), itemsize))
 
     async def commit(self, node: str, name: str, indices: np.ndarray) -> None:
         meta = {"name": name, "indices": indices.astype(np.int64).tobytes()}
@@ -191,11 +202,12 @@ class BufferSync:
     async def _on_pick(self, meta: dict[str, Any], body: memoryview) -> Reply:
         drawn = await self._shard(meta).pick(meta_int(meta, "count", 1, MAX_BATCH_SIZE), nonblocking=True)
         probabilities = None if drawn.probabilities is None else drawn.probabilities.astype(np.float64).tobytes()
-        reply = {
-            "indices": drawn.indices.astype(np.int64).tobytes(),
-            "probabilities": probabilities,
-            "sizes": ints_value(len(p) for p in drawn.payloads),
-        }
+        reply: dict[str, Any] = {"indices": ints_value(drawn.indices), "probabilities": probabilities}
+        if isinstance(drawn.payloads, np.ndarray):  # a schema buffer's records: one part
+            records = np.ascontiguousarray(drawn.payloads)
+            reply["itemsize"] = records.shape[1]
+            return reply, [records.data.cast("B")]
+        reply["sizes"] = ints_value(len(p) for p in drawn.payloads)
         return reply, drawn.payloads
 
     async def _on_commit(self, meta: dict[str, Any], body: memoryview) -> Reply:

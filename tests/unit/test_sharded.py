@@ -14,7 +14,7 @@ import pytest
 from distorefs.errors import FileTooLarge, InvalidArgument, TryAgain
 from distorefs.stores.replay.buffer import ReplayBuffer
 from distorefs.stores.replay.config import BufferConfig
-from distorefs.stores.replay.draws import Drawn, ShardState
+from distorefs.stores.replay.draws import Drawn, ShardState, merged_payloads
 from distorefs.stores.replay.sharded import ShardedBuffer, ShardLayout
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.metadb import MetaDb
@@ -226,3 +226,18 @@ async def test_the_node_that_joins_a_blob_batch_checks_the_whole_before_anything
     finally:
         for blocks, _meta in opened:
             await blocks.close()
+
+
+def test_a_batch_in_parts_keeps_its_records_as_one_array_in_shard_order() -> None:
+    """A schema buffer's shard picks its records as one array (a view per record cost 0.2
+    s for 100,000); parts that came as lists (a shard without rows) join them in place."""
+    first = np.arange(16, dtype=np.uint8).reshape(2, 8)
+    listed = [bytes([100 + i] * 8) for i in range(3)]
+    last = np.full((1, 8), 7, dtype=np.uint8)
+    merged = merged_payloads([first, listed, last])
+    assert isinstance(merged, np.ndarray)
+    assert merged.shape == (6, 8)
+    assert [bytes(row) for row in merged] == [bytes(first[0]), bytes(first[1]), *listed, bytes(last[0])]
+    assert merged_payloads([first]) is first  # one part: no copy
+    blobs = merged_payloads([[b"a", b"bc"], [], [b"def"]])
+    assert blobs == [b"a", b"bc", b"def"]

@@ -730,10 +730,10 @@ class ReplayBuffer:
     async def pick(self, count: int, nonblocking: bool = False) -> Drawn:
         """Pick `count` items of this shard: their indices, their sampling probabilities
         within it (None where the sampler is not prioritized) and their bytes. Nothing is
-        counted: `commit` does that once the batch is handed out."""
+        counted: `commit` does that once the batch is handed out. A buffer with rows gives
+        its records as one (count, itemsize) uint8 array (a view per record cost 2 µs each:
+        0.2 s for a shard's part of 100,000)."""
         indices, probabilities, items = await self._draw(count, nonblocking)
-        if isinstance(items, np.ndarray):  # records from the rows: one view each, as items come
-            return Drawn(indices, probabilities, [memoryview(record) for record in items])
         return Drawn(indices, probabilities, items)
 
     async def _draw(

@@ -38,7 +38,28 @@ class Drawn:
 
     indices: np.ndarray  # int64
     probabilities: np.ndarray | None  # float64 within this buffer; None: not prioritized
-    payloads: list[bytes | memoryview]
+    payloads: list[bytes | memoryview] | np.ndarray  # or a schema buffer's records, (count, itemsize) uint8
+
+    @property
+    def nbytes(self) -> int:
+        if isinstance(self.payloads, np.ndarray):
+            return self.payloads.nbytes
+        return sum(len(payload) for payload in self.payloads)
+
+
+def merged_payloads(parts: Sequence[list[bytes | memoryview] | np.ndarray]) -> list[bytes | memoryview] | np.ndarray:
+    """The items of a batch drawn in parts (shards), in order: one (count, itemsize)
+    array of records where a part came as one (a schema buffer's rows, here or on a
+    peer; the other parts' records joined into it), else one list of the items."""
+    arrays = [part for part in parts if isinstance(part, np.ndarray)]
+    if not arrays:
+        return [payload for part in parts for payload in part]
+    itemsize = arrays[0].shape[1]
+    rows = [
+        part if isinstance(part, np.ndarray) else np.frombuffer(b"".join(part), np.uint8).reshape(len(part), itemsize)
+        for part in parts
+    ]
+    return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,15 @@ from distorefs import scheduling
 from distorefs.errors import DistorefsError, InvalidArgument, PeerUnavailable, TryAgain
 from distorefs.stores.replay.buffer import ReplayBuffer
 from distorefs.stores.replay.config import BufferConfig
-from distorefs.stores.replay.draws import Batch, Drawn, ShardState, check_priorities, encode_batch, importance_weights
+from distorefs.stores.replay.draws import (
+    Batch,
+    Drawn,
+    ShardState,
+    check_priorities,
+    encode_batch,
+    importance_weights,
+    merged_payloads,
+)
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +236,7 @@ class ShardedBuffer:
             return None  # a shard's limiter said no between its state and its pick: nothing counted
         drawn = {shard: part for (shard, _k), part in zip(chosen, parts, strict=True)}
         if check_bytes is not None:  # (a blob buffer's: its size is known only now)
-            check_bytes(count, sum(len(payload) for part in parts for payload in part.payloads))
+            check_bytes(count, sum(part.nbytes for part in parts))
         batch = self._combine(ready, states, drawn)
         await gather([partial(self._commit, shard, part.indices) for shard, part in drawn.items()])
         return batch
@@ -239,7 +247,7 @@ class ShardedBuffer:
         total_mass = sum(states[s].mass for s in ready)
         size = sum(states[s].size for s in ready)
         prioritized = any(d.probabilities is not None for d in drawn.values())
-        indices, probabilities, payloads = [], [], []
+        indices, probabilities = [], []
         for shard, part in sorted(drawn.items()):
             indices.append(self.to_global(shard, part.indices))
             local = (
@@ -248,7 +256,7 @@ class ShardedBuffer:
                 else np.full(len(part.indices), 1 / states[shard].size)
             )
             probabilities.append(local * states[shard].mass / total_mass)
-            payloads.extend(part.payloads)
+        payloads = merged_payloads([part.payloads for _shard, part in sorted(drawn.items())])
         all_indices = np.concatenate(indices)
         min_probability = min(states[s].min_mass for s in ready) / total_mass
         weights = importance_weights(
