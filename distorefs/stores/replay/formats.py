@@ -15,6 +15,7 @@ returns. Pure functions and small incremental parsers; docs/formats.md has the l
 from __future__ import annotations
 
 import ast
+import bisect
 import functools
 import io
 import math
@@ -504,12 +505,14 @@ class ScatteredBytes:
         end = min(offset + size, self.length)
         if offset >= end:
             return []
-        first = int(np.searchsorted(self._starts, offset, side="right")) - 1
+        # bisect on the list: numpy's searchsorted made an array of the whole list at
+        # every call (9 µs a READ for 65 pieces, 26 for 513, 14 ms for 400,001)
+        first = bisect.bisect_right(self._starts, offset) - 1
         inner = offset - self._starts[first]
         piece = self._pieces[first]
         if inner + (end - offset) <= len(piece):
             return [piece[inner : inner + end - offset]]
-        last = int(np.searchsorted(self._starts, end, side="left")) - 1
+        last = bisect.bisect_left(self._starts, end) - 1
         between = [part for part in self._pieces[first + 1 : last] if len(part)]
         return [piece[inner:], *between, self._pieces[last][: end - self._starts[last]]]
 
@@ -543,12 +546,23 @@ def joined(parts: list[memoryview], into: bytearray | None = None) -> memoryview
 def encode_blob_batch(
     payloads: Sequence[bytes | memoryview], indices: np.ndarray, weights: np.ndarray
 ) -> ScatteredBytes:
-    """The DSBATCH1 framed batch: small headers between views of the items (no copy)."""
+    """The DSBATCH1 framed batch: views of the big items (SCATTER_RECORD_BYTES and up: no
+    copy), and between them the item headers and small items joined. A view per small
+    item cost more than copying it (256 items of 3 KB: 150 µs of views and 26 µs a READ
+    to find its pieces; 200,000 items of 8 bytes: 0.16 s)."""
     total = BATCH_HEAD.size + sum(BATCH_ITEM.size + len(p) for p in payloads)
-    pieces: list[bytes | memoryview] = [BATCH_HEAD.pack(BATCH_MAGIC, len(payloads), total)]
+    pieces: list[bytes | memoryview] = []
+    run: list[bytes | memoryview] = [BATCH_HEAD.pack(BATCH_MAGIC, len(payloads), total)]
     for payload, index, weight in zip(payloads, indices.tolist(), weights.tolist(), strict=True):
-        pieces.append(BATCH_ITEM.pack(index, weight, len(payload)))
+        run.append(BATCH_ITEM.pack(index, weight, len(payload)))
+        if len(payload) < SCATTER_RECORD_BYTES:
+            run.append(payload)
+            continue
+        pieces.append(b"".join(run))
         pieces.append(payload)
+        run = []
+    if run:
+        pieces.append(b"".join(run))
     return ScatteredBytes(pieces)
 
 
