@@ -293,3 +293,16 @@ async def test_a_batch_with_an_item_drawn_twice_holds_and_counts_it_twice(
     mirror.release(batch.arena_slots, batch.repeated)
     assert (mirror.refs[slots] == 0).all()
     assert buf.samples == 64
+
+
+async def test_a_mirror_fills_every_item_whatever_its_step(tiers: tuple[BlockStore, MetaDb]) -> None:
+    """The fill goes in steps of about `step_bytes` (its sums made once): one item a step,
+    a few, or all at once, every live item ends in the arena exactly once."""
+    blocks, _meta = tiers
+    for k, step in enumerate((1, 3 * len(item(0)) + 1, 1 << 30)):
+        buf = make(tiers, f"f{k}", (1 << 48) + k, capacity=16, batch_size=4)
+        await buf.append([item(i) for i in range(11)])
+        mirror = buf.open_mirror(blocks.reserve, blocks.unreserve)
+        assert await buf.fill_mirror(mirror, step_bytes=step) == 11
+        assert sorted(np.flatnonzero(mirror.ring >= 0).tolist()) == list(range(11))
+        assert await buf.fill_mirror(mirror, step_bytes=step) == 0  # nothing left to bring

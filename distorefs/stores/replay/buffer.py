@@ -851,10 +851,13 @@ class ReplayBuffer:
         when the arena is full or replaced. Returns how many came in."""
         missing = self.live_indices()
         missing = missing[mirror.ring[missing % self.config.capacity] < 0]
-        sizes = self._size[missing % self.config.capacity]
+        # the sums once: a sum of the rest at every step was 0.1-0.2 ms of the event loop
+        # a step, 20,000 steps for 200,000 items of 110 KB
+        ends = np.cumsum(self._size[missing % self.config.capacity])
         placed, at = 0, 0
         while at < len(missing) and not mirror.closed:
-            end = at + 1 + int(np.searchsorted(np.cumsum(sizes[at:]), step_bytes))
+            done = int(ends[at - 1]) if at else 0
+            end = at + 1 + int(np.searchsorted(ends[at:], done + step_bytes))
             before = mirror.free_slots()
             await self._fill_mirror(mirror, missing[at:end])
             placed += max(0, before - mirror.free_slots())
