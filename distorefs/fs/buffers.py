@@ -85,6 +85,7 @@ SIGNAL_POLL_S = 0.05
 CONTROL_NAMES = (b"config", b"append", b"sample", b"priority", b"stats")
 MAX_SAMPLE_COUNT = 1 << 20
 PRIORITY_INPUT_BYTES = 64 << 20
+APPEND_SLICE = 128  # items appended and logged between two turns of other requests
 
 
 def signal_pending(pid: int) -> bool:
@@ -151,6 +152,10 @@ def item_ino(buffer: ReplayBuffer, index: int) -> int:
     return ITEM_BASE | ((buffer.owner - BUFFER_OWNER_BASE) << INDEX_BITS) | index
 
 
+async def _append_part(buffer: ReplayBuffer, items: Sequence[bytes | bytearray], nonblocking: bool) -> None:
+    await buffer.append(items, nonblocking=nonblocking)
+
+
 def _recorded(buffer: ReplayBuffer, exc: DistorefsError) -> DistorefsError:
     buffer.record_error(exc.message)
     return exc
@@ -199,11 +204,18 @@ class AppendHandle(AppendStreamHandle):
         self._stream: RecordStream | BlobStream = RecordStream(dtype) if dtype is not None else BlobStream()
 
     async def _add(self, items: Sequence[bytes | bytearray]) -> None:
+        """Append and log `items`, APPEND_SLICE at a time: each slice costs some 15 µs
+        an item on the event loop, and a WRITE of 1 MiB of 8-byte records in one piece
+        held every other request of the mount for 0.5-0.9 s."""
         buffer = self._buffer
-        if buffer.deleted:
-            raise NotFound(f"buffers/{buffer.name} was removed")
-        ready = buffer.can_append(len(items))
-        await run_waiting(self._pid, self._nonblocking, ready, lambda nb: buffer.append(items, nonblocking=nb))
+        for at in range(0, len(items), APPEND_SLICE):
+            if buffer.deleted:
+                raise NotFound(f"buffers/{buffer.name} was removed")
+            part = items[at : at + APPEND_SLICE]
+            ready = buffer.can_append(len(part))
+            call = functools.partial(_append_part, buffer, part)
+            await run_waiting(self._pid, self._nonblocking, ready, call)
+            await buffer.persist_appends()
 
     async def write(self, offset: int, data: bytes) -> int:
         try:
@@ -215,7 +227,6 @@ class AppendHandle(AppendStreamHandle):
             self._follow_stream()
         if items:
             await self._add(items)
-            await self._buffer.persist_appends()
         else:
             await scheduling.checkpoint()
         return len(data)
