@@ -8,7 +8,14 @@ import weakref
 import pytest
 import trio
 
-from distorefs.memory import collect_young, full_collections_held, gc_statistics, rss_bytes, run_memory_trim
+from distorefs.memory import (
+    automatic_collections_paused,
+    collect_young,
+    full_collections_held,
+    gc_statistics,
+    rss_bytes,
+    run_memory_trim,
+)
 from distorefs.tiers.dram import Block, DramCache
 from distorefs.types import BlockKey
 
@@ -105,6 +112,30 @@ def test_held_full_collections_nest_and_young_garbage_still_goes() -> None:
         gc.enable()
     gc.collect()
     assert kept() is None
+
+
+def test_paused_collections_come_back_without_a_full_one_and_nest_with_holds() -> None:
+    """A draw of a million items made six full collections of the daemon's objects; it now
+    runs with automatic collections paused, which come back with no collection of their
+    own, unless a full hold that ends inside the pause leaves its collection to it."""
+    assert gc.isenabled()
+    full = gc.get_stats()[2]["collections"]
+    with automatic_collections_paused():
+        assert not gc.isenabled()
+        with pytest.raises(KeyError), automatic_collections_paused():
+            raise KeyError("a draw that fails")
+        assert not gc.isenabled()
+        with full_collections_held():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the pause is still on: the hold did not turn them back
+    assert gc.isenabled()
+    assert gc.get_stats()[2]["collections"] == full  # neither ran one (the pause ended last)
+    with full_collections_held():
+        with automatic_collections_paused():
+            pass
+        assert not gc.isenabled()  # the hold is still on
+    assert gc.get_stats()[2]["collections"] == full + 1  # the hold ended last: its full collection
+    assert gc.isenabled()
 
 
 def test_gc_statistics_name_frozen_objects_and_collections() -> None:

@@ -36,7 +36,7 @@ import numpy as np
 import trio
 import zstandard
 
-from distorefs import scheduling
+from distorefs import memory, scheduling
 from distorefs.compiled import compiled_array
 from distorefs.errors import (
     DistorefsError,
@@ -110,6 +110,13 @@ RECENT_ERRORS = 5
 
 HELD_SLOT_BYTES = 8  # a ring slot's entry in the table of drawn blocks (an object reference)
 HELD_BUDGET_SHARE = 64  # that table takes at most this share of the DRAM budget
+# An item up to this size is drawn as a copy (bytes), not a view of its block: a copy is
+# smaller than a view (about 250 bytes with its buffer object) and Python's cyclic
+# collector does not track it. A million views made by one sample.1000000 of a blob
+# buffer ran six full collections (4.4 s of the event loop, every request of the mount
+# waiting); held views also make every later full collection longer.
+COPIED_ITEM_BYTES = 128
+BULK_DRAW_ITEMS = 16_384  # a draw of this many items or more runs with automatic collections paused
 
 
 def ring_index_bytes(capacity: int) -> int:
@@ -944,6 +951,12 @@ class ReplayBuffer:
         (a view holds its block's buffer: DRAM's watch drops it before the buffer could be
         reused). A draw served from `_held` does not touch the LRU order of its items.
         """
+        if len(indices) < BULK_DRAW_ITEMS:
+            return await self._payloads_of(indices)
+        with memory.automatic_collections_paused():
+            return await self._payloads_of(indices)
+
+    async def _payloads_of(self, indices: np.ndarray) -> list[bytes | memoryview]:
         owner = self.owner
         held = self._held
         if held is None:
@@ -965,7 +978,7 @@ class ReplayBuffer:
             return await trio.to_thread.run_sync(lambda: [zstandard.decompress(view) for view in out])
         return out
 
-    def _hold(self, held: np.ndarray, key: BlockKey, block: Block | None, view: memoryview) -> None:
+    def _hold(self, held: np.ndarray, key: BlockKey, block: Block | None, view: bytes | memoryview) -> None:
         """Keep `view` of `key`'s `block`, just read from the block tier, in `held`, where
         the ring was not laid out again meanwhile (`held` is still the table), the item's
         slot still holds it, and DRAM holds the block (a read that found no room is not)."""
@@ -978,9 +991,14 @@ class ReplayBuffer:
         ):
             held[slot] = view
 
-    def _item_view(self, key: BlockKey, block: Block | None) -> memoryview:
+    def _item_view(self, key: BlockKey, block: Block | None) -> bytes | memoryview:
+        """The item's bytes: a view of its block, or a copy for a small one (COPIED_ITEM_BYTES;
+        the same for as long as it is held: a change of the item replaces its block, and
+        DRAM's watch then drops what is held of it)."""
         if block is None:
             raise NotFound(f"buffers/{self.name}: item {key.number} has no data")
+        if block.length <= COPIED_ITEM_BYTES:
+            return bytes(memoryview(block.buf)[: block.length])
         return memoryview(block.buf)[: block.length]
 
     async def warm(self, indices: np.ndarray) -> None:
