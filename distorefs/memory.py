@@ -117,8 +117,8 @@ def automatic_collections_paused() -> Iterator[None]:
     and come back afterwards without a collection of their own (what the step kept, if
     anything, meets the next automatic one). Python counts every new tracked object
     towards its next collection, and starts a full one (visiting every object the daemon
-    holds) as the survivors grow: `sample.1000000` of a blob buffer ran three of them,
-    1.5 s of its 3 s, the event loop stopped throughout. Counts as a hold of
+    holds) as the survivors grow: `sample.1000000` of a blob buffer ran three of them
+    (3.0 s for the request, 2.2 s without them), the event loop stopped throughout. Counts as a hold of
     `full_collections_held` (one of those that ends later does its full collection)."""
     global _holds
     if _holds == 0:

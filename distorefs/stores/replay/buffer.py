@@ -112,9 +112,9 @@ HELD_SLOT_BYTES = 8  # a ring slot's entry in the table of drawn blocks (an obje
 HELD_BUDGET_SHARE = 64  # that table takes at most this share of the DRAM budget
 # An item up to this size is drawn as a copy (bytes), not a view of its block: a copy is
 # smaller than a view (about 250 bytes with its buffer object) and Python's cyclic
-# collector does not track it. A million views made by one sample.1000000 of a blob
-# buffer ran six full collections (4.4 s of the event loop, every request of the mount
-# waiting); held views also make every later full collection longer.
+# collector does not track it. The million views made by one sample.1000000 of a blob
+# buffer brought six full collections into its 4.4 s (every request of the mount
+# waiting throughout); held views also make every later full collection longer.
 COPIED_ITEM_BYTES = 128
 BULK_DRAW_ITEMS = 16_384  # a draw of this many items or more runs with automatic collections paused
 

@@ -548,8 +548,8 @@ def encode_blob_batch(
 ) -> ScatteredBytes:
     """The DSBATCH1 framed batch: views of the big items (SCATTER_RECORD_BYTES and up: no
     copy), and between them the item headers and small items joined. A view per small
-    item cost more than copying it (256 items of 3 KB: 150 µs of views and 26 µs a READ
-    to find its pieces; 200,000 items of 8 bytes: 0.16 s)."""
+    item cost more than copying it: a batch of 513 pieces took 153 µs to make, one of
+    400,001 (200,000 items of 8 bytes) 0.16 s."""
     total = BATCH_HEAD.size + sum(BATCH_ITEM.size + len(p) for p in payloads)
     pieces: list[bytes | memoryview] = []
     run: list[bytes | memoryview] = [BATCH_HEAD.pack(BATCH_MAGIC, len(payloads), total)]
