@@ -84,8 +84,7 @@ def freeze_loaded_objects() -> int:
 _holds = 0  # full_collections_held contexts open now
 
 
-@contextlib.contextmanager
-def full_collections_held() -> Iterator[None]:
+def full_collections_held() -> contextlib.AbstractContextManager[None]:
     """Around a bulk load of objects that live on (start-up's tree, the buffers' warm-up
     of a million items into DRAM): Python's automatic collections are off, and the
     loader calls `collect_young` between chunks, so the garbage of requests served
@@ -97,29 +96,26 @@ def full_collections_held() -> Iterator[None]:
     runs one full collection itself: the loaded objects then count as long-lived
     (without it Python's next check found a million new survivors and ran a full
     collection, 146 ms, in the middle of the first requests after the warm-up)."""
-    global _holds
-    if _holds == 0:
-        gc.disable()
-    _holds += 1
-    try:
-        yield
-    finally:
-        _holds -= 1
-        if _holds == 0:
-            gc.collect()
-            gc.enable()
+    return _collections_off(collect_at_end=True)
 
 
-@contextlib.contextmanager
-def automatic_collections_paused() -> Iterator[None]:
+def automatic_collections_paused() -> contextlib.AbstractContextManager[None]:
     """Around one request's bulk step that makes many short-lived tracked objects (a
     draw of a million items makes a key each): Python's automatic collections are off,
     and come back afterwards without a collection of their own (what the step kept, if
     anything, meets the next automatic one). Python counts every new tracked object
     towards its next collection, and starts a full one (visiting every object the daemon
     holds) as the survivors grow: `sample.1000000` of a blob buffer ran three of them
-    (3.0 s for the request, 2.2 s without them), the event loop stopped throughout. Counts as a hold of
-    `full_collections_held` (one of those that ends later does its full collection)."""
+    (3.0 s for the request, 2.2 s without them), the event loop stopped throughout.
+    Counts as a hold of `full_collections_held` (one of those that ends later does its
+    full collection)."""
+    return _collections_off(collect_at_end=False)
+
+
+@contextlib.contextmanager
+def _collections_off(collect_at_end: bool) -> Iterator[None]:
+    """Automatic collections off while any hold or pause is open; the last one to end
+    turns them back on, after a full collection where it is a hold."""
     global _holds
     if _holds == 0:
         gc.disable()
@@ -129,6 +125,8 @@ def automatic_collections_paused() -> Iterator[None]:
     finally:
         _holds -= 1
         if _holds == 0:
+            if collect_at_end:
+                gc.collect()
             gc.enable()
 
 
