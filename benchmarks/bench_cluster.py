@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -123,27 +124,15 @@ def sample_rate(buffer: Path, seconds: float) -> float:
     return count / (time.perf_counter() - started)
 
 
-def read_whole(path: Path) -> bytes:
-    """The file's bytes; EAGAIN raised (a file object's read returns what it has, nothing)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
 def has_shards(config: Path, shards: int) -> bool:
     return config.exists() and json.loads(config.read_text())["shards"] == shards
 
 
-def median_s(call: object, repeats: int) -> float:
+def median_s(call: Callable[[], object], repeats: int) -> float:
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
-        call()  # type: ignore[operator]
+        call()
         times.append(time.perf_counter() - started)
     return float(np.median(times))
 
@@ -166,8 +155,8 @@ def big_calls(n0: Path, n1: Path, items: int, repeats: int, results: dict[str, f
                 records = (np.arange(items) + 10**6 * k).astype([("x", "<i8")])
                 client.append(mnt / "buffers" / buf.name, records if kind == "schema" else [bytes(r) for r in records])
             whole = buf / f"sample.{2 * items}"
-            assert len(read_whole(whole)) > 16 * items  # warm, and whole
-            results[f"items_{kind}_{layout}_sample_s"] = median_s(partial(read_whole, whole), repeats)
+            assert len(client.read_all(whole)) > 16 * items  # warm, and whole (EAGAIN raised, not read as EOF)
+            results[f"items_{kind}_{layout}_sample_s"] = median_s(partial(client.read_all, whole), repeats)
             theirs = (np.arange(items) * shards + shards - 1).tolist()  # n1's shard (or the second half)
             update = partial(client.update_priorities, buf, theirs, [1.0] * items)
             results[f"items_{kind}_{layout}_priority_s"] = median_s(update, repeats)

@@ -153,10 +153,6 @@ def item_ino(buffer: ReplayBuffer, index: int) -> int:
     return ITEM_BASE | ((buffer.owner - BUFFER_OWNER_BASE) << INDEX_BITS) | index
 
 
-async def _append_part(buffer: ReplayBuffer, items: Sequence[bytes | bytearray], nonblocking: bool) -> None:
-    await buffer.append(items, nonblocking=nonblocking)
-
-
 def _recorded(buffer: ReplayBuffer, exc: DistorefsError) -> DistorefsError:
     buffer.record_error(exc.message)
     return exc
@@ -214,8 +210,7 @@ class AppendHandle(AppendStreamHandle):
                 raise NotFound(f"buffers/{buffer.name} was removed")
             part = items[at : at + APPEND_SLICE]
             ready = buffer.can_append(len(part))
-            call = functools.partial(_append_part, buffer, part)
-            await run_waiting(self._pid, self._nonblocking, ready, call)
+            await run_waiting(self._pid, self._nonblocking, ready, functools.partial(buffer.append, part))
             await buffer.persist_appends()
 
     async def write(self, offset: int, data: bytes) -> int:

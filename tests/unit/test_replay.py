@@ -28,6 +28,7 @@ from distorefs.stores.replay.formats import (
     encode_blob_batch,
     encode_npy_batch,
     frame_items,
+    joined,
     parse_priorities,
 )
 from distorefs.stores.replay.rate_limiter import RateLimiter
@@ -451,7 +452,7 @@ def test_big_record_batches_are_views_that_read_as_the_same_npy(monkeypatch: pyt
     contiguous = encode_npy_batch(schema, payloads, indices, weights)
     assert isinstance(contiguous, bytearray)
     assert scattered.tobytes() == bytes(contiguous)
-    assert bytes(scattered.read(100, 9000)) == bytes(contiguous[100:9100])  # a read across pieces
+    assert bytes(joined(scattered.parts(100, 9000))) == bytes(contiguous[100:9100])  # a read across pieces
     batch = np.load(io.BytesIO(scattered.tobytes()))
     assert batch["_index"].tolist() == [7, 8, 7]
     assert batch["_weight"].tolist() == [0.25, 1.0, 0.25]
@@ -830,14 +831,14 @@ def test_a_stream_reset_after_bad_input_accepts_later_writes_at_their_offsets() 
 
 def test_scattered_bytes_reads_any_range_as_the_joined_bytes() -> None:
     pieces = [b"head", b"", b"x" * 10, b"yz", b"tail-end"]
-    joined = b"".join(pieces)
+    whole = b"".join(pieces)
     data = ScatteredBytes(pieces)
-    assert len(data) == len(joined)
-    for offset in range(len(joined) + 2):
+    assert len(data) == len(whole)
+    for offset in range(len(whole) + 2):
         for size in (1, 3, 7, 30):
-            assert bytes(data.read(offset, size)) == joined[offset : offset + size]
             parts = data.parts(offset, size)  # what a READ replies in pieces
-            assert b"".join(parts) == joined[offset : offset + size]
+            assert bytes(joined(parts)) == whole[offset : offset + size]
+            assert b"".join(parts) == whole[offset : offset + size]
             assert all(len(part) > 0 for part in parts)
 
 
@@ -846,20 +847,20 @@ def test_scattered_bytes_join_a_read_into_the_callers_buffer() -> None:
     no new memory per read) where it is big enough, whatever it held before; a read
     inside one piece stays a view of it; a buffer too small is left alone."""
     pieces = [b"head", b"", b"x" * 10, b"yz", b"tail-end"]
-    joined = b"".join(pieces)
+    whole = b"".join(pieces)
     data = ScatteredBytes(pieces)
     into = bytearray(b"#" * 16)
-    for offset in range(len(joined) + 2):
+    for offset in range(len(whole) + 2):
         for size in (1, 3, 7, 16):
-            got = data.read(offset, size, into)
-            assert bytes(got) == joined[offset : offset + size]
+            got = joined(data.parts(offset, size), into)
+            assert bytes(got) == whole[offset : offset + size]
             if isinstance(got, memoryview) and got.obj is into:
-                assert len(got) == min(size, len(joined) - offset)
-    spanning = data.read(2, 10, into)
+                assert len(got) == min(size, len(whole) - offset)
+    spanning = joined(data.parts(2, 10), into)
     assert isinstance(spanning, memoryview)
     assert spanning.obj is into
     small = bytearray(4)
-    assert bytes(data.read(2, 10, small)) == joined[2:12]
+    assert bytes(joined(data.parts(2, 10), small)) == whole[2:12]
     assert small == bytearray(4)
 
 

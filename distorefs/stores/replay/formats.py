@@ -516,19 +516,14 @@ class ScatteredBytes:
         between = [part for part in self._pieces[first + 1 : last] if len(part)]
         return [piece[inner:], *between, self._pieces[last][: end - self._starts[last]]]
 
-    def read(self, offset: int, size: int, into: bytearray | None = None) -> memoryview | bytes:
-        """The bytes from `offset` (at most `size`): a view of one piece, or the pieces
-        it spans joined, into `into` where it is big enough (a buffer the caller keeps
-        for its next read: no new memory per read) and into new memory otherwise."""
-        return joined(self.parts(offset, size), into)
-
     def tobytes(self) -> bytes:
         return b"".join(self._pieces)
 
 
 def joined(parts: list[memoryview], into: bytearray | None = None) -> memoryview | bytes:
     """`parts` (ScatteredBytes.parts) as one buffer: the part itself when there is one,
-    else joined into `into` where it is big enough, and into new memory otherwise."""
+    else joined into `into` where it is big enough (a buffer the caller keeps for its
+    next read: no new memory per read), and into new memory otherwise."""
     if not parts:
         return b""
     if len(parts) == 1:
