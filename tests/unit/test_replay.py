@@ -17,9 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from distorefs.errors import Busy, InvalidArgument, NotFound, TryAgain
+from distorefs.stores.replay import buffer as buffer_module
 from distorefs.stores.replay import formats, sumtree
 from distorefs.stores.replay.buffer import COPIED_ITEM_BYTES, ReplayBuffer, ring_index_bytes
 from distorefs.stores.replay.config import BufferConfig
+from distorefs.stores.replay.draws import THREAD_ENCODE_ITEMS, encode_batch, encoded_batch
 from distorefs.stores.replay.formats import (
     BlobStream,
     RecordStream,
@@ -437,6 +439,13 @@ def test_a_blob_batch_keeps_big_items_as_views_and_joins_the_small_ones_between(
         assert b"".join(batch.parts(offset, size)) == batch.tobytes()[offset : offset + size]
     small = encode_blob_batch([b"%d" % i for i in range(1000)], np.arange(1000), np.ones(1000, np.float32))
     assert len(small.pieces()) == 1
+    # a long run of small items is joined in pieces of about JOINED_RUN_BYTES (one join holds the GIL)
+    many = [bytes([i % 251]) * 3000 for i in range(1000)]  # 3 MB
+    joined = encode_blob_batch(many, np.arange(1000), np.ones(1000, np.float32))
+    sizes = [len(piece) for piece in joined.pieces()]
+    assert len(sizes) == 3
+    assert max(sizes) < formats.JOINED_RUN_BYTES + 3100
+    assert [bytes(item) for _i, _w, item in decode_blob_batch(joined.tobytes())] == many
 
 
 def test_big_record_batches_are_views_that_read_as_the_same_npy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1419,6 +1428,90 @@ async def test_the_ring_slot_table_takes_no_block_whose_item_left_or_that_dram_l
     buf._held[:] = None  # type: ignore[index]
     await draw_and_check(buf)
     assert held_blocks_are_resident(buf, blocks) == 0
+
+
+async def test_a_big_batch_is_encoded_in_a_worker_thread_and_a_small_one_on_the_spot() -> None:
+    """encoded_batch: the same bytes as encode_batch; from THREAD_ENCODE_ITEMS items on,
+    made in a worker thread while other tasks run (a million small items took 0.35 s of
+    Python), and below it without a schedule point (a batch of 32 would pay a thread's
+    round trip)."""
+    config = BufferConfig()
+    state = {"turns": 0, "encoding": True}
+
+    async def other() -> None:
+        while state["encoding"]:
+            state["turns"] += 1
+            await trio.lowlevel.checkpoint()
+
+    for count in (32, THREAD_ENCODE_ITEMS):
+        payloads = [b"%d" % i for i in range(count)]
+        indices, weights = np.arange(count), np.ones(count, np.float32)
+        state["encoding"] = True
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(other)
+            await trio.lowlevel.checkpoint()
+            state["turns"] = 0
+            batch = await encoded_batch(config, payloads, indices, weights)
+            turns = state["turns"]
+            state["encoding"] = False
+        assert batch.data.tobytes() == encode_batch(config, payloads, indices, weights).tobytes()  # type: ignore[union-attr]
+        assert (turns > 0) == (count >= THREAD_ENCODE_ITEMS)
+
+
+@pytest.mark.parametrize("item_bytes", [16, 200])  # copies (COPIED_ITEM_BYTES) and views
+async def test_a_big_draw_gathers_its_items_in_slices_while_other_tasks_run_and_appends_turn_the_ring(
+    tiers: tuple[BlockStore, MetaDb], monkeypatch: pytest.MonkeyPatch, item_bytes: int
+) -> None:
+    """A draw whose items the ring slot table lacks gathers them HELD_FILL_SLICE at a time,
+    with other tasks run between slices (sample.1000000 of a blob buffer whose items were
+    never drawn held the mount for 1.5-3 s). Items that leave meanwhile (an appender turns
+    the ring in every pause) make it draw again, from the buffer as it is then; the last
+    of HELD_FILL_ROUNDS draws looks its items up in one go. Every item served is the
+    item its index names, and was live when the draw was made."""
+    monkeypatch.setattr(buffer_module, "HELD_FILL_SLICE", 256)
+    blocks, meta = tiers
+    capacity = 12_000  # (a draw under THREAD_ENCODE_ITEMS: its encoding yields nothing)
+    config = BufferConfig().updated("big", {"capacity": capacity, "batch_size": 16}, has_items=False)
+    buf = ReplayBuffer("big", 1 << 42, config, blocks, meta)
+
+    def item(index: int) -> bytes:
+        return (b"%015d " % index) * (item_bytes // 16)
+
+    await buf.append([item(k) for k in range(capacity)])
+    assert buf._held is not None
+    assert all(v is None for v in buf._held.tolist())
+    turns = 0
+    appended = capacity
+    appending = True
+
+    async def other(appends: bool) -> None:
+        nonlocal turns, appended
+        while appending:
+            turns += 1
+            if appends:
+                await buf.append([item(appended + k) for k in range(64)])
+                appended += 64
+            await trio.lowlevel.checkpoint()
+
+    for appends in (False, True):
+        buf._held[:] = None
+        turns = 0
+        appending = True
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(other, appends)
+            batch = await buf.sample(capacity)
+            live = set(buf.live_indices().tolist())
+            appending = False
+        decoded = decode_blob_batch(batch.data.tobytes())  # type: ignore[union-attr]
+        assert len(decoded) == capacity
+        assert all(bytes(data) == item(index) for index, _w, data in decoded)
+        if not appends:
+            assert turns >= 15  # ~7,600 distinct items not held, 256 a slice
+            assert {index for index, _w, _d in decoded} <= live
+            assert held_blocks_are_resident(buf, blocks) > capacity // 2
+        else:
+            assert appended > capacity + 64 * 20  # the ring turned under the draw (all of it, here)
+            held_blocks_are_resident(buf, blocks)  # what is kept by slot is each slot's item now
 
 
 async def test_a_rings_arrays_and_trees_count_against_the_dram_budget(tmp_path: Path) -> None:

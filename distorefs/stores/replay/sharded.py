@@ -42,7 +42,7 @@ from distorefs.stores.replay.draws import (
     Drawn,
     ShardState,
     check_priorities,
-    encode_batch,
+    encoded_batch,
     importance_weights,
     merged_payloads,
 )
@@ -237,11 +237,11 @@ class ShardedBuffer:
         drawn = {shard: part for (shard, _k), part in zip(chosen, parts, strict=True)}
         if check_bytes is not None:  # (a blob buffer's: its size is known only now)
             check_bytes(count, sum(part.nbytes for part in parts))
-        batch = self._combine(ready, states, drawn)
+        batch = await self._combine(ready, states, drawn)
         await gather([partial(self._commit, shard, part.indices) for shard, part in drawn.items()])
         return batch
 
-    def _combine(self, ready: list[int], states: dict[int, ShardState], drawn: dict[int, Drawn]) -> Batch:
+    async def _combine(self, ready: list[int], states: dict[int, ShardState], drawn: dict[int, Drawn]) -> Batch:
         """One batch: global indices, and IS weights over the whole (live) buffer:
         P(item) = P(item | shard) * mass(shard) / total mass."""
         total_mass = sum(states[s].mass for s in ready)
@@ -263,7 +263,7 @@ class ShardedBuffer:
             np.concatenate(probabilities) if prioritized else None, len(all_indices), size, min_probability,
             self.config.beta,
         )  # fmt: skip
-        return Batch(encode_batch(self.config, payloads, all_indices, weights), all_indices, weights)
+        return await encoded_batch(self.config, payloads, all_indices, weights)
 
     # --- appending and priorities --------------------------------------------------------
 
