@@ -438,13 +438,14 @@ def test_a_blob_batch_keeps_big_items_as_views_and_joins_the_small_ones_between(
     for offset, size in ((0, 10), (20, 4200), (4000, 9000), (len(batch) - 3, 100)):  # reads across pieces
         assert b"".join(batch.parts(offset, size)) == batch.tobytes()[offset : offset + size]
     small = encode_blob_batch([b"%d" % i for i in range(1000)], np.arange(1000), np.ones(1000, np.float32))
-    assert len(small.pieces()) == 1
-    # a long run of small items is joined in pieces of about JOINED_RUN_BYTES (one join holds the GIL)
+    assert len(small.pieces()) == -(-1000 // formats.JOINED_RUN_ITEMS)
+    assert len(encode_blob_batch([b"%d" % i for i in range(256)], np.arange(256), np.ones(256)).pieces()) == 1
+    # a long run of small items is joined JOINED_RUN_ITEMS at a time (one join holds the GIL)
     many = [bytes([i % 251]) * 3000 for i in range(1000)]  # 3 MB
     joined = encode_blob_batch(many, np.arange(1000), np.ones(1000, np.float32))
     sizes = [len(piece) for piece in joined.pieces()]
-    assert len(sizes) == 3
-    assert max(sizes) < formats.JOINED_RUN_BYTES + 3100
+    assert len(sizes) == -(-1000 // formats.JOINED_RUN_ITEMS)
+    assert max(sizes) <= formats.JOINED_RUN_ITEMS * (3000 + formats.BATCH_ITEM.size) + formats.BATCH_HEAD.size
     assert [bytes(item) for _i, _w, item in decode_blob_batch(joined.tobytes())] == many
 
 

@@ -117,7 +117,7 @@ HELD_BUDGET_SHARE = 64  # that table takes at most this share of the DRAM budget
 # waiting throughout); held views also make every later full collection longer.
 COPIED_ITEM_BYTES = 128
 BULK_DRAW_ITEMS = 16_384  # a draw of this many items or more runs with automatic collections paused
-HELD_FILL_SLICE = 4_096  # a draw that finds more of its items not held gathers them in slices (_fill_held)
+HELD_FILL_SLICE = 1_024  # a draw that finds more of its items not held gathers them in slices (_fill_held)
 HELD_FILL_ROUNDS = 4  # ... and draws again at most this many times; the last draw looks its items up in one go
 
 
