@@ -13,10 +13,11 @@ import pytest
 import trio
 
 from distorefs.errors import DistorefsError
+from distorefs.stores.datasets import dataset as dataset_module
 from distorefs.stores.datasets import store as store_module
 from distorefs.stores.datasets import stream as stream_module
 from distorefs.stores.datasets.dataset import Dataset
-from distorefs.stores.datasets.formats import OrderInput, OrderSpec, shuffled
+from distorefs.stores.datasets.formats import MAX_RECORD_BYTES, OrderInput, OrderSpec, shuffled
 from distorefs.stores.datasets.store import DatasetStore
 from distorefs.stores.datasets.stream import FITS_IN_FLIGHT, Stream
 from distorefs.stores.replay.formats import decode_blob_batch
@@ -92,6 +93,41 @@ async def test_blob_records_read_back_and_seal_refuses_appends(store: DatasetSto
         await ds.append([b"late"])
     assert err.value.errno == errno.EROFS
     assert ds.count == 300
+
+
+async def test_a_big_append_is_applied_in_slices_others_wait_their_turn_and_order_holds(
+    store: DatasetStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A WRITE of 1 MiB of 8-byte records is 65,536 records: applied APPEND_SLICE at a
+    time, other tasks run between slices; a second append made meanwhile waits for the
+    whole first one, so each call's records stay together and in order, and a bad
+    record refuses its call before any of it is added."""
+    monkeypatch.setattr(dataset_module, "APPEND_SLICE", 100)
+    ds = store.create("d")
+    first = [b"a%07d" % i for i in range(1000)]
+    second = [b"b%07d" % i for i in range(50)]
+    turns = 0
+    counts_seen: set[int] = set()
+
+    async def other() -> None:
+        nonlocal turns
+        while ds.count < 1050:
+            turns += 1
+            counts_seen.add(ds.count)
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(other)
+        nursery.start_soon(ds.append, first)
+        await trio.lowlevel.checkpoint()
+        nursery.start_soon(ds.append, second)
+    assert turns >= 9  # between the ten slices
+    assert {100, 500, 900} <= counts_seen  # visible slice by slice
+    assert [bytes(await ds.read_record(i, 0, 64)) for i in range(1050)] == first + second
+    with pytest.raises(DistorefsError) as err:
+        await ds.append([b"ok"] * 300 + [b"x" * (MAX_RECORD_BYTES + 1)])
+    assert err.value.errno == errno.EINVAL
+    assert ds.count == 1050
 
 
 async def test_stream_follows_the_order_and_shards_split_it(store: DatasetStore) -> None:

@@ -942,6 +942,14 @@ def test_framed_items_come_out_whole_however_the_writes_are_cut(items: list[byte
     assert out == items
 
 
+def test_a_frame_over_the_item_limit_is_refused_whole_frames_before_it_or_not() -> None:
+    for before in ([], [b"ok"] * 3):
+        stream = BlobStream()
+        data = frame_items(before) + formats.FRAME.pack(formats.MAX_ITEM_BYTES + 1) + b"x" * 16
+        with pytest.raises(InvalidArgument, match=rf"frame of {formats.MAX_ITEM_BYTES + 1} bytes exceeds"):
+            stream.feed(0, data)
+
+
 def test_a_partial_frame_at_close_is_refused() -> None:
     stream = BlobStream()
     data = frame_items([b"abcdef"])

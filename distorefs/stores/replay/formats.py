@@ -36,6 +36,7 @@ BATCH_MAGIC = b"DSBATCH1"
 BATCH_HEAD = struct.Struct("<8sIQ")  # magic, item count, total batch bytes (header included)
 BATCH_ITEM = struct.Struct("<qfQ")
 FRAME = struct.Struct("<Q")
+(ITEMS_MAGIC_WORD,) = FRAME.unpack(ITEMS_MAGIC)  # the magic read as a length (past MAX_ITEM_BYTES)
 MAX_ITEM_BYTES = 64 * 1024 * 1024
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -273,6 +274,10 @@ class BlobStream(_Stream):
     def _frames(self, view: memoryview) -> list[bytearray]:
         items: list[bytearray] = []
         while len(view):
+            if self._item is None and not self._head:
+                view = self._whole_frames(view, items)
+                if not len(view):
+                    break
             if self._item is None:
                 need = FRAME.size - len(self._head)
                 self._head += view[:need]
@@ -295,6 +300,25 @@ class BlobStream(_Stream):
                 items.append(self._item)
                 self._item = None
         return items
+
+    @staticmethod
+    def _whole_frames(view: memoryview, items: list[bytearray]) -> memoryview:
+        """Add the whole frames at the start of `view` to `items`; return the rest (a frame
+        that continues in the next write, or one over the limit: `_frames` handles both).
+        One look per frame: a megabyte of 8-byte items is 65,536 frames, which the general
+        loop took 78 ms for (1.2 µs a frame) on the event loop."""
+        unpack, head, size, at = FRAME.unpack_from, FRAME.size, len(view), 0
+        while size - at >= head:
+            (length,) = unpack(view, at)
+            if length == ITEMS_MAGIC_WORD:  # another stream's start (a kept descriptor's next append)
+                at += head
+                continue
+            end = at + head + length
+            if end > size or length > MAX_ITEM_BYTES:
+                break
+            items.append(bytearray(view[at + head : end]))
+            at = end
+        return view[at:]
 
     def reset(self) -> None:
         """Drop what is pending; the next write starts a new item or stream."""
