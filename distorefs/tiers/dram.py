@@ -117,6 +117,13 @@ class DramStatistics:
     reused_buffers: int
 
 
+# The replay buffers' rings together may take at most this share of the budget: the rest
+# stays for cached blocks and for writes. Without a bound, 600 empty buffers (mkdir each:
+# a ring of the default 100,000 slots is 11.6 MB) reserved 7 GB of a 4 GiB budget, and
+# every file write on the mount failed with ENOSPC.
+INDEX_BUDGET_SHARE = 2
+
+
 class DramCache:
     """LRU of blocks under `budget_bytes`, counted by buffer capacity."""
 
@@ -413,7 +420,10 @@ class DramCache:
         to make room; False (nothing reserved) when they do not fit, unless `force`:
         memory a store holds already (a buffer's ring at start-up) counts whatever room
         there is, and the cache then keeps fewer blocks. `index`: a replay buffer's ring,
-        counted apart (`index_bytes`) from what `reserved_bytes` shares out."""
+        counted apart (`index_bytes`) from what `reserved_bytes` shares out, and all
+        rings together at most 1/INDEX_BUDGET_SHARE of the budget (unless `force`)."""
+        if not force and index and self.index_bytes + nbytes > self.budget_bytes // INDEX_BUDGET_SHARE:
+            return False
         if not self.make_room(nbytes) and not force:
             return False
         self.used_bytes += nbytes

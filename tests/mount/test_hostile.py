@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 from distorefs import client
 from tests.conftest import Mount, dir_for_test, wait_for
 
+MountFactory = Callable[..., Mount]
+
 SCHEMA = {"x": "int64"}
 T = TypeVar("T")
 
@@ -275,6 +277,38 @@ def test_a_batch_that_would_not_fit_the_dram_budget_is_refused(mounted: Mount, r
         assert "more than half the daemon's DRAM budget" in stats["errors"][-1]
         assert len(client.sample(blobs, 32, copy=False)) == 32  # 128 MiB: taken
     healthy(mounted)
+
+
+def test_buffers_rings_take_at_most_half_the_dram_budget_and_writes_keep_the_rest(
+    mount_factory: MountFactory,
+) -> None:
+    """Each buffer's ring (its per-slot arrays and trees: 11.6 MB for the default 100,000
+    slots) counts against the DRAM budget. Created by mkdir, they were counted whether
+    they fitted or not: 600 empty buffers held 7 GB of a 4 GiB budget, and every file
+    write of the mount then failed with ENOSPC. Now all rings together may take half
+    the budget: past it a mkdir is ENOSPC with the reason in the log, nothing is
+    created, and files are still written."""
+    mount = mount_factory("--dram-budget", "64MiB")  # rings: at most 32 MiB, two of the default
+    buffers = mount.path / "buffers"
+    (buffers / "b0").mkdir()
+    (buffers / "b1").mkdir()
+    with pytest.raises(OSError) as err:
+        (buffers / "b2").mkdir()
+    assert err.value.errno == errno.ENOSPC
+    assert sorted(os.listdir(buffers)) == ["b0", "b1"]
+    log_text = (mount.data_dir.parent / f"{mount.data_dir.name}.daemon.log").read_text()
+    assert "buffers/b2: a ring of 100000 slots takes 11588608 bytes" in log_text
+    with pytest.raises(OSError) as err:  # a bigger ring by config: EINVAL, the config unchanged
+        (buffers / "b1" / "config").write_text(json.dumps({"capacity": 200_000}))
+    assert err.value.errno == errno.EINVAL
+    assert json.loads((buffers / "b1" / "config").read_text())["capacity"] == 100_000
+    data = os.urandom(24 << 20)
+    (mount.path / "file").write_bytes(data)  # the other half of the budget is the files'
+    assert (mount.path / "file").read_bytes() == data
+    (buffers / "b0" / "config").write_text(json.dumps({"capacity": 1000}))  # gives its ring back
+    (buffers / "b2").mkdir()
+    client.append(buffers / "b2", [b"item"])
+    assert client.read_all(buffers / "b2" / "items" / "0") == b"item"
 
 
 def once_released(action: Callable[[], T]) -> T:

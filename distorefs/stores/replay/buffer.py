@@ -45,6 +45,7 @@ from distorefs.errors import (
     NotFound,
     NotSupported,
     OutOfMemory,
+    StoreFull,
     TryAgain,
 )
 from distorefs.news import Outbox
@@ -78,7 +79,7 @@ from distorefs.stores.replay.samplers import make_sampler
 from distorefs.stores.replay.snapshot import encode_state, match_snapshot
 from distorefs.stores.replay.sumtree import SegmentTree
 from distorefs.tiers.blocks import BlockStore
-from distorefs.tiers.dram import Block
+from distorefs.tiers.dram import INDEX_BUDGET_SHARE, Block
 from distorefs.tiers.metadb import MetaDb
 from distorefs.types import BlockKey
 
@@ -151,9 +152,12 @@ class ReplayBuffer:
         meta: MetaDb,
         news: Outbox[tuple[str, str]] | None = None,
         shard_limit: Callable[[], int] = lambda: 1,
+        new: bool = False,
     ) -> None:
         """`news` is the store's outbox (configuration changes are posted there);
-        `shard_limit` says how many shards a config may ask for (the live nodes)."""
+        `shard_limit` says how many shards a config may ask for (the live nodes). A `new`
+        buffer (not one loaded at start-up, whose memory is held whatever the budget says)
+        is StoreFull (ENOSPC), nothing held, when its ring does not fit the DRAM budget."""
         self.name = name
         self.owner = owner
         self._blocks = blocks
@@ -190,6 +194,9 @@ class ReplayBuffer:
         self._row_mark: int | None = None  # MetaDb mark of the row's first staging (0: read from it)
         self._ring_reserved = 0  # ring_index_bytes of the ring laid out, reserved in the DRAM budget
         self.config: BufferConfig = config  # (set again, with everything it implies, by _apply_config)
+        if new and not self._reserve_ring(ring_index_bytes(config.capacity), force=False):
+            blocks.watch(owner, None)
+            raise StoreFull(f"buffers/{name}: {self._ring_refusal(config.capacity)}")
         self._apply_config(config, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64))
 
     # --- layout ---------------------------------------------------------------------
@@ -230,6 +237,16 @@ class ReplayBuffer:
         self._make_rows()
         keep_blocks = self._rows is None and not self.deleted and cap * HELD_SLOT_BYTES <= self._held_limit()
         self._held = np.full(cap, None, dtype=object) if keep_blocks else None
+
+    def _ring_refusal(self, capacity: int) -> str:
+        """Why a ring of `capacity` slots was refused its DRAM (`_reserve_ring`)."""
+        budget = self._blocks.dram_budget_bytes
+        taken = self._blocks.statistics().dram_index_bytes
+        return (
+            f"a ring of {capacity} slots takes {ring_index_bytes(capacity)} bytes of the DRAM budget ({budget}"
+            f" bytes, of which all buffers' rings may take {budget // INDEX_BUDGET_SHARE}; {taken} taken now),"
+            " and they are not free (a smaller capacity, fewer buffers, or a bigger --dram-budget)"
+        )
 
     def _reserve_ring(self, nbytes: int, force: bool) -> bool:
         """Make the ring's reservation `nbytes`; False (nothing changed) when more does not
@@ -1106,7 +1123,6 @@ class ReplayBuffer:
     def reconfigure(self, changes: dict[str, Any]) -> None:
         """Apply a JSON config update whole or not at all (EINVAL / EBUSY)."""
         new = self.config.updated(f"buffers/{self.name}", changes, has_items=self.size > 0)
-        budget = self._blocks.dram_budget_bytes
         if new.itemsize is not None and new.batch_size * new.itemsize > self._batch_limit():
             raise InvalidArgument(
                 f"buffers/{self.name}.batch_size: a batch of {new.batch_size} records of {new.itemsize} bytes"
@@ -1123,12 +1139,8 @@ class ReplayBuffer:
         if new.alpha != self.config.alpha or new.epsilon != self.config.epsilon:
             what, highest = f"buffers/{self.name}.alpha, epsilon", highest_priority(new.alpha, new.epsilon)
             check_scalable(what, priorities, highest, new.alpha, new.epsilon, outcome="the config stays as it was")
-        ring = ring_index_bytes(new.capacity)
-        if not self._reserve_ring(ring, force=False):  # (the last check: it reserves)
-            raise InvalidArgument(
-                f"buffers/{self.name}.capacity: a ring of {new.capacity} slots takes {ring} bytes of the DRAM"
-                f" budget ({budget} bytes), and they are not free"
-            )
+        if not self._reserve_ring(ring_index_bytes(new.capacity), force=False):  # (the last check: it reserves)
+            raise InvalidArgument(f"buffers/{self.name}.capacity: {self._ring_refusal(new.capacity)}")
         self._apply_config(new, live, priorities, times, sizes)
         self.stage_row()
         self._notify()

@@ -100,9 +100,11 @@ class BufferStore:
         if name in self._buffers:
             raise Exists(f"buffer {name!r} exists")
         owner = self._next_owner
+        buf = ReplayBuffer(
+            name, owner, config or BufferConfig(), self._blocks, self._meta, self.news, self.shard_limit, new=True
+        )  # (StoreFull where its ring does not fit: nothing changed)
         self._next_owner += 1
         self._meta.put("kv", ("next_buffer_owner",), (self._next_owner,))
-        buf = ReplayBuffer(name, owner, config or BufferConfig(), self._blocks, self._meta, self.news, self.shard_limit)
         self._buffers[name] = self._by_owner[owner] = buf
         buf.stage_row()
         self.news.post(("created", name))
