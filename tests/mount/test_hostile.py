@@ -286,18 +286,29 @@ def test_buffers_rings_take_at_most_half_the_dram_budget_and_writes_keep_the_res
     slots) counts against the DRAM budget. Created by mkdir, they were counted whether
     they fitted or not: 600 empty buffers held 7 GB of a 4 GiB budget, and every file
     write of the mount then failed with ENOSPC. Now all rings together may take half
-    the budget: past it a mkdir is ENOSPC with the reason in the log, nothing is
-    created, and files are still written."""
-    mount = mount_factory("--dram-budget", "64MiB")  # rings: at most 32 MiB, two of the default
+    the budget: a mkdir gets the default capacity or what that half still has room for
+    (at least 1,024 slots), past it ENOSPC with the reason in the log and nothing
+    created; files are still written."""
+    mount = mount_factory("--dram-budget", "64MiB")  # rings: at most 32 MiB
     buffers = mount.path / "buffers"
-    (buffers / "b0").mkdir()
-    (buffers / "b1").mkdir()
-    with pytest.raises(OSError) as err:
-        (buffers / "b2").mkdir()
-    assert err.value.errno == errno.ENOSPC
-    assert sorted(os.listdir(buffers)) == ["b0", "b1"]
+    made: list[int] = []  # each buffer's capacity
+    refusal = None
+    while refusal is None and len(made) < 100:
+        try:
+            (buffers / f"b{len(made)}").mkdir()
+        except OSError as exc:
+            refusal = exc.errno
+        else:
+            made.append(json.loads((buffers / f"b{len(made)}" / "config").read_text())["capacity"])
+    assert refusal == errno.ENOSPC
+    assert made[:2] == [100_000, 100_000]
+    assert 3 <= len(made) < 100
+    assert made == sorted(made, reverse=True)
+    assert min(made) >= 1024
+    assert sorted(os.listdir(buffers)) == sorted(f"b{i}" for i in range(len(made)))
+    assert mount.status()["blocks"]["dram_index_bytes"] <= 32 << 20  # type: ignore[index]
     log_text = (mount.data_dir.parent / f"{mount.data_dir.name}.daemon.log").read_text()
-    assert "buffers/b2: a ring of 100000 slots takes 11588608 bytes" in log_text
+    assert f"buffers/b{len(made)}: a ring of 1024 slots takes 98304 bytes" in log_text
     with pytest.raises(OSError) as err:  # a bigger ring by config: EINVAL, the config unchanged
         (buffers / "b1" / "config").write_text(json.dumps({"capacity": 200_000}))
     assert err.value.errno == errno.EINVAL
@@ -305,10 +316,12 @@ def test_buffers_rings_take_at_most_half_the_dram_budget_and_writes_keep_the_res
     data = os.urandom(24 << 20)
     (mount.path / "file").write_bytes(data)  # the other half of the budget is the files'
     assert (mount.path / "file").read_bytes() == data
-    (buffers / "b0" / "config").write_text(json.dumps({"capacity": 1000}))  # gives its ring back
-    (buffers / "b2").mkdir()
-    client.append(buffers / "b2", [b"item"])
-    assert client.read_all(buffers / "b2" / "items" / "0") == b"item"
+    for name in ("b0", "b1"):  # give their rings back
+        (buffers / name / "config").write_text(json.dumps({"capacity": 1000}))
+    (buffers / "again").mkdir()
+    assert json.loads((buffers / "again" / "config").read_text())["capacity"] == 100_000
+    client.append(buffers / "again", [b"item"])
+    assert client.read_all(buffers / "again" / "items" / "0") == b"item"
 
 
 def once_released(action: Callable[[], T]) -> T:

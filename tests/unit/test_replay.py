@@ -19,7 +19,13 @@ from hypothesis import strategies as st
 from distorefs.errors import Busy, InvalidArgument, NotFound, TryAgain
 from distorefs.stores.replay import buffer as buffer_module
 from distorefs.stores.replay import formats, sumtree
-from distorefs.stores.replay.buffer import COPIED_ITEM_BYTES, ReplayBuffer, ring_index_bytes
+from distorefs.stores.replay.buffer import (
+    COPIED_ITEM_BYTES,
+    MIN_DEFAULT_CAPACITY,
+    ReplayBuffer,
+    default_capacity,
+    ring_index_bytes,
+)
 from distorefs.stores.replay.config import BufferConfig
 from distorefs.stores.replay.draws import THREAD_ENCODE_ITEMS, encode_batch, encoded_batch
 from distorefs.stores.replay.formats import (
@@ -1521,6 +1527,16 @@ async def test_a_big_draw_gathers_its_items_in_slices_while_other_tasks_run_and_
         else:
             assert appended > capacity + 64 * 20  # the ring turned under the draw (all of it, here)
             held_blocks_are_resident(buf, blocks)  # what is kept by slot is each slot's item now
+
+
+def test_a_buffer_made_without_a_config_gets_the_biggest_ring_that_fits_its_room() -> None:
+    assert default_capacity(1 << 30) == BufferConfig().capacity
+    assert default_capacity(ring_index_bytes(MIN_DEFAULT_CAPACITY) - 1) is None
+    for room in (ring_index_bytes(MIN_DEFAULT_CAPACITY), 100_000, 4 << 20, 8 << 20, ring_index_bytes(100_000) - 1):
+        capacity = default_capacity(room)
+        assert capacity is not None
+        assert MIN_DEFAULT_CAPACITY <= capacity < BufferConfig().capacity
+        assert ring_index_bytes(capacity) <= room < ring_index_bytes(capacity + 1)
 
 
 async def test_a_rings_arrays_and_trees_count_against_the_dram_budget(tmp_path: Path) -> None:

@@ -117,9 +117,40 @@ HELD_BUDGET_SHARE = 64  # that table takes at most this share of the DRAM budget
 # buffer brought six full collections into its 4.4 s (every request of the mount
 # waiting throughout); held views also make every later full collection longer.
 COPIED_ITEM_BYTES = 128
+MIN_DEFAULT_CAPACITY = 1024  # the smallest ring a buffer made without a config gets (default_capacity)
 BULK_DRAW_ITEMS = 16_384  # a draw of this many items or more runs with automatic collections paused
 HELD_FILL_SLICE = 1_024  # a draw that finds more of its items not held gathers them in slices (_fill_held)
 HELD_FILL_ROUNDS = 4  # ... and draws again at most this many times; the last draw looks its items up in one go
+
+
+def ring_refusal(blocks: BlockStore, capacity: int) -> str:
+    """Why a ring of `capacity` slots was refused its DRAM (`_reserve_ring`)."""
+    budget = blocks.dram_budget_bytes
+    return (
+        f"a ring of {capacity} slots takes {ring_index_bytes(capacity)} bytes of the DRAM budget ({budget}"
+        f" bytes, of which all buffers' rings may take {budget // INDEX_BUDGET_SHARE};"
+        f" {blocks.dram_index_bytes} taken now), and they are not free (a smaller capacity, fewer buffers,"
+        " or a bigger --dram-budget)"
+    )
+
+
+def default_capacity(room_bytes: int) -> int | None:
+    """The capacity of a buffer made without a config (mkdir): the default 100,000 slots,
+    or as many as `room_bytes` of ring have room for where that is less (a small DRAM
+    budget, many buffers), but not under MIN_DEFAULT_CAPACITY (None: no room)."""
+    high = BufferConfig.capacity
+    if ring_index_bytes(high) <= room_bytes:
+        return high
+    if ring_index_bytes(MIN_DEFAULT_CAPACITY) > room_bytes:
+        return None
+    low = MIN_DEFAULT_CAPACITY  # fits; high does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        if ring_index_bytes(middle) <= room_bytes:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def ring_index_bytes(capacity: int) -> int:
@@ -196,7 +227,7 @@ class ReplayBuffer:
         self.config: BufferConfig = config  # (set again, with everything it implies, by _apply_config)
         if new and not self._reserve_ring(ring_index_bytes(config.capacity), force=False):
             blocks.watch(owner, None)
-            raise StoreFull(f"buffers/{name}: {self._ring_refusal(config.capacity)}")
+            raise StoreFull(f"buffers/{name}: {ring_refusal(self._blocks, config.capacity)}")
         self._apply_config(config, np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64))
 
     # --- layout ---------------------------------------------------------------------
@@ -237,16 +268,6 @@ class ReplayBuffer:
         self._make_rows()
         keep_blocks = self._rows is None and not self.deleted and cap * HELD_SLOT_BYTES <= self._held_limit()
         self._held = np.full(cap, None, dtype=object) if keep_blocks else None
-
-    def _ring_refusal(self, capacity: int) -> str:
-        """Why a ring of `capacity` slots was refused its DRAM (`_reserve_ring`)."""
-        budget = self._blocks.dram_budget_bytes
-        taken = self._blocks.statistics().dram_index_bytes
-        return (
-            f"a ring of {capacity} slots takes {ring_index_bytes(capacity)} bytes of the DRAM budget ({budget}"
-            f" bytes, of which all buffers' rings may take {budget // INDEX_BUDGET_SHARE}; {taken} taken now),"
-            " and they are not free (a smaller capacity, fewer buffers, or a bigger --dram-budget)"
-        )
 
     def _reserve_ring(self, nbytes: int, force: bool) -> bool:
         """Make the ring's reservation `nbytes`; False (nothing changed) when more does not
@@ -1140,7 +1161,7 @@ class ReplayBuffer:
             what, highest = f"buffers/{self.name}.alpha, epsilon", highest_priority(new.alpha, new.epsilon)
             check_scalable(what, priorities, highest, new.alpha, new.epsilon, outcome="the config stays as it was")
         if not self._reserve_ring(ring_index_bytes(new.capacity), force=False):  # (the last check: it reserves)
-            raise InvalidArgument(f"buffers/{self.name}.capacity: {self._ring_refusal(new.capacity)}")
+            raise InvalidArgument(f"buffers/{self.name}.capacity: {ring_refusal(self._blocks, new.capacity)}")
         self._apply_config(new, live, priorities, times, sizes)
         self.stage_row()
         self._notify()

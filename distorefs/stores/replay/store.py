@@ -15,11 +15,11 @@ from collections.abc import Callable
 import trio
 
 from distorefs import memory
-from distorefs.errors import Exists, NotFound
+from distorefs.errors import Exists, NotFound, StoreFull
 from distorefs.ids import BUFFER_OWNER_BASE
 from distorefs.news import Outbox
 from distorefs.stores.files import check_name
-from distorefs.stores.replay.buffer import ReplayBuffer
+from distorefs.stores.replay.buffer import MIN_DEFAULT_CAPACITY, ReplayBuffer, default_capacity, ring_refusal
 from distorefs.stores.replay.config import BufferConfig
 from distorefs.stores.replay.sharded import ShardedBuffer, ShardLayout, ShardPeer
 from distorefs.stores.replay.snapshot import encode_state
@@ -99,9 +99,14 @@ class BufferStore:
         check_name(name.encode())
         if name in self._buffers:
             raise Exists(f"buffer {name!r} exists")
+        if config is None:  # (mkdir) the default capacity, or what the rings' share has room for
+            capacity = default_capacity(self._blocks.ring_room_bytes)
+            if capacity is None:
+                raise StoreFull(f"buffers/{name}: {ring_refusal(self._blocks, MIN_DEFAULT_CAPACITY)}")
+            config = BufferConfig(capacity=capacity)
         owner = self._next_owner
         buf = ReplayBuffer(
-            name, owner, config or BufferConfig(), self._blocks, self._meta, self.news, self.shard_limit, new=True
+            name, owner, config, self._blocks, self._meta, self.news, self.shard_limit, new=True
         )  # (StoreFull where its ring does not fit: nothing changed)
         self._next_owner += 1
         self._meta.put("kv", ("next_buffer_owner",), (self._next_owner,))
