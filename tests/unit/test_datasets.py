@@ -122,7 +122,9 @@ async def test_a_big_append_is_applied_in_slices_others_wait_their_turn_and_orde
         await trio.lowlevel.checkpoint()
         nursery.start_soon(ds.append, second)
     assert turns >= 9  # between the ten slices
-    assert {100, 500, 900} <= counts_seen  # visible slice by slice
+    # visible slice by slice, each slice whole (which ones are seen depends on trio's order of runnable tasks)
+    assert len({c for c in counts_seen if 0 < c < 1000}) >= 5
+    assert all(c % 100 == 0 for c in counts_seen)
     assert [bytes(await ds.read_record(i, 0, 64)) for i in range(1050)] == first + second
     with pytest.raises(DistorefsError) as err:
         await ds.append([b"ok"] * 300 + [b"x" * (MAX_RECORD_BYTES + 1)])
