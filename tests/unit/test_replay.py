@@ -453,6 +453,7 @@ def test_a_blob_batch_keeps_big_items_as_views_and_joins_the_small_ones_between(
     assert len(sizes) == -(-1000 // formats.JOINED_RUN_ITEMS)
     assert max(sizes) <= formats.JOINED_RUN_ITEMS * (3000 + formats.BATCH_ITEM.size) + formats.BATCH_HEAD.size
     assert [bytes(item) for _i, _w, item in decode_blob_batch(joined.tobytes())] == many
+    assert decode_blob_batch(encode_blob_batch([], np.arange(0), np.ones(0)).tobytes()) == []
 
 
 def test_big_record_batches_are_views_that_read_as_the_same_npy(monkeypatch: pytest.MonkeyPatch) -> None:

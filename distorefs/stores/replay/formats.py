@@ -455,15 +455,15 @@ def npy_batch_bytes(schema: np.dtype[Any], count: int) -> int:
 
 
 SCATTER_RECORD_BYTES = 4096  # records this big are served as views, not copied into one buffer
+# Smaller records are copied into the batch one memcpy each from this size, which skips
+# the joined copy in between (a SAC batch of 256 x 3 KB: 85 -> 46 µs alone); below it,
+# a step per record costs more than the second copy (1,024 x 100 bytes: 21 against 71 µs)
+RECORD_COPY_BYTES = 1024
 # A run of small records is joined this many records at a time (at most about 1 MiB):
 # one join holds the GIL throughout, and a batch of 500,000 records of 512 bytes joined
 # whole (256 MB) held it for 0.2-0.3 s, in a worker thread (draws.encoded_batch) as on
 # the event loop. (Counting each record's bytes instead cost a SAC batch 81 -> 92 µs.)
 JOINED_RUN_ITEMS = 256
-# Smaller records are copied into the batch one memcpy each from this size, which skips
-# the joined copy in between (a SAC batch of 256 x 3 KB: 85 -> 46 µs alone); below it,
-# a step per record costs more than the second copy (1,024 x 100 bytes: 21 against 71 µs)
-RECORD_COPY_BYTES = 1024
 _TAIL = np.dtype([("index", "<i8"), ("weight", "<f4")])  # what batch_dtype adds after a record
 
 
@@ -592,6 +592,8 @@ def encode_blob_batch(
         if run:
             pieces.append(b"".join(run))
             run = []
+    if run:  # (no items: the head alone)
+        pieces.append(b"".join(run))
     return ScatteredBytes(pieces)
 
 
