@@ -33,7 +33,7 @@ from distorefs.errors import OutOfMemory
 from distorefs.tiers.block_index import BlockIndex
 from distorefs.tiers.byte_ranges import ByteRanges
 from distorefs.tiers.compaction import Compaction
-from distorefs.tiers.dram import INDEX_BUDGET_SHARE, Block, DramCache, capacity_for
+from distorefs.tiers.dram import Block, DramCache, capacity_for
 from distorefs.tiers.metadb import MetaDb
 from distorefs.tiers.nvme_log import LogPosition, NvmeLog
 from distorefs.tiers.remote_memory import RemoteMemory
@@ -174,8 +174,8 @@ class BlockStore(ByteRanges, Compaction):
 
     @property
     def ring_room_bytes(self) -> int:
-        """How many more bytes of ring the buffers may reserve (INDEX_BUDGET_SHARE)."""
-        return max(0, self._dram.budget_bytes // INDEX_BUDGET_SHARE - self._dram.index_bytes)
+        """How many more bytes of ring the buffers may reserve (DramCache.index_room_bytes)."""
+        return self._dram.index_room_bytes
 
     @property
     def dram_reserved_bytes(self) -> int:

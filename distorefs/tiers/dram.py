@@ -415,6 +415,11 @@ class DramCache:
             self._blocks.move_to_end(key)
         return victims
 
+    @property
+    def index_room_bytes(self) -> int:
+        """How many more bytes of ring the buffers may reserve (INDEX_BUDGET_SHARE)."""
+        return max(0, self.budget_bytes // INDEX_BUDGET_SHARE - self.index_bytes)
+
     def reserve(self, nbytes: int, force: bool = False, index: bool = False) -> bool:
         """Count `nbytes` held outside the LRU against the budget, evicting clean blocks
         to make room; False (nothing reserved) when they do not fit, unless `force`:
@@ -422,7 +427,7 @@ class DramCache:
         there is, and the cache then keeps fewer blocks. `index`: a replay buffer's ring,
         counted apart (`index_bytes`) from what `reserved_bytes` shares out, and all
         rings together at most 1/INDEX_BUDGET_SHARE of the budget (unless `force`)."""
-        if not force and index and self.index_bytes + nbytes > self.budget_bytes // INDEX_BUDGET_SHARE:
+        if not force and index and nbytes > self.index_room_bytes:
             return False
         if not self.make_room(nbytes) and not force:
             return False

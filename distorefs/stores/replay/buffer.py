@@ -1034,11 +1034,16 @@ class ReplayBuffer:
                 found = await self._blocks.get_many(keys)  # (a schedule point: other requests run)
                 if self._held is not held:
                     break  # the ring was laid out again
-                for key, block in zip(keys, found, strict=True):
-                    if block is not None:
-                        self._hold(held, key, block, self._item_view(key, block))
+                self._hold_found(held, keys, found)
                 memory.collect_young()
         return True
+
+    def _hold_found(self, held: np.ndarray, keys: list[BlockKey], found: list[Block | None]) -> None:
+        """`_hold` of each item just read from the block tier (as a draw would serve it: a
+        copy of a small one, COPIED_ITEM_BYTES); items it did not find are skipped."""
+        for key, block in zip(keys, found, strict=True):
+            if block is not None:
+                self._hold(held, key, block, self._item_view(key, block))
 
     async def _payloads_of(self, indices: np.ndarray) -> list[bytes | memoryview]:
         owner = self.owner
@@ -1094,18 +1099,17 @@ class ReplayBuffer:
         without rows gets their views into its table by ring slot, for the same reason."""
         owner = self.owner
         keys = [BlockKey(owner, i) for i in indices.tolist()]
-        found = [
-            (key, block, memoryview(block.buf)[: block.length])
-            for key, block in zip(keys, await self._blocks.get_many(keys), strict=True)
-            if block is not None
-        ]
+        found = await self._blocks.get_many(keys)
         held, rows = self._held, self._rows
         if held is not None:
-            for key, block, view in found:
-                self._hold(held, key, block, view)
+            self._hold_found(held, keys, found)
         if rows is None:
             return
-        fits = [(key.number, view) for key, _block, view in found if len(view) == rows.itemsize]
+        fits = [
+            (key.number, memoryview(block.buf)[: block.length])
+            for key, block in zip(keys, found, strict=True)
+            if block is not None and block.length == rows.itemsize
+        ]
         if fits:
             warmed = np.fromiter((index for index, _ in fits), np.int64, len(fits))
             live = self._slot_index[warmed % self.config.capacity] == warmed  # not a newer item's slot
