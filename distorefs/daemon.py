@@ -493,7 +493,7 @@ async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb, freeze
     virtual.add_status(gc_statistics)
     virtual.add_status(checkpoints.statistics)
     virtual.add_status(kernel.statistics)
-    ops = FsOperations(PosixTree(files, checkpoints), virtual, config.data_dir, config.block_bytes)
+    ops = FsOperations(PosixTree(files, checkpoints), virtual, blocks.disk_stats, config.block_bytes)
     ops.metrics.watch(virtual.status, buffers, weights, node.peers_report if node is not None else None)
     virtual.add_control(b"metrics", ops.metrics.render)
     if node is not None and replicas is not None:

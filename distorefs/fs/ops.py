@@ -205,13 +205,15 @@ class FsOperations(pyfuse3.Operations):
     supports_dot_lookup = True
     enable_writeback_cache = False
 
-    def __init__(self, tree: PosixTree, virtual: VirtualTree, data_dir: str, block_bytes: int) -> None:
+    def __init__(
+        self, tree: PosixTree, virtual: VirtualTree, disk_stats: Callable[[], os.statvfs_result], block_bytes: int
+    ) -> None:
         super().__init__()
         self.tree = tree
         self.virtual = virtual
         self.metrics = Metrics()
         self.failures = FailureLog(log)  # this mount's failed-request lines, bounded per operation
-        self.data_dir = data_dir
+        self.disk_stats = disk_stats  # the log's disk, for statfs
         self.block_bytes = block_bytes
         self.degraded = False
         self._handles: dict[int, Handle] = {}
@@ -487,7 +489,7 @@ class FsOperations(pyfuse3.Operations):
 
     @_translate(mutates=False)
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
-        st = os.statvfs(self.data_dir)
+        st = self.disk_stats()
         stats = self.tree.statistics()
         out = pyfuse3.StatvfsData()
         out.f_bsize = 4096

@@ -717,7 +717,7 @@ class VirtualTree:
     def status(self) -> dict[str, object]:
         blocks = self._blocks.statistics()
         files = self._files.statistics()
-        st = os.statvfs(self._info.data_dir)
+        st = self._blocks.disk_stats()
         parts: dict[str, int] = {}
         for part in self._status_parts:
             parts.update(part())

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -691,6 +692,10 @@ class BlockStore(ByteRanges, Compaction):
         await self.flush()
         await self.commit(durable=True)
         await trio.to_thread.run_sync(self._log.close)
+
+    def disk_stats(self) -> os.statvfs_result:
+        """The statvfs of the log's disk (one syscall on a held descriptor)."""
+        return self._log.disk_stats()
 
     def disk_free_bytes(self) -> int:
         """Bytes the log's disk has free (a statvfs: call it from a thread)."""

@@ -322,6 +322,7 @@ class NvmeLog:
         self._direct_writer: ThreadPoolExecutor | None = None  # writes one staged buffer while the next fills
         # ((segment, end offset), the bytes of the last page up to the end) after a direct write
         self._direct_tail: tuple[tuple[int, int], bytes] | None = None
+        self._dir_fd = -1  # the directory, open (`open`)
 
     # --- opening and recovery -------------------------------------------------------
 
@@ -335,6 +336,9 @@ class NvmeLog:
         """
         os.makedirs(directory, exist_ok=True)
         self = cls(directory, segment_bytes, reserve_bytes)
+        # Held for the log's life: the disk's numbers still come if the directory's
+        # path goes (a cleaner that removed the data dir), so `df` and status answer.
+        self._dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         ids = sorted(
             int(name[len(_SEGMENT_PREFIX) : -len(_SEGMENT_SUFFIX)])
             for name in os.listdir(directory)
@@ -1115,9 +1119,13 @@ class NvmeLog:
             os.unlink(self.reserve_path)
         return held
 
+    def disk_stats(self) -> os.statvfs_result:
+        """The statvfs of the disk under the log (through the directory's descriptor)."""
+        return os.fstatvfs(self._dir_fd)
+
     def free_bytes(self) -> int:
         """Bytes the disk under the log has free for appends."""
-        st = os.statvfs(self.directory)
+        st = self.disk_stats()
         return st.f_bavail * st.f_frsize
 
     # --- segments -------------------------------------------------------------------
@@ -1158,3 +1166,6 @@ class NvmeLog:
             if self._direct_writer is not None:
                 self._direct_writer.shutdown()
                 self._direct_writer = None
+            if self._dir_fd >= 0:
+                os.close(self._dir_fd)
+                self._dir_fd = -1

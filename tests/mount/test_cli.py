@@ -88,6 +88,31 @@ def test_umount_of_a_busy_mount_fails_and_leaves_it_mounted(background: tuple[Pa
     assert distore("umount", str(mnt)).returncode == 0
 
 
+def test_a_removed_data_dir_leaves_df_status_and_umount_working(background: tuple[Path, Path]) -> None:
+    """A cleaner (tmpfiles, a script) that removes the data dir under a running daemon:
+    `df` and status read the disk through a descriptor the log holds, not the path, so
+    they still answer, and `distore umount` (which reads status first) brings it down."""
+    mnt, data = background
+    assert distore("mount", str(mnt), "--data-dir", str(data)).returncode == 0
+    (mnt / "f").write_bytes(b"kept in DRAM")
+    pid = json.loads(distore("status", str(mnt), "--json").stdout)["pid"]
+    shutil.rmtree(data)
+
+    st = os.statvfs(mnt)
+    assert st.f_blocks > 0
+    assert st.f_bavail > 0
+    status = json.loads(distore("status", str(mnt), "--json").stdout)
+    assert status["disk_free_bytes"] > 0
+    assert status["internal_errors"] == 0
+    assert not status["degraded"]
+    assert (mnt / "f").read_bytes() == b"kept in DRAM"
+
+    result = distore("umount", str(mnt))
+    assert "cannot read" not in result.stderr
+    assert not is_mounted(mnt)
+    assert cli.wait_pid_exit(pid, 30)
+
+
 def test_mount_errors_are_one_line_and_nonzero(mounted: Mount, tmp_path: Path) -> None:
     cases = [
         (("mount", str(tmp_path / "missing")), 1, f"distore mount: mount point {tmp_path / 'missing'} does not exist"),
