@@ -38,6 +38,7 @@ from distorefs.errors import (
     NotFound,
     NotSupported,
     ReadOnly,
+    Stale,
 )
 from distorefs.fs import kernel
 from distorefs.fs.shm import SLOTS as SHM_SLOTS
@@ -542,11 +543,30 @@ class SampleHandle(BatchHolder):
 
     async def _draw(self, nonblocking: bool) -> None:
         buffer, count = self._buffer, self._count
+        if self._columnar:
+            self._check_fields()
         ready = buffer.can_sample(count)
         batch = await run_waiting(self._pid, nonblocking, ready, lambda nb: buffer.sample_into(count, nb, self._hold))
         self._data = batch.data
         if self._columnar:
+            self._check_fields(batch.data)
             self._data = await columnar_batch(batch.data)
+
+    def _check_fields(self, data: bytearray | bytes | ScatteredBytes | None = None) -> None:
+        """`sample.npz` is for a buffer with a schema, and its batch is a schema batch
+        (an .npy); the schema can go while the buffer is empty (a config write), after
+        this file was looked up or opened, or between the draw's start and its end."""
+        if data is None:
+            fields = self._buffer.config.dtype is not None
+        else:
+            head = (
+                b"".join(data.parts(0, len(NPY_MAGIC)))
+                if isinstance(data, ScatteredBytes)
+                else bytes(data[: len(NPY_MAGIC)])
+            )
+            fields = head == NPY_MAGIC
+        if not fields:
+            raise Stale(f"buffers/{self._buffer.name}/sample.npz: the buffer has no schema since this open")
 
     async def release(self) -> None:
         await scheduling.checkpoint()

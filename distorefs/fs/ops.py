@@ -108,9 +108,13 @@ def _log_failure(failures: FailureLog, op: str, args: tuple[Any, ...], code: int
     failures.failed(op, _describe(args, op), code, message)
 
 
-def _translate(mutates: bool) -> Callable[[Callable[P, Coroutine[Any, Any, R]]], Callable[P, Coroutine[Any, Any, R]]]:
+def _translate(
+    mutates: bool, logs_change: bool = False
+) -> Callable[[Callable[P, Coroutine[Any, Any, R]]], Callable[P, Coroutine[Any, Any, R]]]:
     """Wrap an operation: DistorefsError -> its errno; a broken invariant -> EIO and
-    degraded; anything else -> EIO for this request only."""
+    degraded; anything else -> EIO for this request only. `logs_change`: a namespace
+    change (mkdir, rename, unlink, chmod ...) whose metadata is *logged* before the
+    reply (`FsOperations._log_change`), so a killed daemon keeps what was answered."""
 
     def wrap(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
         @functools.wraps(fn)
@@ -126,7 +130,10 @@ def _translate(mutates: bool) -> Callable[[Callable[P, Coroutine[Any, Any, R]]],
             op = fn.__name__
             serving = scheduling.deferring_since(started)  # its schedule points come after the reply
             try:
-                return await fn(*args, **kwargs)
+                result = await fn(*args, **kwargs)
+                if logs_change:
+                    await self._log_change(op)
+                return result
             except pyfuse3.FUSEError as exc:
                 failed = exc.errno
                 _log_failure(self.failures, op, args[1:], failed, "")
@@ -216,6 +223,7 @@ class FsOperations(pyfuse3.Operations):
         self.disk_stats = disk_stats  # the log's disk, for statfs
         self.block_bytes = block_bytes
         self.degraded = False
+        self.unlogged_changes = 0  # namespace changes whose rows could not be logged before the reply
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
         self.request_done = trio.Event()  # set at the end of every request (busy polling)
@@ -237,6 +245,22 @@ class FsOperations(pyfuse3.Operations):
         """An unexpected error failed one request: `.distore/status` counts it."""
         self.virtual.internal_errors += 1
         self.virtual.last_internal_error = f"{op}: {type(exc).__name__}"
+
+    async def _log_change(self, op: str) -> None:
+        """After a namespace change was applied: its staged rows to the log before the
+        reply (a row note, or a commit). The change is applied already, so a failure here
+        (a full disk) is not the request's: it is logged and the flusher commits the rows
+        at its next pass, as every change went before (docs/design.md, "Namespace changes
+        logged before the reply")."""
+        try:
+            await self.tree.persist_rows()
+        except (DistorefsError, OSError) as exc:
+            self.unlogged_changes += 1
+            if self.unlogged_changes & (self.unlogged_changes - 1) == 0:  # 1, 2, 4, 8 ...: bounded
+                log.warning(
+                    "%s: applied, but not yet in the log (the flusher retries; %d such changes so far): %s",
+                    op, self.unlogged_changes, exc,
+                )  # fmt: skip
 
     def degrade(self, reason: str) -> None:
         """Reads go on, changes get EROFS until a restart."""
@@ -444,7 +468,7 @@ class FsOperations(pyfuse3.Operations):
             return self._virtual_attrs(self.virtual.get(inode))
         return self._attrs(self.tree.get(inode))
 
-    @_translate(mutates=True)
+    @_translate(mutates=True, logs_change=True)
     async def setattr(
         self,
         inode: int,
@@ -507,7 +531,7 @@ class FsOperations(pyfuse3.Operations):
 
     # --- creating and removing ----------------------------------------------------------
 
-    @_translate(mutates=True)
+    @_translate(mutates=True, logs_change=True)
     async def mknod(
         self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
@@ -516,7 +540,7 @@ class FsOperations(pyfuse3.Operations):
         self._guard_reserved(parent_inode, name, "create it")
         return self._entry(self.tree.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
 
-    @_translate(mutates=True)
+    @_translate(mutates=True, logs_change=True)
     async def mkdir(
         self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
@@ -531,7 +555,7 @@ class FsOperations(pyfuse3.Operations):
             raise Exists(f"{name.decode()}/ exists (reserved)")
         return self._entry(self.tree.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
 
-    @_translate(mutates=True)
+    @_translate(mutates=True, logs_change=True)
     async def symlink(
         self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
@@ -540,7 +564,7 @@ class FsOperations(pyfuse3.Operations):
         self._guard_reserved(parent_inode, name, "create it")
         return self._entry(self.tree.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
 
-    @_translate(mutates=True)
+    @_translate(mutates=True, logs_change=True)
     async def link(
         self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
@@ -551,7 +575,7 @@ class FsOperations(pyfuse3.Operations):
         self._guard_reserved(new_parent_inode, new_name, "create it")
         return self._entry(self.tree.link(inode, new_parent_inode, new_name))
 
-    @_translate(mutates=True)
+    @_translate(mutates=True, logs_change=True)
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._named(name)
         vdir = self._virtual_dir(parent_inode)
@@ -561,7 +585,7 @@ class FsOperations(pyfuse3.Operations):
         self._guard_reserved(parent_inode, name, "remove it")
         self.tree.unlink(parent_inode, name)
 
-    @_translate(mutates=True)
+    @_translate(mutates=True, logs_change=True)
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._named(name)
         vdir = self._virtual_dir(parent_inode)
@@ -571,7 +595,7 @@ class FsOperations(pyfuse3.Operations):
         self._guard_reserved(parent_inode, name, "remove it")
         self.tree.rmdir(parent_inode, name)
 
-    @_translate(mutates=True)
+    @_translate(mutates=True, logs_change=True)
     async def rename(
         self,
         parent_inode_old: int,
@@ -772,7 +796,7 @@ class FsOperations(pyfuse3.Operations):
 
     # --- xattrs -------------------------------------------------------------------------
 
-    @_translate(mutates=True)
+    @_translate(mutates=True, logs_change=True)
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
         if inode in self.virtual:
             raise ReadOnly("virtual nodes take no attributes")
@@ -805,7 +829,7 @@ class FsOperations(pyfuse3.Operations):
             return []
         return self.tree.listxattr(inode)
 
-    @_translate(mutates=True)
+    @_translate(mutates=True, logs_change=True)
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         if inode in self.virtual:
             raise ReadOnly("virtual nodes take no attributes")

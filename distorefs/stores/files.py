@@ -621,6 +621,11 @@ class FileStore:
         """The file's data and all metadata are on the device when this returns."""
         await self._blocks.persist(ino, durable=True)
 
+    async def persist_rows(self) -> None:
+        """Every staged metadata change (a namespace change) survives a killed daemon
+        when this returns: a row note, or a commit where a note cannot go."""
+        await self._blocks.persist_rows()
+
     async def write_back(self, ino: int, full_only: bool = False) -> None:
         """Hand the file's dirty blocks to the log (all, or only full ones while it is
         still being written): *logged* once the next commit stages their rows."""

@@ -207,6 +207,11 @@ class PosixTree:
     async def sync_all(self) -> None:
         await self.files.sync_all()
 
+    async def persist_rows(self) -> None:
+        """A namespace change (mkdir, rename, unlink, chmod ...) is *logged* when this
+        returns, as a close's data is."""
+        await self.files.persist_rows()
+
     # --- xattrs -----------------------------------------------------------------------------
 
     async def setxattr(self, ino: int, name: bytes, value: bytes) -> None:

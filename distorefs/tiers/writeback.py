@@ -318,6 +318,13 @@ class WriteBack(BlockTierBase):
                 self._apply_flushed(snapshots, locations, staged=False)
                 self._wake_room_waiters()
 
+    async def persist_rows(self) -> None:
+        """Make every staged metadata change survive a killed daemon (a namespace change
+        such as mkdir, rename or unlink, which writes no block): a row note on the event
+        loop where one can go (`_persist_noted` with no blocks), else a commit. Nothing
+        staged: nothing to do."""
+        await self.persist(ROW_NOTES_OWNER)
+
     def _persist_noted(self, owner: int) -> bool:
         """Persist `owner` without a commit, on the event loop, when it is small: its dirty
         blocks and then a row note of every change staged since the last take, their own

@@ -21,7 +21,15 @@ import pytest
 
 from distorefs import client
 from distorefs.fs import kernel
-from tests.conftest import Mount, blocked_read, daemon_cpu_s, data_requests, fuse_requests, wait_for
+from tests.conftest import (
+    Mount,
+    blocked_read,
+    daemon_cpu_s,
+    data_requests,
+    fuse_requests,
+    wait_blocked_in_read,
+    wait_for,
+)
 
 pytestmark = pytest.mark.mount
 
@@ -913,6 +921,72 @@ def test_a_signal_interrupts_a_blocked_sample(buffer: Path) -> None:
         reader.join(timeout=10)
         if reader.is_alive():
             reader.kill()
+    assert stats(buffer)["samples"] == 0
+
+
+def test_removing_a_buffer_ends_a_blocked_sample_with_enoent_at_once(buffer: Path) -> None:
+    """A sampler waiting for items of a buffer that is then removed gets ENOENT when the
+    buffer goes, not EAGAIN after its sample_timeout (nothing it waits for can come)."""
+    configure(buffer, min_size_to_sample=5, sample_timeout=30)
+    queue: multiprocessing.Queue[str] = multiprocessing.Queue()
+    reader = multiprocessing.get_context("fork").Process(target=blocked_read, args=(str(buffer / "sample"), queue))
+    reader.start()
+    try:
+        assert queue.get(timeout=10) == "reading"
+        wait_blocked_in_read(reader.pid or 0)
+        started = time.monotonic()
+        os.rmdir(buffer)
+        assert queue.get(timeout=10) == f"error {errno.ENOENT}"
+        assert time.monotonic() - started < 5  # well before the 30 s timeout
+    finally:
+        reader.join(timeout=10)
+        if reader.is_alive():
+            reader.kill()
+
+
+def test_opens_of_a_removed_buffer_read_and_write_enoent_and_never_bring_it_back(
+    mount_factory: Callable[..., Mount],
+) -> None:
+    """Descriptors opened before a buffer's rmdir: a config write, a priority update and a
+    sample all get ENOENT (a config write used to re-stage the buffer's row, and the
+    buffer came back at the next start), and the mount stays without it across a
+    restart."""
+    mount = mount_factory()
+    path = mount.path / "buffers" / "b"
+    path.mkdir()
+    configure(path, schema=SCHEMA, min_size_to_sample=10)
+    with open(path / "append", "wb") as f:
+        np.save(f, records(4))
+    fds = {name: os.open(path / name, os.O_WRONLY) for name in ("config", "priority")}
+    sample = os.open(path / "sample.2", os.O_RDONLY | os.O_NONBLOCK)  # (too few items to draw at the open)
+    try:
+        os.rmdir(path)
+        assert errno_of(lambda: os.write(fds["config"], b'{"capacity": 50}')) == errno.ENOENT
+        assert errno_of(lambda: os.write(fds["priority"], b"0 2.0\n")) == errno.ENOENT
+        assert errno_of(lambda: os.pread(sample, 1 << 20, 0)) == errno.ENOENT
+    finally:
+        for fd in [*fds.values(), sample]:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    assert mount.status()["internal_errors"] == 0
+    assert mount.unmount() == 0
+    mount = mount_factory()
+    assert os.listdir(mount.path / "buffers") == []
+    assert mount.unmount() == 0
+
+
+def test_sample_npz_of_a_buffer_whose_schema_went_is_estale_not_an_internal_error(buffer: Path) -> None:
+    """sample.npz is for a buffer with a schema; the schema can be removed while the
+    buffer is empty, after the file was opened: its read is ESTALE, and the daemon's
+    internal errors stay at none (it used to try to load the blob batch as an .npy)."""
+    configure(buffer, schema=SCHEMA)
+    fd = os.open(buffer / "sample.npz", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        configure(buffer, schema=None)
+        client.append(buffer, [b"blob one", b"blob two"])
+        assert errno_of(lambda: os.pread(fd, 1 << 20, 0)) == errno.ESTALE
+    finally:
+        os.close(fd)
     assert stats(buffer)["samples"] == 0
 
 

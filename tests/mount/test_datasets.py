@@ -298,6 +298,35 @@ def test_rm_r_removes_a_dataset(mounted: Mount) -> None:
     assert "doomed" not in os.listdir(mounted.path / "datasets")
 
 
+def test_reads_of_a_removed_dataset_are_enoent_not_a_failed_crc(mount_factory: MountFactory) -> None:
+    """A record or a stream opened before its dataset's rmdir, and one of a dataset of the
+    same name made since: each read is ENOENT. They read the removed dataset's blocks,
+    which went with it, and failed their crc32c check (EIO, "fails its crc32c check":
+    corruption, to whoever read the log)."""
+    mount = mount_factory()
+    path = mount.path / "datasets" / "d"
+    path.mkdir()
+    client.append(path, [blob(i, 3000) for i in range(20)])
+    (path / "state").write_text("seal")
+    record = os.open(path / "records" / "3", os.O_RDONLY)
+    stream = os.open(path / "stream", os.O_RDONLY)
+    try:
+        os.rmdir(path)
+        assert errno_of(lambda: os.pread(record, 5000, 0)) == errno.ENOENT
+        assert errno_of(lambda: os.pread(stream, 1 << 20, 0)) == errno.ENOENT
+        path.mkdir()
+        client.append(path, [blob(i, 404) for i in range(5)])
+        assert errno_of(lambda: os.pread(record, 5000, 0)) == errno.ENOENT
+    finally:
+        os.close(record)
+        os.close(stream)
+    assert (path / "records" / "3").read_bytes() == blob(3, 404)
+    assert mount.status()["internal_errors"] == 0
+    assert mount.unmount() == 0
+    log = (mount.data_dir.parent / f"{mount.data_dir.name}.daemon.log").read_text()
+    assert "crc32c" not in log
+
+
 def test_remount_and_kill9_keep_acknowledged_records_seal_and_order(mount_factory: MountFactory) -> None:
     mount = mount_factory()
     path = mount.path / "datasets" / "d"

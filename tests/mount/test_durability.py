@@ -212,6 +212,52 @@ def test_kill_9_after_closes_acknowledged_by_row_notes_brings_back_the_tree_as_t
     assert mount.unmount() == 0
 
 
+def test_kill_9_right_after_namespace_changes_keeps_every_one_that_was_answered(mount_factory: MountFactory) -> None:
+    """A namespace change writes no data, so no close carries it: each one (mkdir,
+    rename, unlink, rmdir, link, symlink, chmod, truncate, xattrs, a buffer's rmdir)
+    is logged before its reply (docs/design.md, "Namespace changes logged before the
+    reply"). With the background commits out of the way, a kill -9 right after the
+    last of them must keep them all; the atomic save (write a temporary, rename it over
+    the real name) is the case a trainer relies on."""
+    mount = mount_factory("--flush-interval", "600", "--sync-interval", "600", "--snapshot-interval", "600")
+    root = tree(mount)
+    write_tree(root)
+    (root / "ckpt").write_bytes(b"old checkpoint")
+    (root / "gone").mkdir()
+    (root / "doomed").write_bytes(b"x")
+    (mount.path / "buffers" / "old").mkdir()
+    fd = os.open(mount.path, os.O_RDONLY)
+    os.fsync(fd)  # everything so far durable: what follows is only in notes
+    os.close(fd)
+
+    (mount.path / "buffers" / "new").mkdir()  # (a buffer's mkdir commits: first, then)
+    os.rmdir(mount.path / "buffers" / "old")
+    (root / "ckpt.tmp").write_bytes(b"new checkpoint")
+    os.replace(root / "ckpt.tmp", root / "ckpt")
+    (root / "made").mkdir()
+    os.rmdir(root / "gone")
+    os.unlink(root / "doomed")
+    os.rename(root / "a" / "b", root / "moved")
+    os.link(root / "empty", root / "made" / "hard")
+    os.symlink("../ckpt", root / "made" / "soft")
+    os.chmod(root / "sparse", 0o600)
+    os.truncate(root / "sparse", 5)
+    os.setxattr(root / "empty", "user.k", b"v")
+    os.removexattr(root / "a" / "small.txt", "user.tag")
+    before = digest_tree(root)
+    mount.kill9()
+
+    mount = mount_factory()
+    root = tree(mount)
+    assert digest_tree(root) == before
+    assert (root / "ckpt").read_bytes() == b"new checkpoint"
+    assert os.getxattr(root / "empty", "user.k") == b"v"
+    assert os.listxattr(root / "a" / "small.txt") == []
+    assert os.stat(root / "empty").st_nlink == 2
+    assert sorted(os.listdir(mount.path / "buffers")) == ["new"]
+    assert mount.unmount() == 0
+
+
 def test_kill_9_amid_concurrent_closes_keeps_every_acknowledged_file(mount_factory: MountFactory) -> None:
     """Four writers make files of 0-300 KiB (small ones acknowledged by row notes, big
     ones by commits) while the flusher commits every 100 ms; the daemon is killed in the

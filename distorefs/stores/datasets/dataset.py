@@ -141,6 +141,8 @@ class Dataset:
         return [self.owner + i for i in range(4)]
 
     def stage_row(self) -> None:
+        if self.deleted:  # a call begun before the delete must not bring the row back
+            return
         self._meta.put(
             "datasets",
             (self.name.encode(errors="surrogateescape"),),
@@ -174,9 +176,20 @@ class Dataset:
     def record_error(self, message: str) -> None:
         self.errors = [*self.errors[-9:], message]
 
-    def _check_live(self) -> None:
+    def check_live(self) -> None:
+        """NotFound once removed: its records' blocks went with it (a read would find
+        holes, not the records; an open `records/<i>` or stream reads ENOENT from then)."""
         if self.deleted:
             raise NotFound(f"datasets/{self.name} was removed")
+
+    def _check_not_removed_meanwhile(self) -> None:
+        """After writing bytes under the dataset's owners: NotFound if it was removed
+        while they went in, and they go too (the delete dropped the owners' blocks
+        before; these would stay behind until the next start)."""
+        if self.deleted:
+            for owner in self.owners():
+                self._blocks.delete_owner(owner)
+            self.check_live()
 
     def _check_writer(self, from_writer: bool) -> None:
         """A copy of another node's dataset changes only as its writer says."""
@@ -186,7 +199,7 @@ class Dataset:
     # --- config -------------------------------------------------------------------------
 
     def reconfigure(self, changes: Any, from_writer: bool = False) -> None:
-        self._check_live()
+        self.check_live()
         self._check_writer(from_writer)
         if self.sealed and "schema" in changes:
             raise ReadOnly(f"datasets/{self.name} is sealed: its schema cannot change")
@@ -226,7 +239,7 @@ class Dataset:
         `from_writer`), InvalidArgument for a record of the wrong size (before any is
         added).
         """
-        self._check_live()
+        self.check_live()
         self._check_writer(from_writer)
         if not records:
             await scheduling.checkpoint()
@@ -249,7 +262,7 @@ class Dataset:
         """`append`'s one slice, under the append lock."""
         if self.sealed:
             raise ReadOnly(f"datasets/{self.name} is sealed: no more appends")
-        self._check_live()
+        self.check_live()
         entries = np.empty(len(records), INDEX_DTYPE)
         entries["length"] = lengths
         entries["offset"] = self.data_bytes + np.concatenate(([0], np.cumsum(lengths[:-1])))
@@ -257,6 +270,7 @@ class Dataset:
         payload = b"".join(records)
         await self._blocks.write_range(self.data_owner, self.data_bytes, payload)
         await self._blocks.write_range(self.index_owner, self.count * INDEX_DTYPE.itemsize, entries.tobytes())
+        self._check_not_removed_meanwhile()
         assert self._index is not None
         if len(self._index) < self.count + len(records):
             grown = np.empty(max(2 * len(self._index), self.count + len(records), 1024), INDEX_DTYPE)
@@ -278,7 +292,7 @@ class Dataset:
 
     async def seal(self, from_writer: bool = False) -> None:
         """No more appends; the dataset is made durable. Sealing twice is a no-op."""
-        self._check_live()
+        self.check_live()
         self._check_writer(from_writer)
         async with self._append_lock:
             if not self.sealed:
@@ -295,6 +309,7 @@ class Dataset:
     async def read_run(self, start: int, max_bytes: int) -> tuple[np.ndarray, bytes | bytearray | memoryview]:
         """Records from `start` on, back to back, as many as fit in `max_bytes` (at least
         one): their index entries and their bytes, in one read of the data."""
+        self.check_live()
         index = await self.index()
         if not 0 <= start < self.count:
             raise NotFound(f"datasets/{self.name}: no record {start} (it has {self.count})")
@@ -304,11 +319,13 @@ class Dataset:
         first = int(entries["offset"][0])
         size = int(entries["offset"][-1] + entries["length"][-1]) - first
         data = await self._blocks.read_range(self.data_owner, first, size, self.data_bytes)
+        self.check_live()
         return entries, bytes(data) if isinstance(data, memoryview) else data
 
     # --- records --------------------------------------------------------------------------
 
     async def record_length(self, i: int) -> int:
+        self.check_live()
         index = await self.index()
         if not 0 <= i < self.count:
             raise NotFound(f"datasets/{self.name}: no record {i} (it has {self.count})")
@@ -321,6 +338,7 @@ class Dataset:
         start = int(entry["offset"])
         size = max(0, min(size, length - offset))
         data = await self._blocks.read_range(self.data_owner, start + offset, size, self.data_bytes)
+        self.check_live()  # removed during the read: its blocks went with it
         if offset == 0 and size == length and crc32c.crc32c(data) != int(entry["crc"]):
             raise Corrupted(f"datasets/{self.name}: record {i} fails its crc32c check")
         self.records_read += 1
@@ -333,7 +351,7 @@ class Dataset:
 
         The caller checked the indices against the count (OrderInput).
         """
-        self._check_live()
+        self.check_live()
         if spec.kind == "explicit":
             assert indices is not None
             slot = 1 - self.order.slot if self.order.kind == "explicit" else 0
@@ -344,6 +362,7 @@ class Dataset:
                 self._blocks.delete(key)
             await self._blocks.write_range(owner, 0, data)
             await self._blocks.flush(owner)
+            self._check_not_removed_meanwhile()
             spec = replace(spec, slot=slot)
             self._order_cache = (spec, indices.astype(np.int64))
         self.order = spec

@@ -288,6 +288,7 @@ class Stream:
     # --- reading ----------------------------------------------------------------------------
 
     async def read(self, offset: int, size: int) -> bytes | bytearray | memoryview:
+        self.dataset.check_live()
         layout = self.layout
         end = min(offset + size, layout.total)
         if offset >= end:
@@ -308,6 +309,7 @@ class Stream:
             elif not batch.done.is_set():
                 self.reader_waits += 1
                 await batch.done.wait()
+            self.dataset.check_live()  # removed while this read waited: not a failed crc
             if batch.error is not None:
                 raise batch.error
             if batch.data is None:
@@ -330,7 +332,7 @@ class Stream:
         longer there (the stream then goes back to batches for good), or when the pieces
         would be more than the stream's `max_pieces`: then `read`."""
         buffers = self._dram_buffers()
-        if buffers is None:
+        if buffers is None or self.dataset.deleted:  # removed: `read` says so
             return None
         layout = self.layout
         end = min(offset + size, layout.total)

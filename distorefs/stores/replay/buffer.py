@@ -356,7 +356,10 @@ class ReplayBuffer:
     # --- waiting ----------------------------------------------------------------------
 
     async def _wait_until(self, ready: Callable[[], bool], nonblocking: bool, what: str, writer: bool) -> None:
-        """Return once `ready()`; EAGAIN at once under O_NONBLOCK, or after sample_timeout."""
+        """Return once `ready()`; EAGAIN at once under O_NONBLOCK, or after sample_timeout;
+        ENOENT once the buffer is deleted (at once for a waiter: nothing it waits for can
+        come, and what it would add would stay behind in the block tier)."""
+        self.check_live()
         if ready():
             await scheduling.checkpoint()
             return
@@ -372,6 +375,7 @@ class ReplayBuffer:
                 while not ready():
                     changed = self._changed
                     await changed.wait()
+                    self.check_live()
                 return
         finally:
             if writer:
@@ -445,6 +449,10 @@ class ReplayBuffer:
             if self.config.sync or not self.row_committed or not self._blocks.put_logged(keys, chunk):
                 for key, data in zip(keys, chunk, strict=True):
                     await self._blocks.put(key, data)
+                if self.deleted:  # deleted while the bytes went in: they go too
+                    for key in keys:
+                        self._blocks.delete(key)
+                    self.check_live()
             sizes = [len(item) for item in items[at : at + count]]
             self._publish(first, sizes)  # ... then samplers may see the indices
             self._mirror_place(np.arange(first, first + count, dtype=np.int64), chunk)
@@ -566,10 +574,16 @@ class ReplayBuffer:
         self.removed += len(indices)
 
     def delete_item(self, index: int) -> None:
+        self.check_live()
         slot = self._slot_of(index)
         self._remove_slot(slot, index)
         self.stage_row()
         self._notify()
+
+    def check_live(self) -> None:
+        """NotFound once the buffer is deleted."""
+        if self.deleted:
+            raise NotFound(f"buffers/{self.name} was deleted")
 
     def delete_all(self) -> None:
         """Remove every item at once, for good (buffer deletion): one pass, no per-item
@@ -610,6 +624,7 @@ class ReplayBuffer:
         stored = data
         if self._zstd_level is not None:
             stored = await trio.to_thread.run_sync(zstandard.compress, data, self._zstd_level)
+        self.check_live()
         if self._slot_index[slot] != index:
             raise NotFound(f"buffers/{self.name}: item {index} left while it was written")
         self._size[slot] = len(data)
@@ -631,6 +646,7 @@ class ReplayBuffer:
         """`set_priorities`, then the update as a note in the log before this returns, so
         a start-up after kill -9 has it exactly (the snapshot, then the notes after it:
         `replay_priorities`)."""
+        self.check_live()
         applied, before = self.set_priorities(indices, priorities)
         if not len(indices):
             await scheduling.checkpoint()
@@ -842,8 +858,7 @@ class ReplayBuffer:
         """The buffer's items in a shared-memory arena (made on the first call; items
         come in as appended and, older ones, at their first draw). ENOTSUP for buffers
         whose items are not kept as they are (compression) or live on several nodes."""
-        if self.deleted:
-            raise NotFound(f"buffers/{self.name} was deleted")
+        self.check_live()
         if self.mirror is not None and not self.mirror.outgrown:
             return self.mirror
         outgrown = self.mirror.outgrown if self.mirror is not None else 0
@@ -1146,7 +1161,9 @@ class ReplayBuffer:
     # --- config -----------------------------------------------------------------------
 
     def reconfigure(self, changes: dict[str, Any]) -> None:
-        """Apply a JSON config update whole or not at all (EINVAL / EBUSY)."""
+        """Apply a JSON config update whole or not at all (EINVAL / EBUSY; ENOENT once
+        deleted: a deleted buffer reserves no ring)."""
+        self.check_live()
         new = self.config.updated(f"buffers/{self.name}", changes, has_items=self.size > 0)
         if new.itemsize is not None and new.batch_size * new.itemsize > self._batch_limit():
             raise InvalidArgument(
@@ -1174,7 +1191,12 @@ class ReplayBuffer:
     # --- persistence ------------------------------------------------------------------
 
     def stage_row(self) -> None:
-        """Stage the buffer's row: config and counters (small: staged on every append)."""
+        """Stage the buffer's row: config and counters (small: staged on every append).
+        Never once deleted: a call that began before the delete and ends after it (a
+        config write, a sample, an append's close) would bring the row back, and with it
+        the buffer at the next start."""
+        if self.deleted:
+            return
         self._meta.put("buffers", (self.name,), self._row())
         if self._row_mark is None:
             self._row_mark = self._meta.mark()
@@ -1212,6 +1234,8 @@ class ReplayBuffer:
         self._snapshot_dirty = True
 
     def stage_encoded(self, snapshot: bytes) -> None:
+        if self.deleted:  # (as stage_row)
+            return
         self._snapshot = snapshot
         self._meta.put("buffer_snapshots", (self.name,), (snapshot,))
         self.stage_row()
