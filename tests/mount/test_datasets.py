@@ -18,7 +18,7 @@ import pytest
 from distorefs import client
 from distorefs.stores.datasets.formats import shuffled
 from distorefs.stores.replay.formats import decode_blob_batch
-from tests.conftest import Mount
+from tests.conftest import Mount, wait_for
 
 pytestmark = pytest.mark.mount
 
@@ -296,6 +296,51 @@ def test_rm_r_removes_a_dataset(mounted: Mount) -> None:
     subprocess.run(["rm", "-r", str(path)], check=True)
     assert not path.exists()
     assert "doomed" not in os.listdir(mounted.path / "datasets")
+
+
+def test_opens_of_one_stream_share_its_layout_counted_in_the_budget(mount_factory: MountFactory) -> None:
+    """Each open stream holds where its records lie (8 bytes a record). Opens of the
+    same share hold one layout, counted once; all layouts together may hold the DRAM
+    budget, and an open past it is ENOMEM: 200 opens of a stream of 2,000,000 records
+    used to hold 6 GB of a daemon with a 1 GiB budget."""
+    mount = mount_factory("--dram-budget", "64MiB")
+    path = mount.path / "datasets" / "d"
+    path.mkdir()
+    (path / "config").write_text(json.dumps({"schema": {"x": "int8"}}))
+    count = 1_000_000
+    with open(path / "append", "wb") as f:
+        np.save(f, np.zeros(count, [("x", "i1")]))
+    (path / "state").write_text("seal")
+
+    def layout_bytes() -> int:
+        value = mount.status()["dataset_stream_layout_bytes"]
+        assert isinstance(value, int)
+        return value
+
+    one = 8 * count
+    same = [os.open(path / "stream", os.O_RDONLY) for _ in range(20)]
+    halves = [os.open(path / f"stream-{rank}-of-2", os.O_RDONLY) for rank in (0, 1)]
+    others: list[int] = []
+    try:
+        assert 2 * one <= layout_bytes() < 2 * one + 4096  # one for the 20 opens, and the two halves
+        refused = 0
+        for seed in range(1, 100):  # each order a new layout: the budget runs out
+            (path / "order").write_text(f"shuffle {seed}")
+            try:
+                others.append(os.open(path / "stream", os.O_RDONLY))
+            except OSError as exc:
+                refused = exc.errno or 0
+                break
+        assert refused == errno.ENOMEM
+        assert 2 <= len(others) < 8
+        assert layout_bytes() <= 64 << 20
+    finally:
+        for fd in same + halves + others:
+            os.close(fd)
+    assert wait_for(lambda: layout_bytes() == 0)
+    with open(path / "stream", "rb") as f:
+        assert len(np.load(f)) == count  # and the next open works
+    assert mount.unmount() == 0
 
 
 def test_reads_of_a_removed_dataset_are_enoent_not_a_failed_crc(mount_factory: MountFactory) -> None:

@@ -231,8 +231,9 @@ class StreamLayout:
     """
 
     def __init__(self, schema: np.dtype[Any] | None, indices: np.ndarray, lengths: np.ndarray) -> None:
+        """`indices`: the records in stream order (a view of the dataset's order is kept as
+        it is, not copied); `lengths`: their lengths (not kept: `ends` says them)."""
         self.indices = indices
-        self.lengths = lengths.astype(np.int64)
         count = len(indices)
         if schema is not None:
             self.prefix = 0
@@ -241,17 +242,33 @@ class StreamLayout:
         else:
             self.prefix = BATCH_ITEM.size
             self.suffix = 0
-            total = BATCH_HEAD.size + int(self.lengths.sum()) + count * BATCH_ITEM.size
+            total = BATCH_HEAD.size + int(lengths.sum()) + count * BATCH_ITEM.size
             self.header = BATCH_HEAD.pack(BATCH_MAGIC, count, total)
-        sizes = self.lengths + (self.prefix + self.suffix)
-        self.ends = np.cumsum(sizes) + len(self.header)
+        # the one array a layout holds per position (8 bytes): where each position ends
+        self.ends = np.cumsum(lengths, dtype=np.int64)
+        self.ends += np.arange(1, count + 1, dtype=np.int64) * (self.prefix + self.suffix) + len(self.header)
         self.total = int(self.ends[-1]) if count else len(self.header)
 
     def __len__(self) -> int:
         return len(self.indices)
 
+    @property
+    def nbytes(self) -> int:
+        """Memory the layout holds of its own (its indices are a view of the order)."""
+        own = self.indices.nbytes if self.indices.base is None else 0
+        return self.ends.nbytes + own + len(self.header)
+
     def start(self, position: int) -> int:
         return int(self.ends[position - 1]) if position else len(self.header)
+
+    def lengths(self, first: int, last: int) -> np.ndarray:
+        """The record lengths of positions [first, last) (int64)."""
+        if first:
+            out = np.diff(self.ends[first - 1 : last])
+        else:
+            out = np.diff(self.ends[:last], prepend=np.int64(len(self.header)))
+        out -= self.prefix + self.suffix
+        return out
 
     def position_at(self, offset: int) -> int:
         """The position whose bytes hold `offset` (len(self) past the end)."""
@@ -266,14 +283,14 @@ class StreamLayout:
         items["index"] = self.indices[first:last]
         items["weight"] = 1.0
         if self.prefix:
-            items["length"] = self.lengths[first:last]
+            items["length"] = self.lengths(first, last)
         return items.view(np.uint8).reshape(last - first, self.prefix + self.suffix)
 
     def frame(self, out: Writable, first: int, last: int) -> np.ndarray:
         """Lay out positions [first, last) in `out` (sized for them) with their prefixes or
         suffixes written; returns where each record's own bytes go in `out`."""
         base = self.start(first)
-        starts = self.ends[first:last] - base - self.lengths[first:last] - self.suffix
+        starts: np.ndarray = self.ends[first:last] - base - self.lengths(first, last) - self.suffix
         affixes = self.affixes(first, last)
         if self.prefix:
             where = (starts - self.prefix)[:, None] + np.arange(self.prefix)

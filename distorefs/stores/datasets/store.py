@@ -11,12 +11,13 @@ import logging
 
 import trio
 
-from distorefs.errors import DistorefsError, Exists, NotFound
+from distorefs import scheduling
+from distorefs.errors import DistorefsError, Exists, NotFound, OutOfMemory
 from distorefs.ids import DATASET_OWNER_BASE, OWNERS_PER_DATASET, is_dataset_owner
 from distorefs.memory import available_bytes
 from distorefs.news import Outbox
 from distorefs.stores.datasets.dataset import Dataset, DatasetConfig
-from distorefs.stores.datasets.formats import StreamLayout
+from distorefs.stores.datasets.formats import OrderSpec, StreamLayout
 from distorefs.stores.datasets.stream import Stream
 from distorefs.stores.files import check_name
 from distorefs.tiers.blocks import BlockStore
@@ -50,6 +51,16 @@ class DatasetStore:
         self._next_owner = int(meta.get_kv("next_dataset_owner", DATASET_OWNER_BASE))
         self._stream_send, self._stream_recv = trio.open_memory_channel[Stream](STREAM_QUEUE)
         self.streams: set[Stream] = set()
+        # Layouts (8 bytes a position) shared by the open streams of the same dataset,
+        # order, rank and world, each counted once, all together at most the DRAM budget
+        # (as the fs layer bounds open listings and batches; apart from the block cache's
+        # reservations, which prefetched batches fill): without it,
+        # each open of a stream of 2,000,000 records held 30 MB, and 200 of them 7.5 GB of
+        # a daemon with a 1 GiB budget.
+        self._layouts: dict[_LayoutKey, _SharedLayout] = {}
+        self._stream_layouts: dict[Stream, _LayoutKey] = {}
+        self.layout_bytes = 0
+        self.layout_limit = blocks.dram_budget_bytes
         self.news = Outbox[tuple[str, str]]()  # ("created" | "configured" | "sealed" | "deleted", name)
 
     @classmethod
@@ -124,7 +135,7 @@ class DatasetStore:
         del self._datasets[name]
         del self._by_owner[ds.owner]
         for stream in [s for s in self.streams if s.dataset is ds]:
-            stream.close()
+            self.close_stream(stream)
         for owner in ds.owners():
             self._blocks.delete_owner(owner)
         self._meta.delete("datasets", (name.encode(errors="surrogateescape"),))
@@ -136,15 +147,21 @@ class DatasetStore:
     # --- streams ----------------------------------------------------------------------------
 
     async def open_stream(self, ds: Dataset, rank: int, world: int, pieces: int = 0) -> Stream:
-        """A stream of rank `rank`'s share of the current order (Busy until sealed).
-        `pieces`: the most pieces the caller takes a read as (Stream.read_pieces); 0: none."""
-        positions = await ds.shard(rank, world)
-        index = await ds.index()
-        layout = StreamLayout(ds.dtype, positions, index["length"][positions])
+        """A stream of rank `rank`'s share of the current order (Busy until sealed;
+        OutOfMemory where its layout does not fit the DRAM budget). `pieces`: the most
+        pieces the caller takes a read as (Stream.read_pieces); 0: none."""
+        key, layout = await self._layout(ds, rank, world)
+        try:
+            index = await ds.index()
+            ds.check_live()
+        except BaseException:
+            self._let_layout_go(key)
+            raise
         window = ds.config.prefetch_window_bytes or self.window_bytes
         stream = Stream(ds, layout, index, self._blocks, window, self._page_cache_limit(), pieces)
         ds.streams_opened += 1
         self.streams.add(stream)
+        self._stream_layouts[stream] = key
         try:
             self._stream_send.send_nowait(stream)
         except trio.WouldBlock:
@@ -156,9 +173,47 @@ class DatasetStore:
             return self.page_cache_bytes
         return (available_bytes() or 0) // PAGE_CACHE_SHARE
 
+    async def _layout(self, ds: Dataset, rank: int, world: int) -> tuple[_LayoutKey, StreamLayout]:
+        """The layout of rank `rank`'s share of `ds`'s current order: the one open streams
+        of the same share hold, or a new one counted in the DRAM budget."""
+        key = (ds.owner, ds.order, ds.count, rank, world)
+        shared = self._layouts.get(key)
+        if shared is None:
+            positions = await ds.shard(rank, world)
+            index = await ds.index()
+            ds.check_live()
+            shared = self._layouts.get(key)  # (made by another open meanwhile)
+            if shared is None:
+                layout = StreamLayout(ds.dtype, positions, index["length"][positions])
+                held = self.layout_bytes
+                if held + layout.nbytes > self.layout_limit:
+                    raise OutOfMemory(
+                        f"datasets/{ds.name}: a stream of {len(layout)} records needs {layout.nbytes} bytes for its"
+                        f" layout; open streams hold {held} in theirs, and together they may hold"
+                        f" {self.layout_limit} (the DRAM budget); close some"
+                    )
+                shared = self._layouts[key] = _SharedLayout(layout)
+                self.layout_bytes += layout.nbytes
+        else:
+            await scheduling.checkpoint()
+        shared.users += 1
+        return key, shared.layout
+
+    def _let_layout_go(self, key: _LayoutKey) -> None:
+        shared = self._layouts[key]
+        shared.users -= 1
+        if not shared.users:
+            del self._layouts[key]
+            self.layout_bytes -= shared.layout.nbytes
+
     def close_stream(self, stream: Stream) -> None:
+        """The stream's end (its handle's release, or its dataset's removal): its
+        prefetch stops and its share of the layout goes. A second call does nothing."""
         stream.close()
         self.streams.discard(stream)
+        key = self._stream_layouts.pop(stream, None)
+        if key is not None:
+            self._let_layout_go(key)
 
     async def run_streams(self) -> None:
         """Background task: runs the prefetch of each stream from its open to its close."""
@@ -173,7 +228,21 @@ class DatasetStore:
             "dataset_streams_open": len(self.streams),
             "dataset_records": sum(ds.count for ds in self._datasets.values()),
             "dataset_bytes": sum(ds.data_bytes for ds in self._datasets.values()),
+            "dataset_stream_layout_bytes": self.layout_bytes,
         }
+
+
+_LayoutKey = tuple[int, OrderSpec, int, int, int]  # (dataset owner, order, count, rank, world)
+
+
+class _SharedLayout:
+    """A stream layout and how many open streams use it."""
+
+    __slots__ = ("layout", "users")
+
+    def __init__(self, layout: StreamLayout) -> None:
+        self.layout = layout
+        self.users = 0
 
 
 def _writer_key(name: str) -> str:

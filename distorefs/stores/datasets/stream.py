@@ -119,8 +119,6 @@ class Stream:
         most = 2 * ((1 << 20) // max(1, mean) + 2) + (1 << 20) // blocks.block_bytes + 2
         if pieces > 0 and most <= pieces:
             self._dram = blocks.dram_blocks(dataset.data_owner, -(-dataset.data_bytes // blocks.block_bytes))
-        # where each position's record starts in the dataset's bytes (served from DRAM)
-        self._addresses = index["offset"][layout.indices].astype(np.int64) if self.from_dram else np.zeros(0, np.int64)
         self.dram_reads = 0
         self._dram_refreshes = 0
 
@@ -205,7 +203,7 @@ class Stream:
             records = layout.indices[batch.first : batch.last]
             entries = self._index[records]
             starts = entries["offset"].astype(np.int64)
-            lengths = layout.lengths[batch.first : batch.last]
+            lengths = layout.lengths(batch.first, batch.last)
             owner = self.dataset.data_owner
             # the first batch (before the dataset is hinted) hints its own records
             read_ahead = not self.fits or not self._first_done.is_set()
@@ -403,8 +401,8 @@ class Stream:
         bb = self._blocks.block_bytes
         affixes = layout.affixes(first, last).reshape(-1).data
         ends = layout.ends[first:last].tolist()
-        lengths = layout.lengths[first:last].tolist()
-        addresses = self._addresses[first:last].tolist()
+        lengths = layout.lengths(first, last).tolist()
+        addresses = self._index["offset"][layout.indices[first:last]].tolist()  # where each record starts
         count = last - first
 
         def record(k: int, skip: int, take: int) -> bool:
