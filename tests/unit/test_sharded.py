@@ -228,6 +228,36 @@ async def test_the_node_that_joins_a_blob_batch_checks_the_whole_before_anything
             await blocks.close()
 
 
+async def test_a_shard_whose_config_differs_makes_eagain_with_its_reason_and_counts_nothing(tmp_path: Path) -> None:
+    """Configs reach the other nodes a moment later: a shard can still hold blobs when
+    the joining node's buffer has a schema. Its part used to reach the schema batch's
+    encoder as records (an internal error, EIO, on every such draw); now the draw is set
+    aside with nothing counted, tried again, and EAGAIN says why."""
+    shards = {}
+    opened = []
+    for i, node in enumerate(NODES[:2]):
+        (tmp_path / node).mkdir()
+        opened.append(open_tiers(tmp_path / node, 1 << 16, 256))
+        settings: dict[str, object] = {"capacity": 100, "shards": 2, "sample_timeout": 0.2}
+        if node == "a":
+            settings["schema"] = SCHEMA
+        config = BufferConfig().updated("t", settings, has_items=False)
+        shards[node] = ReplayBuffer("t", (1 << 48) + i, config, *opened[-1])
+    try:
+        await shards["a"].append_local(records(range(10)))
+        await shards["b"].append_local([b"abc"] * 10)
+        sharded = ShardedBuffer("t", shards["a"].config, ShardLayout(NODES[:2]), shards["a"],
+                                InMemoryPeer(shards, "a", set(NODES[:2])))  # fmt: skip
+        with pytest.raises(TryAgain, match=r"shard 1 \(node b\) holds items that are not records of 8 bytes"):
+            await sharded.sample(64)  # both shards are drawn from, every time
+        assert sharded.mismatched_draws >= 1
+        assert shards["a"].samples == 0
+        assert shards["b"].samples == 0
+    finally:
+        for blocks, _meta in opened:
+            await blocks.close()
+
+
 def test_a_batch_in_parts_keeps_its_records_as_one_array_in_shard_order() -> None:
     """A schema buffer's shard picks its records as one array (a view per record cost 0.2
     s for 100,000); parts that came as lists (a shard without rows) join them in place."""

@@ -47,6 +47,15 @@ class Drawn:
             return self.payloads.nbytes
         return sum(len(payload) for payload in self.payloads)
 
+    def fits(self, itemsize: int | None) -> bool:
+        """Whether the items are what a buffer with records of `itemsize` bytes (None:
+        blobs) holds: a shard on another node whose config has not caught up with this
+        one's (a schema set or removed, the buffer made again) sends other items."""
+        payloads = self.payloads
+        if isinstance(payloads, np.ndarray):
+            return itemsize is not None and payloads.ndim == 2 and payloads.shape[1] == itemsize
+        return itemsize is None or all(len(payload) == itemsize for payload in payloads)
+
 
 def merged_payloads(parts: Sequence[list[bytes | memoryview] | np.ndarray]) -> list[bytes | memoryview] | np.ndarray:
     """The items of a batch drawn in parts (shards), in order: one (count, itemsize)

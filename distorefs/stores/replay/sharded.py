@@ -145,6 +145,8 @@ class ShardedBuffer:
         self.partial_draws = 0
         self.remote_draws = 0
         self.uncommitted_draws = 0
+        self.mismatched_draws = 0  # picks whose items did not fit this node's config: nothing counted
+        self._refusal = ""  # why the last such pick was set aside (said with the EAGAIN)
         self.last_states: dict[int, dict[str, Any]] = {}
 
     # --- indices --------------------------------------------------------------------
@@ -205,7 +207,8 @@ class ShardedBuffer:
                 if nonblocking:
                     break
                 await trio.sleep(POLL_S)
-        raise TryAgain(f"buffers/{self.name}: no live shard can serve a sample of {count} yet")
+        why = f" ({self._refusal})" if self._refusal else ""
+        raise TryAgain(f"buffers/{self.name}: no live shard can serve a sample of {count} yet{why}")
 
     async def _try_sample(self, count: int, check_bytes: Callable[[int, int], None] | None) -> Batch | None:
         live = [s for s, node in enumerate(self.layout.nodes) if node == self.me or self._alive(node)]
@@ -235,6 +238,18 @@ class ShardedBuffer:
         except TryAgain:
             return None  # a shard's limiter said no between its state and its pick: nothing counted
         drawn = {shard: part for (shard, _k), part in zip(chosen, parts, strict=True)}
+        itemsize = self.config.itemsize
+        unfit = [shard for shard, part in drawn.items() if not part.fits(itemsize)]
+        if unfit:  # nothing counted; tried again until the configs agree (or EAGAIN)
+            self.mismatched_draws += 1
+            expected = f"records of {itemsize} bytes" if itemsize else "blobs"
+            self._refusal = (
+                f"shard {unfit[0]} (node {self.layout.nodes[unfit[0]]}) holds items that are not {expected}"
+                " (its config differs from this node's)"
+            )
+            if self.mismatched_draws & (self.mismatched_draws - 1) == 0:  # 1, 2, 4 ...: bounded
+                log.warning("buffers/%s: %s; %d such draws", self.name, self._refusal, self.mismatched_draws)
+            return None
         if check_bytes is not None:  # (a blob buffer's: its size is known only now)
             check_bytes(count, sum(part.nbytes for part in parts))
         batch = await self._combine(ready, states, drawn)
@@ -313,6 +328,7 @@ class ShardedBuffer:
             ],
             "this_node_shard": self.layout.shard_of(self.me),
             "partial_draws": self.partial_draws,
+            "mismatched_draws": self.mismatched_draws,
             "remote_draws": self.remote_draws,
             "uncommitted_draws": self.uncommitted_draws,
         }
