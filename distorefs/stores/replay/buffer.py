@@ -121,6 +121,7 @@ MIN_DEFAULT_CAPACITY = 1024  # the smallest ring a buffer made without a config 
 BULK_DRAW_ITEMS = 16_384  # a draw of this many items or more runs with automatic collections paused
 HELD_FILL_SLICE = 1_024  # a draw that finds more of its items not held gathers them in slices (_fill_held)
 HELD_FILL_ROUNDS = 4  # ... and draws again at most this many times; the last draw looks its items up in one go
+PICK_TRIES = 8  # a draw asks the limiter again after its wait; items removed meanwhile make it wait again
 
 
 def ring_refusal(blocks: BlockStore, capacity: int) -> str:
@@ -778,17 +779,27 @@ class ReplayBuffer:
 
     async def _pick_slots(self, count: int, nonblocking: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """Wait for the rate limiter, then pick `count` ring slots (and their
-        probabilities: None where the sampler is not prioritized). Nothing is counted."""
-        if self.limiter.can_sample(self.size, self.inserts, self.samples, count):
-            await scheduling.checkpoint()  # (the usual case, without the wait's closure)
-        else:
-            await self._wait_until(
-                lambda: self.limiter.can_sample(self.size, self.inserts, self.samples, count),
-                nonblocking,
-                f"sample of {count}",
-                writer=False,
-            )
-        return self._sampler.pick(self, count, self._rng)
+        probabilities: None where the sampler is not prioritized). Nothing is counted.
+
+        The limiter is asked again after the wait's last await, with no await between
+        that answer and the pick: other requests run at that await, and one that removed
+        the last items (an item's unlink, the buffer's rmdir) left a sampler walking an
+        empty tree to a slot past the ring (IndexError, an internal error; found by a
+        two-node fuzz). A few tries, then EAGAIN: the loop is bounded."""
+        for _ in range(PICK_TRIES):
+            if self.limiter.can_sample(self.size, self.inserts, self.samples, count):
+                await scheduling.checkpoint()  # (the usual case, without the wait's closure)
+            else:
+                await self._wait_until(
+                    lambda: self.limiter.can_sample(self.size, self.inserts, self.samples, count),
+                    nonblocking,
+                    f"sample of {count}",
+                    writer=False,
+                )
+            self.check_live()
+            if self.limiter.can_sample(self.size, self.inserts, self.samples, count):
+                return self._sampler.pick(self, count, self._rng)
+        raise TryAgain(f"buffers/{self.name}: a sample of {count} found the buffer changed under it {PICK_TRIES} times")
 
     async def pick(self, count: int, nonblocking: bool = False) -> Drawn:
         """Pick `count` items of this shard: their indices, their sampling probabilities
