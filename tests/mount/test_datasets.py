@@ -343,6 +343,25 @@ def test_opens_of_one_stream_share_its_layout_counted_in_the_budget(mount_factor
     assert mount.unmount() == 0
 
 
+def test_a_stream_opened_after_a_new_order_of_the_same_length_reads_that_order(dataset: Path) -> None:
+    """Explicit orders alternate between two slots, so the first and the third of the
+    same length look alike (same slot, same length): a stream opened after the third,
+    while one of the first is still open, must not share the first's layout."""
+    client.append(dataset, [blob(i, 100) for i in range(3)])
+    (dataset / "state").write_text("seal")
+
+    def order_of(f: io.BufferedReader) -> list[int]:
+        return [int.from_bytes(bytes(item)[:8], "little") for _index, _weight, item in decode_blob_batch(f.read())]
+
+    (dataset / "order").write_text("0 1 2\n")
+    with open(dataset / "stream", "rb") as first:
+        (dataset / "order").write_text("2 1 0\n")
+        (dataset / "order").write_text("1 2 0\n")
+        with open(dataset / "stream", "rb") as third:
+            assert order_of(third) == [1, 2, 0]
+        assert order_of(first) == [0, 1, 2]
+
+
 def test_reads_of_a_removed_dataset_are_enoent_not_a_failed_crc(mount_factory: MountFactory) -> None:
     """A record or a stream opened before its dataset's rmdir, and one of a dataset of the
     same name made since: each read is ENOENT. They read the removed dataset's blocks,

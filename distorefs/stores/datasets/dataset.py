@@ -107,6 +107,9 @@ class Dataset:
         self.data_bytes = data_bytes
         self.sealed = sealed
         self.order = order or OrderSpec()
+        # One more at every order set: two explicit orders can have equal specs (the same
+        # slot and length, alternate writes), so a stream's layout is keyed by this.
+        self.order_serial = 0
         self.created_ns = created_ns or time.time_ns()
         self.deleted = False
         self._index: np.ndarray | None = np.empty(0, INDEX_DTYPE) if count == 0 else None
@@ -366,6 +369,7 @@ class Dataset:
             spec = replace(spec, slot=slot)
             self._order_cache = (spec, indices.astype(np.int64))
         self.order = spec
+        self.order_serial += 1
         self.stage_row()
         await self._blocks.commit(durable=True)
 

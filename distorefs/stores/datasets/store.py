@@ -17,7 +17,7 @@ from distorefs.ids import DATASET_OWNER_BASE, OWNERS_PER_DATASET, is_dataset_own
 from distorefs.memory import available_bytes
 from distorefs.news import Outbox
 from distorefs.stores.datasets.dataset import Dataset, DatasetConfig
-from distorefs.stores.datasets.formats import OrderSpec, StreamLayout
+from distorefs.stores.datasets.formats import StreamLayout
 from distorefs.stores.datasets.stream import Stream
 from distorefs.stores.files import check_name
 from distorefs.tiers.blocks import BlockStore
@@ -176,7 +176,7 @@ class DatasetStore:
     async def _layout(self, ds: Dataset, rank: int, world: int) -> tuple[_LayoutKey, StreamLayout]:
         """The layout of rank `rank`'s share of `ds`'s current order: the one open streams
         of the same share hold, or a new one counted in the DRAM budget."""
-        key = (ds.owner, ds.order, ds.count, rank, world)
+        key = (ds.owner, ds.order_serial, ds.count, rank, world)
         shared = self._layouts.get(key)
         if shared is None:
             positions = await ds.shard(rank, world)
@@ -232,7 +232,7 @@ class DatasetStore:
         }
 
 
-_LayoutKey = tuple[int, OrderSpec, int, int, int]  # (dataset owner, order, count, rank, world)
+_LayoutKey = tuple[int, int, int, int, int]  # (dataset owner, order serial, count, rank, world)
 
 
 class _SharedLayout:
