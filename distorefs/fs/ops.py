@@ -32,7 +32,17 @@ import pyfuse3
 import trio
 
 from distorefs import scheduling
-from distorefs.errors import Busy, CrossDevice, DistorefsError, Exists, NameTooLong, NotPermitted, ReadOnly
+from distorefs.errors import (
+    Busy,
+    CrossDevice,
+    DistorefsError,
+    Exists,
+    InvalidArgument,
+    NameTooLong,
+    NotPermitted,
+    NotSupported,
+    ReadOnly,
+)
 from distorefs.fs import kernel
 from distorefs.fs.metrics import Metrics
 from distorefs.fs.polling import CpuRoom, PollWindow
@@ -188,6 +198,13 @@ def _created_direct(flags: int, kind: str) -> bool:
 # pyfuse3 built with scripts/pyfuse3-noflush.patch (scripts/setup.sh does) can reply
 # FOPEN_NOFLUSH; stock pyfuse3 3.5 cannot, and then every close sends its FLUSH as before.
 NOFLUSH = hasattr(pyfuse3.FileInfo(), "noflush")
+
+# fallocate(2)'s modes (linux/falloc.h) that `FsOperations.fallocate` serves
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+FALLOC_FL_ZERO_RANGE = 0x10
+FALLOCATE_MODES = FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE
+ZERO_WRITE_BYTES = 1 << 20  # a punched or zeroed range is written a block at a time
 
 
 def _file_info(fh: FileHandle, direct_io: bool, keep_cache: bool, no_flush: bool) -> pyfuse3.FileInfo:
@@ -683,6 +700,35 @@ class FsOperations(pyfuse3.Operations):
                 raise
         self.metrics.transferred(handle.kind, "write", written, started)
         return written
+
+    @_translate(mutates=True)
+    async def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
+        """fallocate(2) on a tree file (pyfuse3 built with scripts/pyfuse3-fallocate.patch;
+        stock pyfuse3 never calls it, and the kernel answers EOPNOTSUPP). Mode 0 (what
+        `posix_fallocate`, `fallocate -l` and `rsync --preallocate` use) makes the file at
+        least `offset + length` long; KEEP_SIZE alone changes nothing; PUNCH_HOLE (with
+        KEEP_SIZE, as Linux requires) and ZERO_RANGE write zeros over the range within the
+        file, the kernel dropping its cached pages of it. The bytes are not reserved on
+        the disk (a log has no place to reserve them in): a later write can still get
+        ENOSPC. Other modes (COLLAPSE_RANGE, INSERT_RANGE, UNSHARE_RANGE) are EOPNOTSUPP;
+        docs/design.md, "fallocate"."""
+        handle = self._handles[fh]
+        if handle.virtual:
+            raise NotSupported("fallocate: control files and kinds' files hold no bytes to allocate")
+        if mode & ~FALLOCATE_MODES or (mode & FALLOC_FL_PUNCH_HOLE and mode & FALLOC_FL_ZERO_RANGE):
+            raise NotSupported(f"fallocate mode {mode:#x}: supported are 0, KEEP_SIZE, PUNCH_HOLE and ZERO_RANGE")
+        if offset < 0 or length <= 0:
+            raise InvalidArgument(f"fallocate of {length} bytes at {offset}")
+        end = offset + length
+        size = self.tree.get(handle.ino).size
+        if mode & (FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE):
+            at, stop = offset, min(end, size)
+            zeros = bytes(min(ZERO_WRITE_BYTES, max(0, stop - at)))
+            while at < stop:
+                at += await self.tree.write(handle.ino, at, zeros[: stop - at])
+        if not mode & FALLOC_FL_KEEP_SIZE and end > size:
+            await self.tree.setattr(handle.ino, size=end)
+        await scheduling.checkpoint()
 
     @_translate(mutates=False)
     async def flush(self, fh: int) -> None:

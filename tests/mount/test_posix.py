@@ -225,6 +225,52 @@ def test_truncate_shrinks_and_extends_with_zeros(scratch: Path) -> None:
     assert path.read_bytes() == b""
 
 
+def test_fallocate_extends_punches_and_zeroes_and_refuses_the_rest(
+    mounted: Mount, scratch: Path, tmp_path: Path
+) -> None:
+    """fallocate(2) through the mount (scripts/pyfuse3-fallocate.patch): without it the
+    kernel said EOPNOTSUPP, `fallocate -l` failed, `rsync --preallocate` printed an error
+    for every file, and glibc's posix_fallocate fallback refused an O_APPEND descriptor
+    (EBADF)."""
+    path = scratch / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, b"head")
+        os.posix_fallocate(fd, 0, 3 << 20)  # mode 0 on an appending descriptor
+    finally:
+        os.close(fd)
+    assert path.stat().st_size == 3 << 20
+    assert path.read_bytes() == b"head" + bytes((3 << 20) - 4)
+
+    text = scratch / "g"
+    text.write_bytes(b"hello, world: " + b"x" * (2 << 20))
+    subprocess.run(["fallocate", "--punch-hole", "--offset", "2", "--length", "3", str(text)], check=True)
+    subprocess.run(["fallocate", "--zero-range", "--offset", "7", "--length", str(1 << 20), str(text)], check=True)
+    want = b"he\0\0\0, " + bytes(1 << 20) + b"x" * ((2 << 20) + 14 - 7 - (1 << 20))
+    assert text.read_bytes() == want  # (the kernel dropped its cached pages of both ranges)
+    subprocess.run(["fallocate", "--keep-size", "--length", str(8 << 20), str(text)], check=True)
+    assert text.stat().st_size == len(want)
+    result = subprocess.run(["fallocate", "--collapse-range", "--length", "4096", str(text)], capture_output=True)
+    assert result.returncode != 0
+    assert b"not supported" in result.stderr
+    buffer = mounted.path / "buffers" / "fallocate"
+    buffer.mkdir()
+    try:
+        result = subprocess.run(["fallocate", "--length", "10", str(buffer / "append")], capture_output=True)
+        assert b"not supported" in result.stderr
+    finally:
+        buffer.rmdir()
+
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "big").write_bytes(os.urandom(5 << 20))
+    result = subprocess.run(["rsync", "-a", "--preallocate", f"{source}/", f"{scratch}/copy/"], capture_output=True)
+    assert result.returncode == 0
+    assert result.stderr == b""  # (it said `do_fallocate ...: Operation not supported (95)`)
+    assert (scratch / "copy" / "big").read_bytes() == (source / "big").read_bytes()
+    assert mounted.status()["internal_errors"] == 0
+
+
 def test_random_writes_truncates_and_reads_match_a_model_of_the_file(mounted: Mount, scratch: Path) -> None:
     """fsx in small: writes at random offsets and lengths (across blocks, leaving holes),
     truncates down and up, reads checked against the same operations on a bytearray,
