@@ -27,7 +27,6 @@ from tests.conftest import (
     daemon_cpu_s,
     data_requests,
     fuse_requests,
-    wait_blocked_in_read,
     wait_for,
 )
 
@@ -902,7 +901,11 @@ def test_sample_blocks_until_min_size_then_fails_with_eagain(buffer: Path) -> No
     assert stats(buffer)["samples"] == 0  # nothing counted
 
 
-def test_a_signal_interrupts_a_blocked_sample(buffer: Path) -> None:
+@contextlib.contextmanager
+def blocked_sampler(buffer: Path) -> Iterator[tuple[multiprocessing.process.BaseProcess, multiprocessing.Queue[str]]]:
+    """A process blocked in a read of `buffer`'s `sample` (5 items needed, none there, a
+    30 s timeout), and the queue its outcome comes on (`blocked_read`); joined, or
+    killed, at the end."""
     configure(buffer, min_size_to_sample=5, sample_timeout=30)
     queue: multiprocessing.Queue[str] = multiprocessing.Queue()
     reader = multiprocessing.get_context("fork").Process(target=blocked_read, args=(str(buffer / "sample"), queue))
@@ -913,35 +916,30 @@ def test_a_signal_interrupts_a_blocked_sample(buffer: Path) -> None:
         while stats(buffer)["blocked_readers"] != 1:
             assert time.monotonic() < deadline, "the reader never blocked"
             time.sleep(0.05)
-        started = time.monotonic()
-        os.kill(reader.pid or 0, signal.SIGUSR1)
-        assert queue.get(timeout=10) == "interrupted"
-        assert time.monotonic() - started < 5  # well before the 30 s timeout
+        yield reader, queue
     finally:
         reader.join(timeout=10)
         if reader.is_alive():
             reader.kill()
+
+
+def test_a_signal_interrupts_a_blocked_sample(buffer: Path) -> None:
+    with blocked_sampler(buffer) as (reader, queue):
+        started = time.monotonic()
+        os.kill(reader.pid or 0, signal.SIGUSR1)
+        assert queue.get(timeout=10) == "interrupted"
+        assert time.monotonic() - started < 5  # well before the 30 s timeout
     assert stats(buffer)["samples"] == 0
 
 
 def test_removing_a_buffer_ends_a_blocked_sample_with_enoent_at_once(buffer: Path) -> None:
     """A sampler waiting for items of a buffer that is then removed gets ENOENT when the
     buffer goes, not EAGAIN after its sample_timeout (nothing it waits for can come)."""
-    configure(buffer, min_size_to_sample=5, sample_timeout=30)
-    queue: multiprocessing.Queue[str] = multiprocessing.Queue()
-    reader = multiprocessing.get_context("fork").Process(target=blocked_read, args=(str(buffer / "sample"), queue))
-    reader.start()
-    try:
-        assert queue.get(timeout=10) == "reading"
-        wait_blocked_in_read(reader.pid or 0)
+    with blocked_sampler(buffer) as (_reader, queue):
         started = time.monotonic()
         os.rmdir(buffer)
         assert queue.get(timeout=10) == f"error {errno.ENOENT}"
         assert time.monotonic() - started < 5  # well before the 30 s timeout
-    finally:
-        reader.join(timeout=10)
-        if reader.is_alive():
-            reader.kill()
 
 
 def test_opens_of_a_removed_buffer_read_and_write_enoent_and_never_bring_it_back(
