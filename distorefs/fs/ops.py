@@ -204,7 +204,6 @@ FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 FALLOC_FL_ZERO_RANGE = 0x10
 FALLOCATE_MODES = FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE
-ZERO_WRITE_BYTES = 1 << 20  # a punched or zeroed range is written a block at a time
 
 
 def _file_info(fh: FileHandle, direct_io: bool, keep_cache: bool, no_flush: bool) -> pyfuse3.FileInfo:
@@ -707,8 +706,8 @@ class FsOperations(pyfuse3.Operations):
         stock pyfuse3 never calls it, and the kernel answers EOPNOTSUPP). Mode 0 (what
         `posix_fallocate`, `fallocate -l` and `rsync --preallocate` use) makes the file at
         least `offset + length` long; KEEP_SIZE alone changes nothing; PUNCH_HOLE (with
-        KEEP_SIZE, as Linux requires) and ZERO_RANGE write zeros over the range within the
-        file, the kernel dropping its cached pages of it. The bytes are not reserved on
+        KEEP_SIZE, as Linux requires) and ZERO_RANGE make the range within the file read
+        as zeros (whole blocks become holes), the kernel dropping its cached pages of it. The bytes are not reserved on
         the disk (a log has no place to reserve them in): a later write can still get
         ENOSPC. Other modes (COLLAPSE_RANGE, INSERT_RANGE, UNSHARE_RANGE) are EOPNOTSUPP;
         docs/design.md, "fallocate"."""
@@ -720,13 +719,9 @@ class FsOperations(pyfuse3.Operations):
         if offset < 0 or length <= 0:
             raise InvalidArgument(f"fallocate of {length} bytes at {offset}")
         end = offset + length
-        size = self.tree.get(handle.ino).size
         if mode & (FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE):
-            at, stop = offset, min(end, size)
-            zeros = bytes(min(ZERO_WRITE_BYTES, max(0, stop - at)))
-            while at < stop:
-                at += await self.tree.write(handle.ino, at, zeros[: stop - at])
-        if not mode & FALLOC_FL_KEEP_SIZE and end > size:
+            await self.tree.zero_range(handle.ino, offset, end)
+        if not mode & FALLOC_FL_KEEP_SIZE and end > self.tree.get(handle.ino).size:
             await self.tree.setattr(handle.ino, size=end)
         await scheduling.checkpoint()
 

@@ -589,6 +589,14 @@ class FileStore:
         self._stage(inode)
         return len(data)
 
+    async def zero_range(self, ino: int, offset: int, end: int) -> None:
+        """Bytes [offset, end) of the file, within its size, read as zeros from now on
+        (fallocate's PUNCH_HOLE and ZERO_RANGE): whole blocks become holes."""
+        inode = self._regular(ino)
+        await self._blocks.zero_range(ino, offset, min(end, inode.size))
+        inode.mtime_ns = inode.ctime_ns = time.time_ns()
+        self._stage(inode)
+
     async def adopt(self, ino: int, view: memoryview) -> Inode:
         """Make `view` the file's whole content without copying it (a staged file whose
         memory the fs layer took over, sealed): the old content goes, the new bytes are

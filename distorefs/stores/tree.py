@@ -167,6 +167,10 @@ class PosixTree:
         self._changed(ino)
         return written
 
+    async def zero_range(self, ino: int, offset: int, end: int) -> None:
+        await self.files.zero_range(ino, offset, end)
+        self._changed(ino)
+
     async def adopt(self, ino: int, view: memoryview) -> Inode:
         """Make `view` (sealed memory the fs layer took over) the file's whole content, as
         if written through an open of it: under checkpoints/ it persists in the

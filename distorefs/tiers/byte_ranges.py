@@ -92,6 +92,25 @@ class ByteRanges(BlockTierBase):
             await self.write(BlockKey(owner, at // bb), inner, view[pos : pos + count])
             pos += count
 
+    async def zero_range(self, owner: int, start: int, end: int) -> None:
+        """Make bytes [start, end) of `owner`'s content read as zeros: the blocks wholly
+        inside become holes (deleted: nothing written), the bytes of the edge blocks that
+        hold data are overwritten with zeros, holes stay holes. So punching a hole across
+        a sparse file costs what its blocks with data cost, not its length (zeros written
+        over 15 TiB of holes filled the disk)."""
+        if end <= start:
+            return
+        bb = self.block_bytes
+        held = {key.number for key in self.owner_keys(owner)}
+        inner_first, inner_end = -(-start // bb), end // bb  # the blocks wholly inside
+        for number in held:
+            if inner_first <= number < inner_end:
+                self.delete(BlockKey(owner, number))
+        for number in sorted({start // bb, (end - 1) // bb}):
+            if number in held and not inner_first <= number < inner_end:
+                lo, hi = max(start, number * bb), min(end, (number + 1) * bb)
+                await self.write(BlockKey(owner, number), lo - number * bb, bytes(hi - lo))
+
     async def truncate_range(self, owner: int, old_length: int, new_length: int) -> None:
         """Cut `owner`'s content from `old_length` down to `new_length` bytes."""
         if new_length >= old_length:

@@ -250,6 +250,23 @@ def test_fallocate_extends_punches_and_zeroes_and_refuses_the_rest(
     assert text.read_bytes() == want  # (the kernel dropped its cached pages of both ranges)
     subprocess.run(["fallocate", "--keep-size", "--length", str(8 << 20), str(text)], check=True)
     assert text.stat().st_size == len(want)
+    sparse = scratch / "sparse"  # a hole punched across a TiB of holes writes nothing (it wrote zeros: a full disk)
+    subprocess.run(["fallocate", "--length", str(1 << 40), str(sparse)], check=True)
+    with open(sparse, "r+b") as f:
+        f.seek(1 << 39)
+        f.write(b"data")
+    fd = os.open(scratch, os.O_RDONLY)
+    os.fsync(fd)  # everything written so far in the log: what the punch adds is its own
+    os.close(fd)
+    before = mounted.status()
+    subprocess.run(["fallocate", "--punch-hole", "--length", str(1 << 40), str(sparse)], check=True)
+    with open(sparse, "rb") as f:
+        f.seek(1 << 39)
+        assert f.read(8) == bytes(8)
+    after = mounted.status()
+    assert sparse.stat().st_size == 1 << 40
+    assert after["dram_used_bytes"] <= before["dram_used_bytes"]  # type: ignore[operator]
+    assert after["log_bytes"] - before["log_bytes"] < 1 << 20  # type: ignore[operator]
     result = subprocess.run(["fallocate", "--collapse-range", "--length", "4096", str(text)], capture_output=True)
     assert result.returncode != 0
     assert b"not supported" in result.stderr
