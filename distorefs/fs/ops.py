@@ -707,10 +707,10 @@ class FsOperations(pyfuse3.Operations):
         `posix_fallocate`, `fallocate -l` and `rsync --preallocate` use) makes the file at
         least `offset + length` long; KEEP_SIZE alone changes nothing; PUNCH_HOLE (with
         KEEP_SIZE, as Linux requires) and ZERO_RANGE make the range within the file read
-        as zeros (whole blocks become holes), the kernel dropping its cached pages of it. The bytes are not reserved on
-        the disk (a log has no place to reserve them in): a later write can still get
-        ENOSPC. Other modes (COLLAPSE_RANGE, INSERT_RANGE, UNSHARE_RANGE) are EOPNOTSUPP;
-        docs/design.md, "fallocate"."""
+        as zeros (whole blocks become holes), the kernel dropping its cached pages of it.
+        The bytes are not reserved on the disk (a log has no place to reserve them in): a
+        later write can still get ENOSPC. Other modes (COLLAPSE_RANGE, INSERT_RANGE,
+        UNSHARE_RANGE) are EOPNOTSUPP; docs/design.md, "fallocate"."""
         handle = self._handles[fh]
         if handle.virtual:
             raise NotSupported("fallocate: control files and kinds' files hold no bytes to allocate")
