@@ -101,10 +101,15 @@ async def watch(
     also: Callable[[int], None] | None = None,
 ) -> T:
     """Run `work()`, showing progress as `remaining()` (bytes still to go) falls; `also`
-    gets each sample of `remaining()` too. Nothing is shown when nothing remains."""
+    gets each sample of `remaining()` too. Nothing is shown when nothing remains.
+
+    What `work()` raises comes out as it is, not in an ExceptionGroup of the sampling
+    nursery: a full disk at a dataset's seal was an internal error (EIO) instead of
+    ENOSPC, and at the daemon's final persist a CRITICAL traceback."""
     total = remaining()
     if total == 0:
         return await work()
+    failure: Exception | None = None
     with Progress(what, total, "bytes", logger) as progress:
         async with trio.open_nursery() as nursery:
 
@@ -117,7 +122,12 @@ async def watch(
                     await trio.sleep(WATCH_EVERY_S)
 
             nursery.start_soon(sample)
-            result = await work()
-            progress.update(total - remaining())
+            try:
+                result = await work()
+                progress.update(total - remaining())
+            except Exception as exc:  # (cancellation goes through the nursery as usual)
+                failure = exc
             nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
     return result

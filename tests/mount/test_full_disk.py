@@ -154,5 +154,9 @@ def test_umount_fails_and_says_how_much_was_not_persisted(full_disk_mount: Mount
     )
     assert result.returncode != 0, result.stdout
     assert "bytes were not persisted" in result.stderr, result.stderr
+    assert "the log's disk is full" in result.stderr, result.stderr  # the reason, not "unknown"
     assert "persisted everything" not in result.stdout
     assert mount.proc.wait(timeout=60) != 0
+    log = (mount.data_dir.parent / f"{mount.data_dir.name}.daemon.log").read_text()
+    assert "the final persist failed: the log's disk is full" in log
+    assert "the daemon failed" not in log  # (a CRITICAL traceback: the error came in an ExceptionGroup)
