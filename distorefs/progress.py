@@ -104,8 +104,8 @@ async def watch(
     gets each sample of `remaining()` too. Nothing is shown when nothing remains.
 
     What `work()` raises comes out as it is, not in an ExceptionGroup of the sampling
-    nursery: a full disk at a dataset's seal was an internal error (EIO) instead of
-    ENOSPC, and at the daemon's final persist a CRITICAL traceback."""
+    nursery (a full disk at the daemon's final persist ended in a CRITICAL traceback,
+    its reason lost; callers catch DistorefsError and OSError)."""
     total = remaining()
     if total == 0:
         return await work()
