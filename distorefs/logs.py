@@ -84,6 +84,12 @@ def setup(
     return where
 
 
+def at_doubling(count: int) -> bool:
+    """Whether the `count`-th time of something is logged: the 1st, 2nd, 4th, 8th ... (a
+    line per doubling, with the count in it, bounds a repeated event's lines)."""
+    return count > 0 and count & (count - 1) == 0
+
+
 class FailureLog:
     """One WARNING line per failed request, at most `per_window` lines per operation in
     each `window_s`; the first line after a window says how many were left out."""

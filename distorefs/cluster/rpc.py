@@ -53,7 +53,7 @@ import msgpack
 import numpy as np
 import trio
 
-from distorefs import memory
+from distorefs import logs, memory
 from distorefs.errors import DistorefsError, InvalidArgument, PeerUnavailable, RemoteError
 
 log = logging.getLogger(__name__)
@@ -468,7 +468,7 @@ class PeerServer:
         from_host = self._hosts.get(host, 0)
         if self.connections >= self.max_connections or from_host >= self.per_host:
             self.refused_connections += 1
-            if self.refused_connections & (self.refused_connections - 1) == 0:  # 1, 2, 4, 8 ...
+            if logs.at_doubling(self.refused_connections):
                 log.warning(
                     "peers: %d connections open (%d from %s), the most allowed; closed another (%d so far)",
                     self.connections, from_host, host, self.refused_connections,
@@ -511,7 +511,7 @@ class PeerServer:
                 why = "closed during the handshake"
         self.unauthenticated_connections += 1
         count = self.unauthenticated_connections
-        if count & (count - 1) == 0:  # 1, 2, 4, 8 ...
+        if logs.at_doubling(count):
             log.warning("peers: a connection from %s did not authenticate (%s); closed (%d so far)", host, why, count)
         raise AuthenticationFailed(why)
 

@@ -31,7 +31,7 @@ from typing import Any, ParamSpec, TypeVar
 import pyfuse3
 import trio
 
-from distorefs import scheduling
+from distorefs import logs, scheduling
 from distorefs.errors import (
     Busy,
     CrossDevice,
@@ -272,7 +272,7 @@ class FsOperations(pyfuse3.Operations):
             await self.tree.persist_rows()
         except (DistorefsError, OSError) as exc:
             self.unlogged_changes += 1
-            if self.unlogged_changes & (self.unlogged_changes - 1) == 0:  # 1, 2, 4, 8 ...: bounded
+            if logs.at_doubling(self.unlogged_changes):
                 log.warning(
                     "%s: applied, but not yet in the log (the flusher retries; %d such changes so far): %s",
                     op, self.unlogged_changes, exc,

@@ -33,7 +33,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import trio
 
-from distorefs import scheduling
+from distorefs import logs, scheduling
 from distorefs.errors import DistorefsError, InvalidArgument, PeerUnavailable, TryAgain
 from distorefs.stores.replay.buffer import ReplayBuffer
 from distorefs.stores.replay.config import BufferConfig
@@ -247,7 +247,7 @@ class ShardedBuffer:
                 f"shard {unfit[0]} (node {self.layout.nodes[unfit[0]]}) holds items that are not {expected}"
                 " (its config differs from this node's)"
             )
-            if self.mismatched_draws & (self.mismatched_draws - 1) == 0:  # 1, 2, 4 ...: bounded
+            if logs.at_doubling(self.mismatched_draws):
                 log.warning("buffers/%s: %s; %d such draws", self.name, self._refusal, self.mismatched_draws)
             return None
         if check_bytes is not None:  # (a blob buffer's: its size is known only now)
