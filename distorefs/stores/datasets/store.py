@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import trio
 
-from distorefs import scheduling
 from distorefs.errors import DistorefsError, Exists, NotFound, OutOfMemory
 from distorefs.ids import DATASET_OWNER_BASE, OWNERS_PER_DATASET, is_dataset_owner
 from distorefs.memory import available_bytes
@@ -150,13 +150,10 @@ class DatasetStore:
         """A stream of rank `rank`'s share of the current order (Busy until sealed;
         OutOfMemory where its layout does not fit the DRAM budget). `pieces`: the most
         pieces the caller takes a read as (Stream.read_pieces); 0: none."""
-        key, layout = await self._layout(ds, rank, world)
-        try:
-            index = await ds.index()
-            ds.check_live()
-        except BaseException:
-            self._let_layout_go(key)
-            raise
+        positions = await ds.shard(rank, world)
+        index = await ds.index()
+        ds.check_live()
+        key, layout = self._share_layout(ds, rank, world, positions, index)  # (no await from here on)
         window = ds.config.prefetch_window_bytes or self.window_bytes
         stream = Stream(ds, layout, index, self._blocks, window, self._page_cache_limit(), pieces)
         ds.streams_opened += 1
@@ -173,29 +170,24 @@ class DatasetStore:
             return self.page_cache_bytes
         return (available_bytes() or 0) // PAGE_CACHE_SHARE
 
-    async def _layout(self, ds: Dataset, rank: int, world: int) -> tuple[_LayoutKey, StreamLayout]:
-        """The layout of rank `rank`'s share of `ds`'s current order: the one open streams
-        of the same share hold, or a new one counted in the DRAM budget."""
+    def _share_layout(
+        self, ds: Dataset, rank: int, world: int, positions: np.ndarray, index: np.ndarray
+    ) -> tuple[_LayoutKey, StreamLayout]:
+        """The layout of rank `rank`'s share of `ds`'s current order (its `positions`):
+        the one open streams of the same share hold, or a new one, counted."""
         key = (ds.owner, ds.order_serial, ds.count, rank, world)
         shared = self._layouts.get(key)
         if shared is None:
-            positions = await ds.shard(rank, world)
-            index = await ds.index()
-            ds.check_live()
-            shared = self._layouts.get(key)  # (made by another open meanwhile)
-            if shared is None:
-                layout = StreamLayout(ds.dtype, positions, index["length"][positions])
-                held = self.layout_bytes
-                if held + layout.nbytes > self.layout_limit:
-                    raise OutOfMemory(
-                        f"datasets/{ds.name}: a stream of {len(layout)} records needs {layout.nbytes} bytes for its"
-                        f" layout; open streams hold {held} in theirs, and together they may hold"
-                        f" {self.layout_limit} (the DRAM budget); close some"
-                    )
-                shared = self._layouts[key] = _SharedLayout(layout)
-                self.layout_bytes += layout.nbytes
-        else:
-            await scheduling.checkpoint()
+            layout = StreamLayout(ds.dtype, positions, index["length"][positions])
+            held = self.layout_bytes
+            if held + layout.nbytes > self.layout_limit:
+                raise OutOfMemory(
+                    f"datasets/{ds.name}: a stream of {len(layout)} records needs {layout.nbytes} bytes for its"
+                    f" layout; open streams hold {held} in theirs, and together they may hold"
+                    f" {self.layout_limit} (the DRAM budget); close some"
+                )
+            shared = self._layouts[key] = _SharedLayout(layout)
+            self.layout_bytes += layout.nbytes
         shared.users += 1
         return key, shared.layout
 
