@@ -22,6 +22,10 @@ order `shuffle 1`. Then, each cold (remounted and the kernel's caches dropped):
   filesystem (ceiling_fs.py `--direct-io`: no page cache, as a stream is read), read in
   each round with the same 1 MiB reads as the streams. A stream cannot be served faster
   than that; each stream is divided by its own round's.
+`--orders` adds other orders to each window's cold stream (`sequential`: what a stream
+reads at when the order costs nothing), and `--warm` reads each stream a second time
+right after, with the log in the kernel's page cache: the daemon's serving alone, which
+no cold stream can beat, in the same round.
 `--listing-records N` also times `ls -U records/ | wc -l` of an N-record dataset.
 
 Needs root to drop the page cache (else "cold" only means not in distorefs' DRAM).
@@ -93,6 +97,12 @@ class Daemon:
         distore("umount", str(self.mnt))
 
 
+def variant_key(window: str, page_cache: str, order: str) -> str:
+    """A stream's key in the results: `WINDOW PAGE_CACHE`, then the order unless it is the
+    bench's first, `shuffle 1` (so earlier results files keep their keys)."""
+    return f"{window} {page_cache}" + ("" if order == "shuffle 1" else f" {order}")
+
+
 def read_sequential(path: Path, buf: bytearray, stats: Path) -> tuple[int, dict[str, int]]:
     """Read `path` (a stream) to its end: (bytes, the stream's entry in the dataset's
     `stats` after its first read: `whole`, `from_dram`, ...)."""
@@ -146,6 +156,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="time limit of each per-record read")
     parser.add_argument("--listing-records", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=3, help="cold streams per window, each against the disk")
+    parser.add_argument("--orders", nargs="+", default=["shuffle 1"], help="orders of the streams (`shuffle 1` first)")
+    parser.add_argument("--warm", action="store_true", help="read each stream again with the log in the page cache")
     parser.add_argument("--dir", default="/var/tmp", help="local disk for the data dir and the baselines")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -206,8 +218,8 @@ def main() -> int:
         daemon.umount()
 
         # --- stream, cold, per window, against the disk in the same round ----------------
-        variants = [(window, pc) for window in args.windows for pc in args.page_cache]
-        streams: dict[str, dict[str, object]] = {f"{w} {pc}": {"rounds": []} for w, pc in variants}
+        variants = [(window, pc, order) for window in args.windows for pc in args.page_cache for order in args.orders]
+        streams: dict[str, dict[str, object]] = {variant_key(*v): {"rounds": []} for v in variants}
         disk_rounds = []
         ceiling_rounds: list[float] = []
         ceiling_file = stack.enter_context(Ceiling(base, ["--direct-io"])) / "stream"
@@ -219,15 +231,21 @@ def main() -> int:
             started = time.perf_counter()
             ceiling_gbps = read_file(ceiling_file) / (time.perf_counter() - started) / 1e9
             ceiling_rounds.append(ceiling_gbps)
-            for window, page_cache in variants:
+            for window, page_cache, order in variants:
                 budget = f"{max(parse_size(window) + (256 << 20), 1 << 30) >> 20}MiB"
                 daemon.mount(budget, window, ds / "stream", page_cache)
+                (ds / "order").write_text(f"{order}\n")
                 drop_caches()
                 started = time.perf_counter()
                 total, entry = read_sequential(ds / "stream", buf, ds / "stats")
                 elapsed = time.perf_counter() - started
                 status = json.loads((daemon.mnt / ".distore" / "status").read_text())
-                rounds = streams[f"{window} {page_cache}"]["rounds"]
+                warm = {}
+                if args.warm:  # the same stream at once: its records now in the page cache
+                    started = time.perf_counter()
+                    again, _entry = read_sequential(ds / "stream", buf, ds / "stats")
+                    warm = {"warm_gbps": again / (time.perf_counter() - started) / 1e9}
+                rounds = streams[variant_key(window, page_cache, order)]["rounds"]
                 assert isinstance(rounds, list)
                 rounds.append(
                     {
@@ -241,6 +259,7 @@ def main() -> int:
                         "log_parts": status["blocks"]["gathered_log_parts"],
                         "log_spans": status["blocks"]["gathered_log_spans"],
                         "whole": bool(entry["whole"]),
+                        **warm,
                     }
                 )
                 daemon.umount()
@@ -257,6 +276,8 @@ def main() -> int:
             s["gbps"] = statistics.median(r["gbps"] for r in rounds)
             s["vs_disk"] = statistics.median(r["vs_disk"] for r in rounds)
             s["vs_ceiling"] = statistics.median(r["vs_ceiling"] for r in rounds)
+            if args.warm:
+                s["warm_gbps"] = statistics.median(r["warm_gbps"] for r in rounds)
         results["stream"] = streams
 
         if args.listing_records:
@@ -270,31 +291,33 @@ def main() -> int:
 
     disk = float(results["disk_sequential_gbps"])  # type: ignore[arg-type]
     per_rec = results["records_per_file"]["gbps"]  # type: ignore[index]
-    print(f"\n{count} records of {size} bytes ({count * size / 1e9:.2f} GB), order `shuffle 1`, cold")
+    print(f"\n{count} records of {size} bytes ({count * size / 1e9:.2f} GB), cold")
     print(f"caches dropped: {can_drop}\n")
     ceiling = float(results["ceiling_gbps"])  # type: ignore[arg-type]
-    print("| reader | rate | GB/s | vs disk sequential | vs records/<i> | vs FUSE ceiling |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| reader | rate | GB/s | vs disk sequential | vs records/<i> | vs FUSE ceiling | warm GB/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     best = "its best: one reader 8 MiB or four readers"
-    print(f"| local disk, one file, sequential ({best}) | | {disk:.2f} | 1.00x | | |")
+    print(f"| local disk, one file, sequential ({best}) | | {disk:.2f} | 1.00x | | | |")
     print(
         f"| FUSE ceiling: ceiling_fs.py --direct-io, one file from its memory, 1 MiB reads | | {ceiling:.2f} | "
-        f"{ceiling / disk:.2f}x | | 1.00x |"
+        f"{ceiling / disk:.2f}x | | 1.00x | |"
     )
     one = float(results["disk_one_reader_gbps"])  # type: ignore[arg-type]
-    print(f"| local disk, one file, one reader with 1 MiB reads | | {one:.2f} | {one / disk:.2f}x | | |")
+    print(f"| local disk, one file, one reader with 1 MiB reads | | {one:.2f} | {one / disk:.2f}x | | | |")
     for label, key in (("local disk, a file per record", "disk_per_file"), ("records/<i>", "records_per_file")):
         r = results[key]
-        print(f"| {label} | {r['files_per_s']:.0f} files/s | {r['gbps']:.3f} | {r['gbps'] / disk:.2f}x | | |")  # type: ignore[index]
+        print(f"| {label} | {r['files_per_s']:.0f} files/s | {r['gbps']:.3f} | {r['gbps'] / disk:.2f}x | | | |")  # type: ignore[index]
     for variant, s in streams.items():
         gbps, vs_disk = float(s["gbps"]), float(s["vs_disk"])  # type: ignore[arg-type]
-        window, page_cache = variant.split()
+        window, page_cache, *order = variant.split(maxsplit=2)
         rounds = s["rounds"]
         assert isinstance(rounds, list)
         how = "whole, via the page cache" if rounds[0]["whole"] else "record by record"
-        label = f"stream, window {window}, --dataset-page-cache {page_cache} ({how}; DRAM {s['budget']})"
+        label = f"stream `{order[0] if order else 'shuffle 1'}`, window {window}, --dataset-page-cache {page_cache}"
+        label += f" ({how}; DRAM {s['budget']})"
         vs_ceiling = float(s["vs_ceiling"])  # type: ignore[arg-type]
-        print(f"| {label} | | {gbps:.2f} | {vs_disk:.2f}x | {gbps / per_rec:.1f}x | {vs_ceiling:.2f}x |")
+        warm = f"{float(s['warm_gbps']):.2f}" if "warm_gbps" in s else ""  # type: ignore[arg-type]
+        print(f"| {label} | | {gbps:.2f} | {vs_disk:.2f}x | {gbps / per_rec:.1f}x | {vs_ceiling:.2f}x | {warm} |")
     print(f"\nstream, disk and ceiling: medians of {args.rounds} rounds; `vs disk` and `vs FUSE ceiling` are the")
     print("medians of each round's ratios")
     print(f"\nappend (framed, one open): {results['append_gbps']:.2f} GB/s")
