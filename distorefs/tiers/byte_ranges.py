@@ -26,7 +26,12 @@ PREFETCH_BLOCKS = 32  # how far a sequential reader's next blocks are loaded ahe
 # neighbours in the log then go to the device as one read (NvmeLog.runs)
 PREFETCH_GROUP = 4
 # gather reads a block whole when this many of its ranges are wanted (or half its bytes):
-# on this disk one random 1 MiB read costs about as much as 32 random 10 KB reads.
+# on this disk one random 1 MiB read costs about as much as 32 random 10 KB reads. Only
+# where the ranges fill at least half of the stretch of the block that they lie in: 32
+# or 300 small records of a shuffle scattered over a block are a thirtieth of it, and
+# such a block is wanted again by nearly every batch of the epoch, so reading it whole
+# read the dataset again for every batch (1 KB records: 0.13 GB/s warm, 13 s of system
+# time a GiB; docs/benchmarks.md, "Thirty-second session").
 DENSE_PARTS = 32
 
 
@@ -231,14 +236,19 @@ class ByteRanges(BlockTierBase):
         spans: list[tuple[LogLocation, int, int, np.ndarray]] = []  # location, span start and length, pieces
         grouped = np.argsort(m_block, kind="stable")  # pieces by block: block j's are grouped[bounds[j]:bounds[j + 1]]
         bounds = np.concatenate([[0], np.cumsum(count)])
-        for j in np.flatnonzero(count).tolist():
+        wanted = np.flatnonzero(count)
+        low = np.zeros(len(numbers), dtype=np.int64)  # where each block's pieces start and end
+        high = np.zeros(len(numbers), dtype=np.int64)
+        if len(wanted):
+            low[wanted] = np.minimum.reduceat(m_inner[grouped], bounds[wanted])
+            high[wanted] = np.maximum.reduceat((m_inner + m_length)[grouped], bounds[wanted])
+        dense = ((count >= DENSE_PARTS) | (size * 2 >= bb)) & (size * 2 >= high - low)
+        for j in wanted.tolist():
             location = self._index.get(BlockKey(owner, int(numbers[j])))
             if location is None:
                 continue  # a hole: zeros
-            if count[j] >= DENSE_PARTS or size[j] * 2 >= bb:
-                mine = grouped[bounds[j] : bounds[j + 1]]
-                low = int(m_inner[mine].min())
-                spans.append((location, low, int((m_inner[mine] + m_length[mine]).max()) - low, mine))
+            if dense[j]:
+                spans.append((location, int(low[j]), int(high[j] - low[j]), grouped[bounds[j] : bounds[j + 1]]))
                 self._gathered_spans += 1
             else:
                 segment[j], record_at[j] = location.segment, location.offset
@@ -255,21 +265,25 @@ class ByteRanges(BlockTierBase):
         s_length = np.array([size for _location, _low, size, _mine in spans], dtype=np.int64)
         s_at = np.cumsum(s_length) - s_length
         scratch = unzeroed(int(s_length.sum()))  # only what the reads filled is copied out
+        # each span's pieces, copied out of the scratch in one compiled copy: a Python
+        # step a piece was 0.4 s of a GiB of 10 KB records read in order
+        span_of = np.repeat(np.arange(len(spans), dtype=np.int64), [len(mine) for *_, mine in spans])
+        s_piece = np.concatenate([mine for *_, mine in spans]) if spans else np.zeros(0, dtype=np.int64)
+        s_low = np.array([low for _location, low, _size, _mine in spans], dtype=np.int64)
+        s_from = s_at[span_of] - s_low[span_of] + m_inner[s_piece]
         c_source, c_inner, c_length, c_at = source[copied], inner[copied], length[copied], at[copied]
 
         def work() -> list[int]:
             copy_ranges(sources, c_source, c_inner, c_length, out, c_at)
             gone = self._log.read_ranges(p_segment, p_offset, m_length[direct], out, m_at[direct], read_ahead)
             gone = [int(direct[i]) for i in gone]
-            gone_spans = set(self._log.read_ranges(s_segment, s_offset, s_length, scratch, s_at, read_ahead))
-            for k, (_location, low, _size, mine) in enumerate(spans):
-                if k in gone_spans:
-                    gone += mine.tolist()
-                    continue
-                base = int(s_at[k]) - low
-                pieces = zip(m_inner[mine].tolist(), m_length[mine].tolist(), m_at[mine].tolist(), strict=True)
-                for offset, n, to in pieces:
-                    view[to : to + n] = scratch[base + offset : base + offset + n]
+            gone_spans = self._log.read_ranges(s_segment, s_offset, s_length, scratch, s_at, read_ahead)
+            read = ~np.isin(span_of, gone_spans)
+            gone += s_piece[~read].tolist()
+            pieces = s_piece[read]
+            copy_ranges(
+                [scratch], np.zeros(len(pieces), dtype=np.int64), s_from[read], m_length[pieces], out, m_at[pieces]
+            )
             return gone
 
         # Only a gather that reads the log queues for an I/O thread: one that copies from

@@ -653,6 +653,37 @@ async def test_gather_copies_every_range_and_says_which_were_not_all_from_cached
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+async def test_gather_reads_a_block_whole_only_where_its_ranges_fill_half_of_where_they_lie(
+    tmp_path: Path, compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many small ranges scattered over a block (a shuffle's small records: each batch
+    wants a few of every block) are read one by one; as many packed together, or few
+    that fill half the block, are read as one span and copied out of it."""
+    if compiled:
+        assert copy_ranges.load_compiled()
+    else:
+        monkeypatch.setattr(copy_ranges.KERNELS, "module", None)
+    store, content = await random_file(tmp_path, blocks=4)
+    scattered = BLOCK + np.arange(64, dtype=np.int64) * (BLOCK // 64)  # 64 x 100 bytes over block 1
+    packed = 2 * BLOCK + 5000 + np.arange(64, dtype=np.int64) * 100  # 64 x 100 bytes back to back in block 2
+    halves = np.array([3 * BLOCK, 3 * BLOCK + BLOCK // 2 + 10], dtype=np.int64)  # two ranges, most of block 3
+    cases = ((scattered, 100, 64, 0), (packed, 100, 0, 1), (halves, BLOCK // 2 - 10, 0, 1))
+    for starts, length, parts, spans in cases:
+        lengths = np.full(len(starts), length, dtype=np.int64)
+        out_starts = np.arange(len(starts), dtype=np.int64)[::-1] * length  # any order in the output
+        out = bytearray(int(lengths.sum()))
+        before = store.statistics()
+        unchecked = await store.gather(3, starts, lengths, out, out_starts)
+        for s, to in zip(starts.tolist(), out_starts.tolist(), strict=True):
+            assert out[to : to + length] == content[s : s + length]
+        assert unchecked.all()  # from the log: the caller checks them
+        after = store.statistics()
+        assert after.gathered_log_parts - before.gathered_log_parts == parts
+        assert after.gathered_log_spans - before.gathered_log_spans == spans
+    await store.close()
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
 def test_first_bad_crc_names_the_first_range_whose_crc32c_differs(
     compiled: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
