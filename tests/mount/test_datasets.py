@@ -152,6 +152,35 @@ def test_an_out_of_range_order_fails_with_einval_and_changes_nothing(dataset: Pa
     assert "out of range" in str(stats(dataset)["errors"])
 
 
+def namespace_recipe(after: str) -> str:
+    """The first ```python block of docs/namespace.md after the line `after`."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "namespace.md").read_text()
+    rest = text[text.index(after) :]
+    start = rest.index("```python\n") + len("```python\n")
+    return rest[start : rest.index("```", start)]
+
+
+def test_the_windowed_shuffle_recipe_of_namespace_md_orders_the_stream(dataset: Path) -> None:
+    """namespace.md's recipe for a dataset bigger than memory, run as written: the stream
+    reads every record once, in its order, each window's records from a few runs of
+    neighbours."""
+    items = [blob(i, 500) for i in range(1000)]
+    client.append(dataset, items)
+    (dataset / "state").write_text("seal\n")
+    scope: dict[str, object] = {"d": str(dataset), "epoch": 3}
+    exec(namespace_recipe("so it is a recipe, not an order form:"), scope)
+    windowed = scope["windowed"]
+    assert callable(windowed)
+    order = windowed(3, 1000, run=10, window=100)
+    assert sorted(order.tolist()) == list(range(1000))  # a permutation
+    for w in range(0, 1000, 100):  # a window's records come from its ten runs of ten
+        assert len({i // 10 for i in order[w : w + 100].tolist()}) == 10
+    expected = windowed(3, 1000)  # what the recipe wrote, with its own run and window
+    with open(dataset / "order", "rb") as f:
+        assert np.load(f).tolist() == expected.tolist()
+    assert read_stream(dataset / "stream") == [(i, items[i]) for i in expected.tolist()]
+
+
 def _read_shard(path: str, queue: multiprocessing.Queue[list[int]]) -> None:
     queue.put([i for i, _w, _b in decode_blob_batch(client.read_all(path))])
 
