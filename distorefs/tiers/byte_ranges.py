@@ -265,8 +265,9 @@ class ByteRanges(BlockTierBase):
         s_length = np.array([size for _location, _low, size, _mine in spans], dtype=np.int64)
         s_at = np.cumsum(s_length) - s_length
         scratch = unzeroed(int(s_length.sum()))  # only what the reads filled is copied out
-        # each span's pieces, copied out of the scratch in one compiled copy: a Python
-        # step a piece was 0.4 s of a GiB of 10 KB records read in order
+        # each span's pieces, copied out of the scratch in one compiled copy: with a Python
+        # step a piece, an in-order stream of 10 KB records spent about 0.4 s more of the
+        # daemon's user time a GiB than one read without spans (the step and the copy)
         span_of = np.repeat(np.arange(len(spans), dtype=np.int64), [len(mine) for *_, mine in spans])
         s_piece = np.concatenate([mine for *_, mine in spans]) if spans else np.zeros(0, dtype=np.int64)
         s_low = np.array([low for _location, low, _size, _mine in spans], dtype=np.int64)
