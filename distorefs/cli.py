@@ -140,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the largest dataset a stream reads whole through the kernel's page cache (default auto: half of "
         "the memory available at the stream's open; 0: only datasets within the prefetch window)",
     )  # fmt: skip
+    mount.add_argument(
+        "--dataset-dram", default="auto", metavar="SIZE",
+        help="the largest dataset a stream loads into the DRAM cache as it reads, so that later epochs are served "
+        "from there (default auto: half of the DRAM budget; 0: none)",
+    )  # fmt: skip
     cluster = mount.add_argument_group("cluster (multi-node; without --cluster the daemon is single-node)")
     cluster.add_argument("--cluster", default=None, metavar="URL", help="etcd endpoint, e.g. http://10.0.0.1:2379")
     cluster.add_argument("--node", default=None, metavar="NAME", help="this node's name (default: the host name)")
@@ -277,6 +282,7 @@ def _daemon_config(args: argparse.Namespace) -> Any:
         checkpoint_sync_close=args.checkpoint_sync_close,
         prefetch_window_bytes=None if args.prefetch_window is None else parse_size(args.prefetch_window),
         dataset_page_cache_bytes=None if args.dataset_page_cache == "auto" else parse_size(args.dataset_page_cache),
+        dataset_dram_bytes=None if args.dataset_dram == "auto" else parse_size(args.dataset_dram),
         busy_poll_us=args.busy_poll_us,
         shm_dir=os.path.abspath(args.shm_dir),
         cluster=_cluster_config(args),
@@ -371,6 +377,8 @@ def start_background(config: Any, args: argparse.Namespace) -> int:
         argv += ["--prefetch-window", str(config.prefetch_window_bytes)]
     if config.dataset_page_cache_bytes is not None:
         argv += ["--dataset-page-cache", str(config.dataset_page_cache_bytes)]
+    if config.dataset_dram_bytes is not None:
+        argv += ["--dataset-dram", str(config.dataset_dram_bytes)]
     cluster = config.cluster
     if cluster is not None:
         argv += [

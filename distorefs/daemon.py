@@ -95,6 +95,7 @@ class DaemonConfig:
     checkpoint_sync_close: bool = False
     prefetch_window_bytes: int | None = None  # None: min(256 MiB, a quarter of the DRAM budget)
     dataset_page_cache_bytes: int | None = None  # streamed whole via the page cache up to this; None: auto
+    dataset_dram_bytes: int | None = None  # loaded into the DRAM cache by its streams up to this; None: auto
     busy_poll_us: int = 200  # the most the daemon polls for the next request after one (0: off; fs/polling.py)
     shm_dir: str = "/dev/shm"  # where sample.shm makes its regions (missing: the shm path is off)
     cluster: ClusterConfig | None = None  # None: the single-node embedded default
@@ -136,6 +137,10 @@ class DaemonConfig:
             raise ConfigError(f"--prefetch-window must be between 4MiB and the DRAM budget, got {window} bytes")
         if self.dataset_page_cache_bytes is not None and self.dataset_page_cache_bytes < 0:
             raise ConfigError(f"--dataset-page-cache must be auto or a size >= 0, got {self.dataset_page_cache_bytes}")
+        if self.dataset_dram_bytes is not None and not 0 <= self.dataset_dram_bytes <= self.dram_budget_bytes:
+            raise ConfigError(
+                f"--dataset-dram must be auto or a size from 0 to the DRAM budget, got {self.dataset_dram_bytes} bytes"
+            )
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be 1..65535, got {self.metrics_port}")
         if not 0 <= self.busy_poll_us <= MAX_BUSY_POLL_US:
@@ -472,7 +477,9 @@ async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb, freeze
         log.info("start-up: %d objects frozen for the garbage collector", freeze_loaded_objects())
     buffers = BufferStore.load(blocks, meta, BufferPeers(node) if node is not None else None)
     weights = WeightStore.load(blocks, meta)
-    datasets = DatasetStore.load(blocks, meta, config.window_bytes, config.dataset_page_cache_bytes)
+    datasets = DatasetStore.load(
+        blocks, meta, config.window_bytes, config.dataset_page_cache_bytes, config.dataset_dram_bytes
+    )
     blocks.forget_tail()
     await datasets.load_indexes()
     checkpoints = CheckpointPolicy.load(files, meta, config.checkpoint_sync_close, replicas)

@@ -26,8 +26,8 @@ DEFAULT_SBIN_DIR = "/usr/sbin"
 # `distore mount` options a mount(8) -o option may set: name=value ones and flags
 VALUE_OPTIONS = frozenset(
     {"dram_budget", "segment_size", "compaction_reserve", "metrics_port", "flush_interval", "sync_interval",
-     "compact_interval", "snapshot_interval", "wait_timeout", "prefetch_window", "dataset_page_cache", "log_file",
-     "log_rotate", "cluster", "node", "listen", "peer_timeout", "lease_ttl", "transport", "lend_memory"}
+     "compact_interval", "snapshot_interval", "wait_timeout", "prefetch_window", "dataset_page_cache", "dataset_dram",
+     "log_file", "log_rotate", "cluster", "node", "listen", "peer_timeout", "lease_ttl", "transport", "lend_memory"}
 )  # fmt: skip
 FLAG_OPTIONS = frozenset({"allow_other", "nonempty", "checkpoint_sync_close", "debug"})
 # generic options mount(8), fstab or the kernel's FUSE defaults pass that distorefs need not act on

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 STREAM_QUEUE = 64
 PAGE_CACHE_SHARE = 2  # by default a dataset up to half of the memory available is read whole via the page cache
+DRAM_SHARE = 2  # by default a dataset up to half of the DRAM budget is loaded into the block cache by its streams
 
 
 class DatasetStore:
@@ -39,13 +40,23 @@ class DatasetStore:
         >>> stream = await datasets.open_stream(ds, rank=0, world=1)
     """
 
-    def __init__(self, blocks: BlockStore, meta: MetaDb, window_bytes: int, page_cache_bytes: int | None = 0) -> None:
+    def __init__(
+        self,
+        blocks: BlockStore,
+        meta: MetaDb,
+        window_bytes: int,
+        page_cache_bytes: int | None = 0,
+        dram_bytes: int | None = 0,
+    ) -> None:
         self._blocks = blocks
         self._meta = meta
         self.window_bytes = window_bytes
         # the largest dataset a stream reads whole through the kernel's page cache beyond
         # its window; None: half of what the kernel calls available at the stream's open
         self.page_cache_bytes = page_cache_bytes
+        # the largest dataset a stream loads into the block cache as it reads (Stream,
+        # "kept in DRAM"); None: half of the DRAM budget
+        self.dram_bytes = blocks.dram_budget_bytes // DRAM_SHARE if dram_bytes is None else dram_bytes
         self._datasets: dict[str, Dataset] = {}
         self._by_owner: dict[int, Dataset] = {}
         self._next_owner = int(meta.get_kv("next_dataset_owner", DATASET_OWNER_BASE))
@@ -65,11 +76,16 @@ class DatasetStore:
 
     @classmethod
     def load(
-        cls, blocks: BlockStore, meta: MetaDb, window_bytes: int, page_cache_bytes: int | None = 0
+        cls,
+        blocks: BlockStore,
+        meta: MetaDb,
+        window_bytes: int,
+        page_cache_bytes: int | None = 0,
+        dram_bytes: int | None = 0,
     ) -> DatasetStore:
         """Restore every dataset as its last commit left it; drop the blocks of datasets
         deleted before a crash and of writes past the last commit."""
-        self = cls(blocks, meta, window_bytes, page_cache_bytes)
+        self = cls(blocks, meta, window_bytes, page_cache_bytes, dram_bytes)
         for name, *row in meta.rows("datasets"):
             ds = Dataset.restore(name.decode(errors="surrogateescape"), tuple(row), blocks, meta)
             ds.news = self.news
@@ -155,7 +171,7 @@ class DatasetStore:
         ds.check_live()
         key, layout = self._share_layout(ds, rank, world, positions, index)  # (no await from here on)
         window = ds.config.prefetch_window_bytes or self.window_bytes
-        stream = Stream(ds, layout, index, self._blocks, window, self._page_cache_limit(), pieces)
+        stream = Stream(ds, layout, index, self._blocks, window, self._page_cache_limit(), pieces, self.dram_bytes)
         ds.streams_opened += 1
         self.streams.add(stream)
         self._stream_layouts[stream] = key

@@ -28,6 +28,12 @@ takes a read's bytes as pieces (`read_pieces`: the FUSE layer replies with them 
 writev), fetches no batches: each read is the layout's own bytes and views of the
 records where they lie in the block cache, with no copy in the daemon. A read that finds
 a record gone from DRAM turns the stream back to batches for good.
+
+A dataset within the stream's DRAM share (`--dataset-dram`, store.py) that is not all in
+DRAM is kept there: as the stream reads, its blocks are loaded into the block cache in
+log order, a group at a time behind the page-cache hints (so they come from the page
+cache, not from the disk a second time). Batches copy what is loaded from DRAM; once
+every block is in, the stream is served from DRAM, and so are the next epochs' streams.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from distorefs.stores.datasets.dataset import Dataset
 from distorefs.stores.datasets.formats import StreamLayout
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.copy_ranges import first_bad_crc
+from distorefs.types import BlockKey
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +88,7 @@ class Stream:
         window_bytes: int,
         whole_bytes: int = 0,
         pieces: int = 0,
+        dram_bytes: int = 0,
     ) -> None:
         self.dataset = dataset
         self.layout = layout
@@ -117,10 +125,20 @@ class Stream:
         self._dram_seen = blocks.dram_departures
         # a read of 1 MiB (FUSE's largest): two pieces a position, one more a block crossed
         most = 2 * ((1 << 20) // max(1, mean) + 2) + (1 << 20) // blocks.block_bytes + 2
-        if pieces > 0 and most <= pieces:
-            self._dram = blocks.dram_blocks(dataset.data_owner, -(-dataset.data_bytes // blocks.block_bytes))
+        self._block_count = -(-dataset.data_bytes // blocks.block_bytes)
+        cached = blocks.dram_blocks(dataset.data_owner, self._block_count)
+        self._in_pieces = pieces > 0 and most <= pieces
+        if self._in_pieces:
+            self._dram = cached
         self.dram_reads = 0
         self._dram_refreshes = 0
+        # Kept in DRAM (see the module's doc): a dataset within `dram_bytes` that is not
+        # all there yet is loaded as the stream reads; one that is all there needs no hint.
+        self.in_dram = cached is not None
+        self.keeps_dram = not self.in_dram and 0 < dataset.data_bytes <= dram_bytes
+        self.loaded_blocks = 0
+        self._hinted_blocks = 0  # blocks of a fitting dataset hinted so far, in log order
+        self._hint_moved = trio.Event()
 
     @property
     def from_dram(self) -> bool:
@@ -236,33 +254,78 @@ class Stream:
         # a sealed dataset's records fill blocks 0, 1, ... in order, appended in that order:
         # block order is log order but for blocks compaction moved (each group is sorted),
         # and a group's lookups are all the event loop does between two hints
-        bb = self._blocks.block_bytes
-        blocks = -(-self.dataset.data_bytes // bb)
-        per_group = max(1, HINT_GROUP_BYTES // bb)
+        blocks = self._block_count
+        per_group = max(1, HINT_GROUP_BYTES // self._blocks.block_bytes)
+        try:
+            for first in range(0, blocks, per_group):
+                if self.closed:
+                    return
+                last = min(first + per_group, blocks)
+                group = self._blocks.log_locations(self.dataset.data_owner, range(first, last))
+                if group:
+                    try:
+                        await self._blocks.will_need(group)
+                    except OSError as exc:  # a hint: the reads read the records anyway
+                        log.debug("datasets/%s: read-ahead hint failed: %s", self.dataset.name, exc)
+                        return
+                self._hinted_blocks = last
+                self._hint_moved.set()
+        finally:
+            self._hinted_blocks = blocks  # done or given up: the load waits for it no more
+            self._hint_moved.set()
+
+    async def _keep_in_dram(self) -> None:
+        """Load the dataset's blocks into the block cache (see the module's doc), a group
+        at a time in log order, each once its hint has been given; then serve the stream
+        from DRAM where its reads may be pieces. Stops at the close, at a failed read (a
+        batch that needs the block says why), or when the cache keeps no more of them
+        (dirty blocks fill the budget, or other reads evict them)."""
+        await self._first_done.wait()
+        owner = self.dataset.data_owner
+        blocks = self._block_count
+        per_group = max(1, HINT_GROUP_BYTES // self._blocks.block_bytes)
         for first in range(0, blocks, per_group):
-            if self.closed:
+            last = min(first + per_group, blocks)
+            while self.fits and self._hinted_blocks < last and not self.closed:
+                await self._hint_moved.wait()
+                self._hint_moved = trio.Event()
+            if self.closed or self.dataset.deleted:
                 return
-            group = self._blocks.log_locations(self.dataset.data_owner, range(first, min(first + per_group, blocks)))
-            if not group:
-                continue
             try:
-                await self._blocks.will_need(group)
-            except OSError as exc:  # a hint: the reads read the records anyway
-                log.debug("datasets/%s: read-ahead hint failed: %s", self.dataset.name, exc)
+                await self._blocks.get_many([BlockKey(owner, number) for number in range(first, last)])
+            except (DistorefsError, OSError) as exc:
+                log.debug("datasets/%s: loading blocks %d-%d failed: %s", self.dataset.name, first, last, exc)
                 return
+            if self._blocks.dram_blocks(owner, last) is None:
+                log.info("datasets/%s: the DRAM cache keeps no more of it: batches from here", self.dataset.name)
+                return
+            self.loaded_blocks = last
+        buffers = self._blocks.dram_blocks(owner, blocks)
+        if buffers is None or self.closed:
+            return
+        self.in_dram = True
+        if self._in_pieces:
+            self._dram = buffers
+            self._dram_seen = self._blocks.dram_departures
+            self._dram_refreshes = 0
+            for batch in list(self._batches.values()):
+                self._drop(batch)
 
     async def run_prefetch(self) -> None:
         """Fetch batches ahead of the reader while they fit in the window (none while the
         stream is served from DRAM); ends at close."""
         async with trio.open_nursery() as nursery:
-            hinting = False
+            started = False
             while not self.closed:
                 if self.from_dram:
                     await self._wait_wake()
                     continue
-                if self.fits and not hinting:
-                    nursery.start_soon(self._hint_records)
-                    hinting = True
+                if not started:
+                    if self.fits and not self.in_dram:
+                        nursery.start_soon(self._hint_records)
+                    if self.keeps_dram:
+                        nursery.start_soon(self._keep_in_dram)
+                    started = True
                 if (
                     self._cursor < len(self.layout)
                     and self._in_flight < self.max_in_flight
@@ -453,6 +516,7 @@ class Stream:
     def close(self) -> None:
         self.closed = True
         self._first_done.set()  # the hint task waits for nothing more
+        self._hint_moved.set()  # nor the load
         for batch in list(self._batches.values()):
             self._drop(batch)
         self._wake.set()
@@ -468,6 +532,8 @@ class Stream:
             "restarts": self.restarts,
             "from_dram": int(self.from_dram),
             "dram_reads": self.dram_reads,
+            "keeps_dram": int(self.keeps_dram),
+            "loaded_blocks": self.loaded_blocks,
         }
 
 
