@@ -154,6 +154,11 @@ def test_a_non_empty_mount_point_and_a_budget_over_memory_are_refused(tmp_path: 
         2,
         "distore mount: not a size: 'most' (examples: 4096, 512MiB, 4GiB)",
     )
+    result = distore("mount", str(tmp_path / "d5"), "--dram-budget", "64MiB", "--dataset-dram", "65MiB")
+    assert (result.returncode, result.stderr.strip()) == (
+        2,
+        "distore mount: --dataset-dram must be auto or a size from 0 to the DRAM budget, got 68157440 bytes",
+    )
 
 
 def test_a_failure_inside_the_daemons_nursery_is_one_line_too(tmp_path: Path) -> None:

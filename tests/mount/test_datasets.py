@@ -481,3 +481,42 @@ def test_a_dataset_3x_the_dram_budget_streams_a_random_order_exactly(
     assert status["blocks"]["gathered_log_parts"] + status["blocks"]["gathered_log_spans"] > 0  # type: ignore[index]
     assert status["blocks"]["dram_reserved_bytes"] == 0  # type: ignore[index]
     assert mount.unmount() == 0
+
+
+@pytest.mark.parametrize("share", ["auto", "0"])
+def test_a_dataset_within_its_dram_share_is_served_from_dram_from_its_next_epoch(
+    mount_factory: MountFactory, share: str
+) -> None:
+    """8 MB of 8 KB records, a DRAM budget of 64 MiB: by default (`--dataset-dram auto`,
+    half of the budget) the first cold epoch loads the dataset into the block cache as it
+    reads, and the next epoch is served from there; with `--dataset-dram 0` it is not.
+    Every epoch reads the same records in the order."""
+    options = ("--dram-budget", "64MiB", "--dataset-dram", share)
+    mount = mount_factory(*options)
+    path = mount.path / "datasets" / "epochs"
+    path.mkdir()
+    count, size = 1000, 8000
+    client.append(path, [blob(i, size) for i in range(count)])
+    (path / "state").write_text("seal\n")
+    (path / "order").write_text("shuffle 33\n")
+    assert mount.unmount() == 0
+    mount = mount_factory(*options)  # cold: nothing in DRAM
+    expected = [(i, blob(i, size)) for i in shuffled(33, count).tolist()]
+    with open(path / "stream", "rb", buffering=0) as f:
+        got = bytearray(f.read(1 << 20))
+        assert stream_stats(path)["keeps_dram"] == int(share == "auto")
+        if share == "auto":  # loaded behind the reader; the rest of this epoch from DRAM
+            wait_for(lambda: stream_stats(path)["loaded_blocks"] == 8, timeout_s=20, what="the dataset loaded")
+            assert stream_stats(path)["from_dram"] == 1
+        got += f.read()
+        assert stream_stats(path)["loaded_blocks"] == 8 * int(share == "auto")
+        assert [(i, bytes(b)) for i, _w, b in decode_blob_batch(bytes(got))] == expected
+    with open(path / "stream", "rb", buffering=0) as f:
+        got = bytearray(f.read(1 << 20))
+        again = stream_stats(path)
+        got += f.read()
+    assert again["from_dram"] == int(share == "auto"), "not served from DRAM: is pyfuse3 patched (setup.sh)?"
+    assert again["keeps_dram"] == 0
+    assert [(i, bytes(b)) for i, _w, b in decode_blob_batch(bytes(got))] == expected
+    assert mount.status()["blocks"]["dram_reserved_bytes"] == 0  # type: ignore[index]
+    assert mount.unmount() == 0

@@ -580,3 +580,85 @@ async def test_a_stream_in_dram_beside_churn_goes_back_to_batches(tmp_path: Path
         nursery.cancel_scope.cancel()
     await blocks.close()
     meta.close()
+
+
+async def cold_store(
+    tmp_path: Path, items: list[bytes], seed: int, dram_blocks: int, page_cache: int, dram_bytes: int
+) -> tuple[DatasetStore, BlockStore, MetaDb]:
+    """A sealed dataset `d` of `items` in order `shuffle seed`, in a store opened again (so
+    none of its blocks is in DRAM) with the given page-cache and DRAM shares."""
+    datasets, blocks, meta = open_store(tmp_path, dram_blocks)
+    ds = datasets.create("d")
+    await ds.append(items)
+    await ds.seal()
+    await ds.set_order(*order_of(f"shuffle {seed}\n".encode(), ds.count))
+    await blocks.close()
+    meta.close()
+    blocks, meta = open_tiers(tmp_path, BLOCK, dram_blocks)
+    return DatasetStore.load(blocks, meta, WINDOW, page_cache, dram_bytes), blocks, meta
+
+
+@pytest.mark.parametrize("page_cache", [0, 1 << 30])  # read record by record, or whole after hints
+async def test_a_dataset_within_its_dram_share_is_kept_in_dram_and_its_streams_served_from_there(
+    tmp_path: Path, page_cache: int
+) -> None:
+    """About 1.2 MB of records, 4 MiB of DRAM, a DRAM share of 2 MiB: the first stream
+    loads the blocks as it reads and, once all are in, serves the rest from DRAM; the next
+    stream (the next epoch) is served from DRAM from its open. Same bytes all along."""
+    items = big_blobs(300, seed=11)
+    datasets, blocks, meta = await cold_store(tmp_path, items, 3, 64, page_cache, 2 << 20)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(datasets.run_streams)
+        ds = datasets.get("d")
+        count = -(-ds.data_bytes // BLOCK)
+        assert blocks.dram_blocks(ds.data_owner, count) is None
+        stream = await datasets.open_stream(ds, 0, 1, pieces=1023)
+        assert stream.keeps_dram
+        assert not stream.from_dram
+        got = bytearray(await stream.read(0, 65536))
+        with trio.fail_after(10):
+            while not stream.in_dram:
+                await trio.sleep(0.01)
+        assert stream.statistics()["loaded_blocks"] == count
+        assert blocks.dram_blocks(ds.data_owner, count) is not None
+        assert stream.from_dram  # the rest from DRAM
+        assert_blob_stream(await read_rest(stream, got, 65536, trio.lowlevel.checkpoint), items, 3)
+        assert stream.statistics()["dram_reads"] > 0
+        datasets.close_stream(stream)
+        again = await datasets.open_stream(ds, 0, 1, pieces=1023)
+        assert again.from_dram
+        assert not again.keeps_dram
+        assert_blob_stream(await read_rest(again, bytearray(), 65536, trio.lowlevel.checkpoint), items, 3)
+        assert again.statistics()["fetched_batches"] == 0
+        datasets.close_stream(again)
+        nursery.cancel_scope.cancel()
+    await blocks.close()
+    meta.close()
+
+
+@pytest.mark.parametrize(("dram_blocks", "dram_bytes"), [(64, 0), (64, 1 << 20), (16, 8 << 20)])
+async def test_a_dataset_beyond_its_dram_share_or_the_cache_streams_in_batches(
+    tmp_path: Path, dram_blocks: int, dram_bytes: int
+) -> None:
+    """No share (0), a share smaller than the dataset, or a share the cache cannot hold
+    (16 blocks, 1 MiB, for about 1.2 MB: the load stops when its own blocks start to leave):
+    the stream reads its records in batches, the same bytes, and holds nothing after."""
+    items = big_blobs(300, seed=12)
+    datasets, blocks, meta = await cold_store(tmp_path, items, 4, dram_blocks, 0, dram_bytes)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(datasets.run_streams)
+        ds = datasets.get("d")
+        count = -(-ds.data_bytes // BLOCK)
+        stream = await datasets.open_stream(ds, 0, 1, pieces=1023)
+        assert stream.keeps_dram == (dram_bytes >= ds.data_bytes)
+        assert_blob_stream(await read_rest(stream, bytearray(), 65536, trio.lowlevel.checkpoint), items, 4)
+        await trio.sleep(0.2)  # a load still running would have finished
+        assert not stream.from_dram
+        assert not stream.in_dram
+        assert stream.statistics()["loaded_blocks"] < count
+        assert blocks.dram_blocks(ds.data_owner, count) is None
+        datasets.close_stream(stream)
+        assert blocks.statistics().dram_reserved_bytes == 0
+        nursery.cancel_scope.cancel()
+    await blocks.close()
+    meta.close()
