@@ -26,6 +26,12 @@ order `shuffle 1`. Then, each cold (remounted and the kernel's caches dropped):
 reads at when the order costs nothing), and `--warm` reads each stream a second time
 right after, with the log in the kernel's page cache: the daemon's serving alone, which
 no cold stream can beat, in the same round.
+`--dram-epochs N` adds a stream kept in DRAM to each round: a daemon whose DRAM budget
+holds the dataset twice (so `--dataset-dram auto`, half of it, takes the dataset), the
+first window, `--dataset-page-cache auto`; its cold epoch loads the dataset into the
+block cache as it reads, and N more epochs follow in the same daemon, served from there
+(design.md, "A dataset kept in DRAM"). With `--warm` beside it, the other streams' second
+reads are the same later epoch through the page cache.
 `--listing-records N` also times `ls -U records/ | wc -l` of an N-record dataset.
 
 Needs root to drop the page cache (else "cold" only means not in distorefs' DRAM).
@@ -79,10 +85,12 @@ class Daemon:
         self.mnt = mnt
         self.data = data
 
-    def mount(self, budget: str, window: str, stream: Path | None = None, page_cache: str = "auto") -> None:
+    def mount(
+        self, budget: str, window: str, stream: Path | None = None, page_cache: str = "auto", dram: str = "auto"
+    ) -> None:
         distore(
             "mount", str(self.mnt), "--data-dir", str(self.data), "--dram-budget", budget,
-            "--prefetch-window", window, "--dataset-page-cache", page_cache,
+            "--prefetch-window", window, "--dataset-page-cache", page_cache, "--dataset-dram", dram,
         )  # fmt: skip
         if stream is None:
             return
@@ -92,6 +100,19 @@ class Daemon:
         with open(stream, "rb", buffering=0) as f:
             f.read(1)
         wait_for_kernels(self.mnt)
+
+    def warm_kernels(self) -> None:
+        """The compiled kernels loaded by a stream of a tiny dataset of its own (a first
+        read of the bench's dataset would start loading it into DRAM)."""
+        path = self.mnt / "datasets" / "kernels"
+        path.mkdir()
+        with open(path / "append", "wb") as f:
+            f.write(b"DSITEMS1" + np.uint64(4).tobytes() + b"abcd")
+        (path / "state").write_text("seal\n")
+        with open(path / "stream", "rb") as f:
+            f.read()
+        wait_for_kernels(self.mnt)
+        os.rmdir(path)
 
     def umount(self) -> None:
         distore("umount", str(self.mnt))
@@ -131,6 +152,31 @@ def read_per_file(paths: Iterator[Path], seconds: float) -> tuple[int, int, floa
     return files, nbytes, time.perf_counter() - started
 
 
+def kept_in_dram(daemon: Daemon, ds: Path, buf: bytearray, nbytes: int, window: str, epochs: int) -> dict[str, object]:
+    """A cold `shuffle 1` stream in a daemon whose DRAM share takes the dataset, then
+    `epochs` more in the same daemon: GB/s of each, and whether the later ones came from DRAM."""
+    budget = f"{-(-(2 * nbytes + parse_size(window)) >> 20)}MiB"
+    daemon.mount(budget, window)
+    (ds / "order").write_text("shuffle 1\n")
+    daemon.warm_kernels()
+    drop_caches()
+    rates, from_dram = [], []
+    for _epoch in range(epochs + 1):
+        started = time.perf_counter()
+        total, entry = read_sequential(ds / "stream", buf, ds / "stats")
+        rates.append(total / (time.perf_counter() - started) / 1e9)
+        from_dram.append(entry.get("from_dram", 0))
+    status = json.loads((daemon.mnt / ".distore" / "status").read_text())
+    daemon.umount()
+    return {
+        "budget": budget,
+        "cold_gbps": rates[0],
+        "epochs_gbps": rates[1:],
+        "epochs_from_dram": from_dram[1:],
+        "dram_used_bytes": status["dram_used_bytes"],
+    }
+
+
 def bench_listing(daemon: Daemon, records: int) -> dict[str, float]:
     path = daemon.mnt / "datasets" / "listing"
     path.mkdir()
@@ -158,6 +204,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="cold streams per window, each against the disk")
     parser.add_argument("--orders", nargs="+", default=["shuffle 1"], help="orders of the streams (`shuffle 1` first)")
     parser.add_argument("--warm", action="store_true", help="read each stream again with the log in the page cache")
+    parser.add_argument("--dram-epochs", type=int, default=0, help="epochs after the cold one of a stream kept in DRAM")
     parser.add_argument("--dir", default="/var/tmp", help="local disk for the data dir and the baselines")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -222,6 +269,7 @@ def main() -> int:
         streams: dict[str, dict[str, object]] = {variant_key(*v): {"rounds": []} for v in variants}
         disk_rounds = []
         ceiling_rounds: list[float] = []
+        kept_rounds: list[dict[str, object]] = []
         ceiling_file = stack.enter_context(Ceiling(base, ["--direct-io"])) / "stream"
         write_file(ceiling_file, count * size, os.urandom(1 << 20))
         for _round in range(args.rounds):
@@ -263,6 +311,9 @@ def main() -> int:
                     }
                 )
                 daemon.umount()
+            if args.dram_epochs:
+                kept_rounds.append(kept_in_dram(daemon, ds, buf, count * size, args.windows[0], args.dram_epochs))
+                kept_rounds[-1].update(disk_gbps=disk_gbps, ceiling_gbps=ceiling_gbps)
         disk_file.unlink()
         results["disk_sequential_gbps"] = statistics.median(r["best"] for r in disk_rounds)
         results["disk_one_reader_gbps"] = statistics.median(r["one_1m"] for r in disk_rounds)
@@ -279,6 +330,16 @@ def main() -> int:
             if args.warm:
                 s["warm_gbps"] = statistics.median(r["warm_gbps"] for r in rounds)
         results["stream"] = streams
+        if kept_rounds:
+            results["kept_in_dram"] = {
+                "rounds": kept_rounds,
+                "cold_gbps": statistics.median(float(r["cold_gbps"]) for r in kept_rounds),  # type: ignore[arg-type]
+                "cold_vs_disk": statistics.median(
+                    float(r["cold_gbps"]) / float(r["disk_gbps"])  # type: ignore[arg-type]
+                    for r in kept_rounds
+                ),
+                "epoch_gbps": statistics.median(g for r in kept_rounds for g in r["epochs_gbps"]),  # type: ignore[attr-defined]
+            }
 
         if args.listing_records:
             daemon.mount("2GiB", "256MiB")
@@ -318,6 +379,13 @@ def main() -> int:
         vs_ceiling = float(s["vs_ceiling"])  # type: ignore[arg-type]
         warm = f"{float(s['warm_gbps']):.2f}" if "warm_gbps" in s else ""  # type: ignore[arg-type]
         print(f"| {label} | | {gbps:.2f} | {vs_disk:.2f}x | {gbps / per_rec:.1f}x | {vs_ceiling:.2f}x | {warm} |")
+    kept = results.get("kept_in_dram")
+    if isinstance(kept, dict):
+        first = kept["rounds"][0]
+        label = f"stream `shuffle 1`, kept in DRAM (DRAM {first['budget']}, window {args.windows[0]})"
+        cold, epoch = float(kept["cold_gbps"]), float(kept["epoch_gbps"])
+        print(f"| {label}: the cold epoch | | {cold:.2f} | {kept['cold_vs_disk']:.2f}x | {cold / per_rec:.1f}x | | |")
+        print(f"| {label}: the next {args.dram_epochs} epochs | | | | | {epoch / ceiling:.2f}x | {epoch:.2f} |")
     print(f"\nstream, disk and ceiling: medians of {args.rounds} rounds; `vs disk` and `vs FUSE ceiling` are the")
     print("medians of each round's ratios")
     print(f"\nappend (framed, one open): {results['append_gbps']:.2f} GB/s")
