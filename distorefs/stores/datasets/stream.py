@@ -61,6 +61,7 @@ RESERVE_RETRY_S = 0.02
 DRAM_REFRESHES = 8  # a stream served from DRAM looks at its blocks again this often for free,
 DRAM_REFRESH_READS = 8  # and once more every this many reads; past that it takes batches
 HINT_GROUP_BYTES = 64 << 20  # a fitting dataset's records are hinted this much at a time (a close stops it between)
+LOAD_GROUP_BYTES = 24 << 20  # a dataset kept in DRAM is loaded this much at a time: three I/O threads
 
 
 class _Batch:
@@ -283,7 +284,7 @@ class Stream:
         await self._first_done.wait()
         owner = self.dataset.data_owner
         blocks = self._block_count
-        per_group = max(1, HINT_GROUP_BYTES // self._blocks.block_bytes)
+        per_group = max(1, LOAD_GROUP_BYTES // self._blocks.block_bytes)
         for first in range(0, blocks, per_group):
             last = min(first + per_group, blocks)
             while self.fits and self._hinted_blocks < last and not self.closed:
