@@ -598,27 +598,41 @@ async def cold_store(
     return DatasetStore.load(blocks, meta, WINDOW, page_cache, dram_bytes), blocks, meta
 
 
+def sized_blobs(count: int, seed: int, low: int, high: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, int(rng.integers(low, high)), dtype=np.uint8).tobytes() for _ in range(count)]
+
+
+async def wait_in_dram(stream: Stream) -> None:
+    with trio.fail_after(10):
+        while not stream.in_dram:
+            await trio.sleep(0.01)
+
+
 @pytest.mark.parametrize("page_cache", [0, 1 << 30])  # read record by record, or whole after hints
-async def test_a_dataset_within_its_dram_share_is_kept_in_dram_and_its_streams_served_from_there(
+async def test_a_dataset_of_big_records_is_kept_in_dram_once_streamed_and_then_served_from_there(
     tmp_path: Path, page_cache: int
 ) -> None:
-    """About 1.2 MB of records, 4 MiB of DRAM, a DRAM share of 2 MiB: the first stream
-    loads the blocks as it reads and, once all are in, serves the rest from DRAM; the next
-    stream (the next epoch) is served from DRAM from its open. Same bytes all along."""
-    items = big_blobs(300, seed=11)
+    """About 1.8 MB of 5-7 KB records, 4 MiB of DRAM, a DRAM share of 2 MiB: the first
+    stream (a cold epoch) takes nothing into DRAM; the next one loads the blocks as it
+    reads and, once all are in, serves the rest from DRAM; the one after (the next epoch)
+    is served from DRAM from its open. Same bytes all along."""
+    items = sized_blobs(300, 11, 5000, 7000)
     datasets, blocks, meta = await cold_store(tmp_path, items, 3, 64, page_cache, 2 << 20)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(datasets.run_streams)
         ds = datasets.get("d")
         count = -(-ds.data_bytes // BLOCK)
+        first = await datasets.open_stream(ds, 0, 1, pieces=1023)
+        assert not first.keeps_dram
+        assert_blob_stream(await read_rest(first, bytearray(), 65536, trio.lowlevel.checkpoint), items, 3)
+        datasets.close_stream(first)
         assert blocks.dram_blocks(ds.data_owner, count) is None
         stream = await datasets.open_stream(ds, 0, 1, pieces=1023)
         assert stream.keeps_dram
         assert not stream.from_dram
         got = bytearray(await stream.read(0, 65536))
-        with trio.fail_after(10):
-            while not stream.in_dram:
-                await trio.sleep(0.01)
+        await wait_in_dram(stream)
         assert stream.statistics()["loaded_blocks"] == count
         assert blocks.dram_blocks(ds.data_owner, count) is not None
         assert stream.from_dram  # the rest from DRAM
@@ -636,14 +650,44 @@ async def test_a_dataset_within_its_dram_share_is_kept_in_dram_and_its_streams_s
     meta.close()
 
 
+async def test_a_dataset_of_small_records_is_kept_in_dram_from_its_first_stream(tmp_path: Path) -> None:
+    """About 1.2 MB of 0.5-1.5 KB records (too small to be replied as pieces): the first
+    stream loads the blocks as it reads; the next one's batches are copied from DRAM, with
+    no read of the log. Same bytes all along."""
+    items = sized_blobs(1200, 12, 500, 1500)
+    datasets, blocks, meta = await cold_store(tmp_path, items, 5, 64, 1 << 30, 2 << 20)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(datasets.run_streams)
+        ds = datasets.get("d")
+        stream = await datasets.open_stream(ds, 0, 1, pieces=1023)
+        assert stream.keeps_dram
+        got = bytearray(await stream.read(0, 65536))
+        await wait_in_dram(stream)
+        assert not stream.from_dram  # records this small stay in batches
+        assert_blob_stream(await read_rest(stream, got, 65536, trio.lowlevel.checkpoint), items, 5)
+        datasets.close_stream(stream)
+        log_reads = blocks.statistics().gathered_log_parts + blocks.statistics().gathered_log_spans
+        again = await datasets.open_stream(ds, 0, 1, pieces=1023)
+        assert again.in_dram
+        assert not again.keeps_dram
+        assert_blob_stream(await read_rest(again, bytearray(), 65536, trio.lowlevel.checkpoint), items, 5)
+        assert again.statistics()["fetched_batches"] > 0
+        assert blocks.statistics().gathered_log_parts + blocks.statistics().gathered_log_spans == log_reads
+        datasets.close_stream(again)
+        nursery.cancel_scope.cancel()
+    await blocks.close()
+    meta.close()
+
+
 @pytest.mark.parametrize(("dram_blocks", "dram_bytes"), [(64, 0), (64, 1 << 20), (16, 8 << 20)])
 async def test_a_dataset_beyond_its_dram_share_or_the_cache_streams_in_batches(
     tmp_path: Path, dram_blocks: int, dram_bytes: int
 ) -> None:
-    """No share (0), a share smaller than the dataset, or a share the cache cannot hold
-    (16 blocks, 1 MiB, for about 1.2 MB: the load stops when its own blocks start to leave):
-    the stream reads its records in batches, the same bytes, and holds nothing after."""
-    items = big_blobs(300, seed=12)
+    """Small records (kept from the first stream where they may be), about 1.2 MB: no share
+    (0), a share smaller than the dataset, or a share the cache cannot hold (16 blocks, 1
+    MiB: the load stops when its own blocks start to leave). The stream reads its records
+    in batches, the same bytes, and holds nothing after."""
+    items = sized_blobs(1200, 13, 500, 1500)
     datasets, blocks, meta = await cold_store(tmp_path, items, 4, dram_blocks, 0, dram_bytes)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(datasets.run_streams)
@@ -653,7 +697,6 @@ async def test_a_dataset_beyond_its_dram_share_or_the_cache_streams_in_batches(
         assert stream.keeps_dram == (dram_bytes >= ds.data_bytes)
         assert_blob_stream(await read_rest(stream, bytearray(), 65536, trio.lowlevel.checkpoint), items, 4)
         await trio.sleep(0.2)  # a load still running would have finished
-        assert not stream.from_dram
         assert not stream.in_dram
         assert stream.statistics()["loaded_blocks"] < count
         assert blocks.dram_blocks(ds.data_owner, count) is None

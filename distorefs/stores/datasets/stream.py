@@ -297,7 +297,10 @@ class Stream:
             except (DistorefsError, OSError) as exc:
                 log.debug("datasets/%s: loading blocks %d-%d failed: %s", self.dataset.name, first, last, exc)
                 return
-            if self._blocks.dram_blocks(owner, last) is None:
+            if self.closed or self.dataset.deleted:
+                return
+            # this group, and the first block (the oldest of its loads: LRU takes it first)
+            if not all(self._blocks.has_cached(BlockKey(owner, n)) for n in (0, *range(first, last))):
                 log.info("datasets/%s: the DRAM cache keeps no more of it: batches from here", self.dataset.name)
                 return
             self.loaded_blocks = last
