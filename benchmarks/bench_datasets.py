@@ -125,9 +125,10 @@ def variant_key(window: str, page_cache: str, order: str) -> str:
     return f"{window} {page_cache}" + ("" if order == "shuffle 1" else f" {order}")
 
 
-def read_sequential(path: Path, buf: bytearray, stats: Path) -> tuple[int, dict[str, int]]:
+def read_sequential(path: Path, buf: bytearray, stats: Path, at_end: bool = False) -> tuple[int, dict[str, int]]:
     """Read `path` (a stream) to its end: (bytes, the stream's entry in the dataset's
-    `stats` after its first read: `whole`, `from_dram`, ...)."""
+    `stats` after its first read: `whole`, `from_dram`, ...; with `at_end`, also the
+    blocks it had loaded into DRAM when it reached its end, as `loaded_blocks_at_end`)."""
     total = 0
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -135,6 +136,8 @@ def read_sequential(path: Path, buf: bytearray, stats: Path) -> tuple[int, dict[
         entry: dict[str, int] = json.loads(stats.read_text())["streams"][0]
         while n := os.readv(fd, [buf]):
             total += n
+        if at_end:
+            entry["loaded_blocks_at_end"] = json.loads(stats.read_text())["streams"][0].get("loaded_blocks", 0)
     finally:
         os.close(fd)
     return total, entry
@@ -164,12 +167,13 @@ def kept_in_dram(
     (ds / "order").write_text("shuffle 1\n")
     daemon.warm_kernels()
     drop_caches()
-    rates, from_dram = [], []
+    rates, from_dram, loaded = [], [], []
     for _epoch in range(epochs + 1):
         started = time.perf_counter()
-        total, entry = read_sequential(ds / "stream", buf, ds / "stats")
+        total, entry = read_sequential(ds / "stream", buf, ds / "stats", at_end=True)
         rates.append(total / (time.perf_counter() - started) / 1e9)
         from_dram.append(entry.get("from_dram", 0))
+        loaded.append(entry.get("loaded_blocks_at_end", 0))
     status = json.loads((daemon.mnt / ".distore" / "status").read_text())
     daemon.umount()
     return {
@@ -177,6 +181,7 @@ def kept_in_dram(
         "cold_gbps": rates[0],
         "epochs_gbps": rates[1:],
         "epochs_from_dram": from_dram[1:],
+        "loaded_blocks_at_end": loaded,
         "dram_used_bytes": status["dram_used_bytes"],
     }
 

@@ -705,3 +705,46 @@ async def test_a_dataset_beyond_its_dram_share_or_the_cache_streams_in_batches(
         nursery.cancel_scope.cancel()
     await blocks.close()
     meta.close()
+
+
+async def test_a_load_goes_on_past_the_close_of_a_stream_read_to_its_end_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loads of one block at a time, held until both streams are closed: the stream closed
+    after its first read stops its load after the block in flight; the one closed after
+    its last byte lets its load finish, so the next epoch is served from DRAM."""
+    monkeypatch.setattr(stream_module, "LOAD_GROUP_BYTES", BLOCK)
+    items = sized_blobs(1200, 14, 500, 1500)  # small records: kept from the first stream
+    datasets, blocks, meta = await cold_store(tmp_path, items, 6, 64, 1 << 30, 2 << 20)
+    gate = trio.Event()
+    get_many = blocks.get_many
+
+    async def held(keys: list[BlockKey]) -> list[Any]:  # only the loads call it here
+        await gate.wait()
+        return await get_many(keys)
+
+    monkeypatch.setattr(blocks, "get_many", held)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(datasets.run_streams)
+        ds = datasets.get("d")
+        count = -(-ds.data_bytes // BLOCK)
+        early = await datasets.open_stream(ds, 0, 1)
+        await early.read(0, 1 << 20)
+        datasets.close_stream(early)
+        whole = await datasets.open_stream(ds, 0, 1)
+        assert_blob_stream(await whole.read(0, whole.size), items, 6)
+        datasets.close_stream(whole)
+        assert whole.statistics()["loaded_blocks"] == 0
+        gate.set()
+        with trio.fail_after(10):
+            while blocks.dram_blocks(ds.data_owner, count) is None:
+                await trio.sleep(0.01)
+        assert whole.statistics()["loaded_blocks"] == count
+        assert early.statistics()["loaded_blocks"] <= 1
+        again = await datasets.open_stream(ds, 0, 1)
+        assert again.in_dram
+        assert not again.keeps_dram
+        datasets.close_stream(again)
+        nursery.cancel_scope.cancel()
+    await blocks.close()
+    meta.close()

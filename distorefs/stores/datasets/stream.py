@@ -138,6 +138,7 @@ class Stream:
         self.in_dram = cached is not None
         self.keeps_dram = not self.in_dram and 0 < dataset.data_bytes <= dram_bytes
         self.loaded_blocks = 0
+        self.read_through = False  # its last byte has been read: an epoch's end
         self._hinted_blocks = 0  # blocks of a fitting dataset hinted so far, in log order
         self._hint_moved = trio.Event()
 
@@ -278,9 +279,11 @@ class Stream:
     async def _keep_in_dram(self) -> None:
         """Load the dataset's blocks into the block cache (see the module's doc), a group
         at a time in log order, each once its hint has been given; then serve the stream
-        from DRAM where its reads may be pieces. Stops at the close, at a failed read (a
-        batch that needs the block says why), or when the cache keeps no more of them
-        (dirty blocks fill the budget, or other reads evict them)."""
+        from DRAM where its reads may be pieces. Stops at the close, unless the stream was
+        read to its end (an epoch done: the next one is likely to follow, and finds the
+        rest loaded); at a failed read (a batch that needs the block says why); or when
+        the cache keeps no more of them (dirty blocks fill the budget, or other reads
+        evict them)."""
         await self._first_done.wait()
         owner = self.dataset.data_owner
         blocks = self._block_count
@@ -290,14 +293,14 @@ class Stream:
             while self.fits and self._hinted_blocks < last and not self.closed:
                 await self._hint_moved.wait()
                 self._hint_moved = trio.Event()
-            if self.closed or self.dataset.deleted:
+            if self._load_stops():
                 return
             try:
                 await self._blocks.get_many([BlockKey(owner, number) for number in range(first, last)])
             except (DistorefsError, OSError) as exc:
                 log.debug("datasets/%s: loading blocks %d-%d failed: %s", self.dataset.name, first, last, exc)
                 return
-            if self.closed or self.dataset.deleted:
+            if self._load_stops():
                 return
             # this group, and the first block (the oldest of its loads: LRU takes it first)
             if not all(self._blocks.has_cached(BlockKey(owner, n)) for n in (0, *range(first, last))):
@@ -314,6 +317,9 @@ class Stream:
             self._dram_refreshes = 0
             for batch in list(self._batches.values()):
                 self._drop(batch)
+
+    def _load_stops(self) -> bool:
+        return self.dataset.deleted or (self.closed and not self.read_through)
 
     async def run_prefetch(self) -> None:
         """Fetch batches ahead of the reader while they fit in the window (none while the
@@ -385,6 +391,7 @@ class Stream:
             at = stop
         self._wake.set()
         self.dataset.streamed_bytes += end - offset
+        self.read_through |= end == layout.total
         if len(pieces) == 1:
             return pieces[0]
         return b"".join(pieces)
@@ -412,6 +419,7 @@ class Stream:
                 return None
         self.dram_reads += 1
         self.dataset.streamed_bytes += max(0, end - offset)
+        self.read_through |= end == layout.total
         return pieces
 
     def _head(self, offset: int, end: int) -> tuple[list[bytes | memoryview], int]:
