@@ -610,23 +610,19 @@ async def wait_in_dram(stream: Stream) -> None:
 
 
 @pytest.mark.parametrize("page_cache", [0, 1 << 30])  # read record by record, or whole after hints
-async def test_a_dataset_of_big_records_is_kept_in_dram_once_streamed_and_then_served_from_there(
+async def test_a_dataset_of_small_records_is_kept_in_dram_and_its_streams_served_from_there(
     tmp_path: Path, page_cache: int
 ) -> None:
-    """About 1.8 MB of 5-7 KB records, 4 MiB of DRAM, a DRAM share of 2 MiB: the first
-    stream (a cold epoch) takes nothing into DRAM; the next one loads the blocks as it
-    reads and, once all are in, serves the rest from DRAM; the one after (the next epoch)
-    is served from DRAM from its open. Same bytes all along."""
-    items = sized_blobs(300, 11, 5000, 7000)
+    """About 1.5 MB of 2.5-3.5 KB records, 4 MiB of DRAM, a DRAM share of 2 MiB: the
+    first stream (a cold epoch) loads the blocks as it reads and, once all are in, serves
+    the rest from DRAM; the next one (the next epoch) is served from DRAM from its open.
+    Same bytes all along."""
+    items = sized_blobs(500, 11, 2500, 3500)
     datasets, blocks, meta = await cold_store(tmp_path, items, 3, 64, page_cache, 2 << 20)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(datasets.run_streams)
         ds = datasets.get("d")
         count = -(-ds.data_bytes // BLOCK)
-        first = await datasets.open_stream(ds, 0, 1, pieces=1023)
-        assert not first.keeps_dram
-        assert_blob_stream(await read_rest(first, bytearray(), 65536, trio.lowlevel.checkpoint), items, 3)
-        datasets.close_stream(first)
         assert blocks.dram_blocks(ds.data_owner, count) is None
         stream = await datasets.open_stream(ds, 0, 1, pieces=1023)
         assert stream.keeps_dram
@@ -645,6 +641,25 @@ async def test_a_dataset_of_big_records_is_kept_in_dram_once_streamed_and_then_s
         assert_blob_stream(await read_rest(again, bytearray(), 65536, trio.lowlevel.checkpoint), items, 3)
         assert again.statistics()["fetched_batches"] == 0
         datasets.close_stream(again)
+        nursery.cancel_scope.cancel()
+    await blocks.close()
+    meta.close()
+
+
+async def test_a_dataset_of_records_of_4_kb_and_more_streams_through_the_page_cache(tmp_path: Path) -> None:
+    """5-7 KB records, a DRAM share that holds them: epoch after epoch, nothing is loaded
+    into DRAM (their batches come from the page cache about as fast)."""
+    items = sized_blobs(300, 15, 5000, 7000)
+    datasets, blocks, meta = await cold_store(tmp_path, items, 3, 64, 1 << 30, 2 << 20)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(datasets.run_streams)
+        ds = datasets.get("d")
+        for _epoch in range(2):
+            stream = await datasets.open_stream(ds, 0, 1, pieces=1023)
+            assert not stream.keeps_dram
+            assert_blob_stream(await read_rest(stream, bytearray(), 65536, trio.lowlevel.checkpoint), items, 3)
+            datasets.close_stream(stream)
+            assert blocks.dram_blocks(ds.data_owner, 1) is None
         nursery.cancel_scope.cancel()
     await blocks.close()
     meta.close()

@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 
 STREAM_QUEUE = 64
 PAGE_CACHE_SHARE = 2  # by default a dataset up to half of the memory available is read whole via the page cache
-DRAM_SHARE = 2  # by default a dataset up to half of the DRAM budget is loaded into the block cache by its streams
-EAGER_RECORD_BYTES = 4096  # ... by its first stream when its records are smaller than this on average
+DRAM_SHARE = 2  # by default a dataset up to half of the DRAM budget is kept in the block cache by its streams,
+KEPT_RECORD_BYTES = 4096  # where its records are smaller than this on average
 
 
 class DatasetStore:
@@ -172,13 +172,10 @@ class DatasetStore:
         ds.check_live()
         key, layout = self._share_layout(ds, rank, world, positions, index)  # (no await from here on)
         window = ds.config.prefetch_window_bytes or self.window_bytes
-        # Kept in DRAM (Stream, design.md "A dataset kept in DRAM") from its first stream
-        # when its records are small (the load costs less CPU than the reads a record it
-        # replaces), else once this daemon has streamed the dataset's bytes (an epoch, in
-        # one stream or in the shares of several): a dataset of bigger records read once
-        # takes nothing from the budget, and its first epoch nothing from the CPU.
-        small = ds.data_bytes < EAGER_RECORD_BYTES * ds.count
-        dram = self.dram_bytes if small or ds.streamed_bytes >= ds.data_bytes else 0
+        # Kept in DRAM (Stream; design.md, "A dataset kept in DRAM") where its records are
+        # small: there the load costs less CPU than the reads of a record each it saves.
+        # Bigger records stream through the page cache about as fast as from DRAM here.
+        dram = self.dram_bytes if ds.data_bytes < KEPT_RECORD_BYTES * ds.count else 0
         stream = Stream(ds, layout, index, self._blocks, window, self._page_cache_limit(), pieces, dram)
         ds.streams_opened += 1
         self.streams.add(stream)

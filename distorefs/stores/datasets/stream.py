@@ -29,11 +29,13 @@ writev), fetches no batches: each read is the layout's own bytes and views of th
 records where they lie in the block cache, with no copy in the daemon. A read that finds
 a record gone from DRAM turns the stream back to batches for good.
 
-A dataset within the stream's DRAM share (`--dataset-dram`, store.py) that is not all in
-DRAM is kept there: as the stream reads, its blocks are loaded into the block cache in
-log order, a group at a time behind the page-cache hints (so they come from the page
-cache, not from the disk a second time). Batches copy what is loaded from DRAM; once
-every block is in, the stream is served from DRAM, and so are the next epochs' streams.
+A dataset within the stream's DRAM share (`dram_bytes`: store.py gives `--dataset-dram`
+to datasets of small records) that is not all in DRAM is kept there: as the stream
+reads, its blocks are loaded into the block cache in log order, a group at a time behind
+the page-cache hints (so they come from the page cache, not from the disk a second
+time). Batches copy what is loaded from DRAM; once every block is in, the stream is
+served from DRAM, and so are the next epochs' streams. A stream read to its end lets its
+load finish after its close.
 """
 
 from __future__ import annotations
@@ -545,6 +547,7 @@ class Stream:
             "from_dram": int(self.from_dram),
             "dram_reads": self.dram_reads,
             "keeps_dram": int(self.keeps_dram),
+            "in_dram": int(self.in_dram),
             "loaded_blocks": self.loaded_blocks,
         }
 
