@@ -30,9 +30,10 @@ no cold stream can beat, in the same round.
 holds the dataset twice (so `--dataset-dram auto`, half of it, takes the dataset), the
 first window, `--dataset-page-cache auto`: one cold epoch and N more in the same daemon,
 the dataset loaded into the block cache as a stream reads and then served from there
-(design.md, "A dataset kept in DRAM": records under 4 KB from the cold epoch, bigger ones
-from the second). Beside it in each round (which goes first alternates), the same daemon
-and epochs with `--dataset-dram 0`: through the page cache. Each epoch is reported apart.
+(design.md, "A dataset kept in DRAM": only records under 4 KB, so use `--record-bytes`
+below that; with bigger ones both sides stream through the page cache). Beside it in
+each round (which goes first alternates), the same daemon and epochs with
+`--dataset-dram 0`: through the page cache. Each epoch is reported apart.
 `--listing-records N` also times `ls -U records/ | wc -l` of an N-record dataset.
 
 Needs root to drop the page cache (else "cold" only means not in distorefs' DRAM).

@@ -142,9 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     mount.add_argument(
         "--dataset-dram", default="auto", metavar="SIZE",
-        help="the largest dataset streams keep in the DRAM cache: its second epoch (its first, for records under "
-        "4 KB) loads it as it reads, and later epochs are served from there (default auto: half of the DRAM "
-        "budget; 0: none)",
+        help="the largest dataset of small records (under 4 KB) streams keep in the DRAM cache: its first stream "
+        "loads it as it reads, and later epochs are served from there (default auto: half of the DRAM budget; "
+        "0: none)",
     )  # fmt: skip
     cluster = mount.add_argument_group("cluster (multi-node; without --cluster the daemon is single-node)")
     cluster.add_argument("--cluster", default=None, metavar="URL", help="etcd endpoint, e.g. http://10.0.0.1:2379")
