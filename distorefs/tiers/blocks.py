@@ -238,10 +238,6 @@ class BlockStore(ByteRanges, Compaction):
     def has_block(self, key: BlockKey) -> bool:
         return key in self._index or self._dram.peek(key) is not None
 
-    def has_cached(self, key: BlockKey) -> bool:
-        """Whether the block is in DRAM now (without touching its LRU place)."""
-        return self._dram.peek(key) is not None
-
     def owners(self) -> set[int]:
         """Every owner with a block in the index or dirty in DRAM."""
         return self._index.owners() | set(self._dirty)

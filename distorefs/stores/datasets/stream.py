@@ -51,6 +51,7 @@ from distorefs.stores.datasets.dataset import Dataset
 from distorefs.stores.datasets.formats import StreamLayout
 from distorefs.tiers.blocks import BlockStore
 from distorefs.tiers.copy_ranges import first_bad_crc
+from distorefs.tiers.dram import Block
 from distorefs.types import BlockKey
 
 log = logging.getLogger(__name__)
@@ -290,6 +291,7 @@ class Stream:
         owner = self.dataset.data_owner
         blocks = self._block_count
         per_group = max(1, LOAD_GROUP_BYTES // self._blocks.block_bytes)
+        oldest: list[tuple[BlockKey, Block | None]] = []  # block 0 as loaded: LRU takes it first
         for first in range(0, blocks, per_group):
             last = min(first + per_group, blocks)
             while self.fits and self._hinted_blocks < last and not self.closed:
@@ -297,15 +299,16 @@ class Stream:
                 self._hint_moved = trio.Event()
             if self._load_stops():
                 return
+            keys = [BlockKey(owner, number) for number in range(first, last)]
             try:
-                await self._blocks.get_many([BlockKey(owner, number) for number in range(first, last)])
+                got = list(zip(keys, await self._blocks.get_many(keys), strict=True))
             except (DistorefsError, OSError) as exc:
                 log.debug("datasets/%s: loading blocks %d-%d failed: %s", self.dataset.name, first, last, exc)
                 return
             if self._load_stops():
                 return
-            # this group, and the first block (the oldest of its loads: LRU takes it first)
-            if not all(self._blocks.has_cached(BlockKey(owner, n)) for n in (0, *range(first, last))):
+            oldest = oldest or got[:1]
+            if not all(block is not None and self._blocks.resident(key, block) for key, block in oldest + got):
                 log.info("datasets/%s: the DRAM cache keeps no more of it: batches from here", self.dataset.name)
                 return
             self.loaded_blocks = last
