@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 import trio
 
@@ -273,17 +274,29 @@ def tmpfs_dir(tmp_path: Path) -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def first_episodes(out: Path, count: int) -> list[float]:
-    """The returns of the first `count` episodes that the actors of
-    docs/examples/distributed_dqn.py finished, in time order (each actor's CSV in `out`:
-    time, rank, return, steps)."""
+def episode_returns(out: Path) -> list[float]:
+    """The returns of the episodes that the actors of docs/examples/distributed_dqn.py
+    finished, in time order (each actor's CSV in `out`: time, rank, return, steps)."""
     rows = []
     for path in out.glob("actor-*.csv"):
         for line in path.read_text().splitlines():
             at, _rank, ret, _steps = line.split(",")
             rows.append((float(at), float(ret)))
-    assert len(rows) >= count
-    return [ret for _at, ret in sorted(rows)[:count]]
+    return [ret for _at, ret in sorted(rows)]
+
+
+def first_episodes(out: Path, count: int) -> list[float]:
+    """The returns of the first `count` episodes of the example's actors."""
+    returns = episode_returns(out)
+    assert len(returns) >= count
+    return returns[:count]
+
+
+def best_run_of_episodes(out: Path, count: int) -> float:
+    """The highest mean return of `count` episodes in a row of the example's actors."""
+    returns = np.array(episode_returns(out))
+    assert len(returns) >= count
+    return float(np.convolve(returns, np.ones(count) / count, mode="valid").max())
 
 
 def daemon_cpu_s(mount: Mount) -> float:

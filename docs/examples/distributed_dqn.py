@@ -13,12 +13,14 @@ file calls between the processes.
   checkpoints every `--checkpoint-every` steps to `checkpoints/dqn/` (fsync'ed, with
   `user.distore.keep_last` = 3). The buffer's rate limiter (`samples_per_insert`) keeps
   the actors and the learner in step, however many actors there are.
-- A learner that is killed (`run --kill-learner-at S` does it with SIGKILL) and started
-  again resumes from the newest checkpoint whose `user.distore.state` is `durable`, with
-  the same buffer: only the steps after that checkpoint are done again.
-- `run` starts them all for a bounded time, prints the learning curve (mean episode
-  return per interval) and writes it as JSON, and as a plot where matplotlib is
-  installed. `scripts/example.sh` mounts a fresh distorefs and runs it.
+- A learner that is killed (`run --kill-learner-at S` or `--kill-learner-after-step N`
+  does it with SIGKILL) and started again resumes from the newest checkpoint whose
+  `user.distore.state` is `durable`, with the same buffer: only the steps after that
+  checkpoint are done again.
+- `run` starts them all for a bounded time (`--seconds`), or until the policy has
+  learned (`--stop-at-return R`: 20 episodes in a row average R or more), prints the
+  learning curve (mean episode return per interval) and writes it as JSON, and as a plot
+  where matplotlib is installed. `scripts/example.sh` mounts a fresh distorefs and runs it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +55,20 @@ SCHEMA = {
 PER_APPEND = 16
 BATCH = 64
 GAMMA = 0.99
+LEARNED_OVER = 20  # episodes in a row whose mean return `--stop-at-return` compares
+STOP_FILE = "stop"  # in --out: `run` makes it to end the actors and the learner early
+
+
+class Clock:
+    """How long an actor or the learner goes on: `seconds` from its start, or until `run`
+    makes the stop file (a stat of a local file, cheap enough for every step)."""
+
+    def __init__(self, seconds: float, out: Path) -> None:
+        self.deadline = time.monotonic() + seconds
+        self.stop_file = out / STOP_FILE
+
+    def running(self) -> bool:
+        return time.monotonic() < self.deadline and not self.stop_file.exists()
 
 
 def q_network() -> Any:
@@ -69,6 +86,9 @@ def set_up(mount: Path, samples_per_insert: float, shards: int) -> None:
         config = {
             "capacity": 50_000, "sampler": "prioritized", "batch_size": BATCH, "alpha": 0.6, "beta": 0.4,
             "min_size_to_sample": 1000, "samples_per_insert": samples_per_insert, "schema": SCHEMA,
+            # a sample or append the rate limiter holds back gets EAGAIN after 2 s (10 by
+            # default), so that a process told to stop sees it soon: its peers may be gone
+            "sample_timeout": 2,
         }  # fmt: skip
         if shards > 1:
             config["shards"] = shards
@@ -124,22 +144,24 @@ def choose_action(net: Any, obs: Any, learner_step: int, rng: np.random.Generato
         return int(net(torch.as_tensor(obs)).argmax())
 
 
-def actor(mount: Path, rank: int, seconds: float, log_path: Path, seed: int) -> None:
+def actor(mount: Path, rank: int, clock: Clock, log_path: Path, seed: int) -> None:
     import gymnasium as gym
     import torch
 
     torch.set_num_threads(1)
     versions = PolicyVersions(mount)
     while versions.latest < 1:  # the learner publishes the first policy at its start
+        if not clock.running():
+            return
         versions.changed.wait(timeout=1.0)
         versions.changed.clear()
     learner_step, net = load_policy(mount)
     env = gym.make("CartPole-v1")
     rng = np.random.default_rng(seed)
     obs, _ = env.reset(seed=seed)
-    pending, episode_return, steps, deadline = [], 0.0, 0, time.monotonic() + seconds
+    pending, episode_return, steps = [], 0.0, 0
     with open(log_path, "a", encoding="utf-8") as log:
-        while time.monotonic() < deadline:
+        while clock.running():
             if versions.changed.is_set():
                 versions.changed.clear()
                 learner_step, net = load_policy(mount)
@@ -155,15 +177,15 @@ def actor(mount: Path, rank: int, seconds: float, log_path: Path, seed: int) -> 
                 obs, _ = env.reset()
                 episode_return = 0.0
             if len(pending) >= PER_APPEND:
-                append(mount, pending, deadline)
+                append(mount, pending, clock)
                 pending = []
 
 
-def append(mount: Path, transitions: list[tuple[Any, ...]], deadline: float) -> None:
+def append(mount: Path, transitions: list[tuple[Any, ...]], clock: Clock) -> None:
     """One open of `append` with a .npy of records; waits out the rate limiter (EAGAIN)
-    until `deadline` (time.monotonic)."""
+    while `clock` runs."""
     records = np.array(transitions, dtype=RECORD)
-    while time.monotonic() < deadline:
+    while clock.running():
         try:
             np.save(mount / BUFFER / "append", records)
             return
@@ -185,11 +207,11 @@ def newest_durable_checkpoint(mount: Path) -> Path | None:
     return None
 
 
-def sample(mount: Path, deadline: float) -> dict[str, np.ndarray] | None:
+def sample(mount: Path, clock: Clock) -> dict[str, np.ndarray] | None:
     """One batch, a contiguous array per field with `_index` and `_weight` (`sample.npz`,
     so each goes into torch as it is); waits while the buffer is too small or the rate
-    limiter holds the learner back (EAGAIN), until `deadline`: None then."""
-    while time.monotonic() < deadline:
+    limiter holds the learner back (EAGAIN), while `clock` runs: None once it stops."""
+    while clock.running():
         try:
             with open(mount / BUFFER / "sample.npz", "rb", buffering=0) as f:
                 data = f.read()
@@ -224,7 +246,7 @@ def train_step(net: Any, target: Any, optimizer: Any, batch: dict[str, np.ndarra
     return errors
 
 
-def learner(mount: Path, seconds: float, publish_every: int, checkpoint_every: int, log_path: Path) -> None:
+def learner(mount: Path, clock: Clock, publish_every: int, checkpoint_every: int, log_path: Path) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -250,8 +272,7 @@ def learner(mount: Path, seconds: float, publish_every: int, checkpoint_every: i
             torch.save({"net": net.state_dict(), "step": step}, mount / MODEL / "model.pt")
 
         publish()
-        deadline = time.monotonic() + seconds
-        while (batch := sample(mount, deadline)) is not None:
+        while (batch := sample(mount, clock)) is not None:
             errors = train_step(net, target, optimizer, batch)
             step += 1
             pairs = np.zeros(len(batch["_index"]), dtype=[("index", "<i8"), ("priority", "<f8")])
@@ -279,20 +300,41 @@ def learner(mount: Path, seconds: float, publish_every: int, checkpoint_every: i
 # --- run -----------------------------------------------------------------------------------
 
 
-def curve(out: Path, started: float, bucket_s: float) -> list[dict[str, float]]:
-    """Mean episode return per `bucket_s` of wall time, over all actors."""
+def episodes(out: Path) -> list[tuple[float, float]]:
+    """(time, return) of every episode the actors finished so far, in time order (each
+    actor's CSV in `out`: time, rank, return, steps; a line still being written is left out)."""
     rows = []
     for path in out.glob("actor-*.csv"):
         for line in path.read_text().splitlines():
-            at, _rank, ret, _steps = line.split(",")
-            rows.append((float(at) - started, float(ret)))
+            fields = line.split(",")
+            if len(fields) == 4 and fields[3]:
+                rows.append((float(fields[0]), float(fields[2])))
+    return sorted(rows)
+
+
+def curve(out: Path, started: float, bucket_s: float) -> list[dict[str, float]]:
+    """Mean episode return per `bucket_s` of wall time, over all actors."""
     buckets: dict[int, list[float]] = {}
-    for at, ret in rows:
-        buckets.setdefault(int(at // bucket_s), []).append(ret)
+    for at, ret in episodes(out):
+        buckets.setdefault(int((at - started) // bucket_s), []).append(ret)
     return [
         {"t_s": (b + 1) * bucket_s, "episodes": len(v), "mean_return": float(np.mean(v))}
         for b, v in sorted(buckets.items())
     ]
+
+
+def learned(out: Path, level: float) -> float | None:
+    """The mean return of the last `LEARNED_OVER` episodes once it is `level` or more."""
+    returns = [ret for _at, ret in episodes(out)[-LEARNED_OVER:]]
+    if len(returns) == LEARNED_OVER and np.mean(returns) >= level:
+        return float(np.mean(returns))
+    return None
+
+
+def learner_events(out: Path) -> list[dict[str, Any]]:
+    path = out / "learner.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.endswith("}")]
 
 
 def wait_until_visible(mounts: list[Path], timeout_s: float = 30.0) -> None:
@@ -305,10 +347,51 @@ def wait_until_visible(mounts: list[Path], timeout_s: float = 30.0) -> None:
             time.sleep(0.2)
 
 
+def supervise(
+    args: argparse.Namespace,
+    out: Path,
+    started: float,
+    learner: subprocess.Popen[bytes],
+    start_learner: Callable[[float], subprocess.Popen[bytes]],
+) -> tuple[dict[str, Any], subprocess.Popen[bytes]]:
+    """Watch the run until its learner ends: kill -9 the learner and start it again when
+    asked, and make the stop file once the policy has learned (`--stop-at-return`).
+    Returns why the run ended, and the learner process that ran last."""
+    kill_at = args.kill_learner_at or None
+    killed = False
+    while True:
+        now = time.time() - started
+        events = learner_events(out)
+        if kill_at is None and args.kill_learner_after_step:
+            done = [e for e in events if e["event"] == "checkpoint" and e["step"] >= args.kill_learner_after_step]
+            if done:
+                kill_at = done[0]["time"] - started + 1.0
+        if not killed and kill_at is not None and now >= kill_at:
+            learner.send_signal(signal.SIGKILL)
+            learner.wait()
+            print(f"killed the learner (kill -9) at {time.time() - started:.0f} s; starting it again", flush=True)
+            learner = start_learner(max(1.0, args.seconds - (time.time() - started)))
+            killed = True
+        # a learner to be killed ends the run early only once it was killed, started again
+        # and made a checkpoint after its restart
+        restarts = [e["time"] for e in events if e["event"] == "start"][1:]
+        resumed = (args.kill_learner_at or args.kill_learner_after_step) == 0 or any(
+            e["event"] == "checkpoint" and e["time"] > restarts[0] for e in events if restarts
+        )
+        level = learned(out, args.stop_at_return) if args.stop_at_return and resumed else None
+        if level is not None:
+            (out / STOP_FILE).touch()
+            return {"reason": "learned", "mean_return": level, "at_s": now}, learner
+        if learner.poll() is not None and (killed or kill_at is None):
+            return {"reason": "time", "at_s": now}, learner
+        time.sleep(0.5)
+
+
 def run(args: argparse.Namespace) -> int:
     mounts = [Path(m) for m in args.mount.split(",")]
     mount, out = mounts[0], Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / STOP_FILE).unlink(missing_ok=True)
     set_up(mount, args.samples_per_insert, args.shards)
     wait_until_visible(mounts)
     me = [sys.executable, os.path.abspath(__file__)]
@@ -326,21 +409,16 @@ def run(args: argparse.Namespace) -> int:
         for i in range(args.actors)
     ]  # fmt: skip
     learner_proc = start_learner(args.seconds)
-    if args.kill_learner_at:
-        time.sleep(args.kill_learner_at)
-        learner_proc.send_signal(signal.SIGKILL)
-        learner_proc.wait()
-        print(f"killed the learner (kill -9) at {time.time() - started:.0f} s; starting it again", flush=True)
-        learner_proc = start_learner(args.seconds - args.kill_learner_at)
+    stop, learner_proc = supervise(args, out, started, learner_proc, start_learner)
     codes = [p.wait() for p in [learner_proc, *actors]]
     points = curve(out, started, args.bucket)
-    events = [json.loads(line) for line in (out / "learner.jsonl").read_text().splitlines()]
+    events = learner_events(out)
     elapsed = time.time() - started
     logs = [p.read_text().splitlines() for p in out.glob("actor-*.csv")]
     env_steps = sum(int(lines[-1].split(",")[3]) for lines in logs if lines)  # up to each actor's last episode
     updates = max(e["step"] for e in events)  # the learner's step at the end (work redone after a kill not counted)
     summary = {
-        "curve": points, "learner": events, "exit_codes": codes, "seconds": elapsed,
+        "curve": points, "learner": events, "exit_codes": codes, "seconds": elapsed, "stop": stop,
         "env_steps_per_s": env_steps / elapsed, "learner_updates_per_s": updates / elapsed,
     }  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -351,6 +429,8 @@ def run(args: argparse.Namespace) -> int:
     for event in events:
         if event["event"] == "start" and event["resumed_from"] != "None":
             print(f"learner resumed at step {event['step']} from {event['resumed_from']}")
+    if stop["reason"] == "learned":
+        print(f"learned: the last {LEARNED_OVER} episodes averaged {stop['mean_return']:.1f} at {stop['at_s']:.0f} s")
     try:
         import matplotlib
 
@@ -390,13 +470,22 @@ def main() -> int:
     parser.add_argument("--checkpoint-every", type=int, default=500, help="learner steps between checkpoints")
     parser.add_argument("--samples-per-insert", type=float, default=8.0, help="the buffer's rate limiter")
     parser.add_argument("--kill-learner-at", type=float, default=0.0, help="(run) kill -9 the learner after S")
+    parser.add_argument(
+        "--kill-learner-after-step", type=int, default=0,
+        help="(run) kill -9 the learner 1 s after its checkpoint of this step or a later one",
+    )  # fmt: skip
+    parser.add_argument(
+        "--stop-at-return", type=float, default=0.0,
+        help=f"(run) end early once {LEARNED_OVER} episodes in a row average this return (after the "
+        "restarted learner's first checkpoint when it is killed)",
+    )  # fmt: skip
     parser.add_argument("--bucket", type=float, default=10.0, help="(run) seconds per point of the curve")
     args = parser.parse_args()
     mount, out = Path(args.mount), Path(args.out)
     if args.role == "actor":
-        actor(mount, args.rank, args.seconds, out / f"actor-{args.rank}.csv", seed=args.rank)
+        actor(mount, args.rank, Clock(args.seconds, out), out / f"actor-{args.rank}.csv", seed=args.rank)
     elif args.role == "learner":
-        learner(mount, args.seconds, args.publish_every, args.checkpoint_every, out / "learner.jsonl")
+        learner(mount, Clock(args.seconds, out), args.publish_every, args.checkpoint_every, out / "learner.jsonl")
     else:
         return run(args)
     return 0
