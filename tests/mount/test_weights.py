@@ -483,8 +483,9 @@ READER = textwrap.dedent("""
 
 
 def test_32_readers_always_read_a_whole_published_version(mount_factory: MountFactory) -> None:
-    """A writer publishes a 64 MB file once a second while 32 processes read it in a
-    loop: each read is one complete version, and the daemon's memory stays bounded."""
+    """A writer publishes a 64 MB file four times, a second apart, while 32 processes read
+    it in a loop: each read is one complete version, and the daemon's memory stays
+    bounded. (Beside 32 readers on 2 cores, a publish takes 3-5 s itself.)"""
     size = 64 << 20
     budget = 512 << 20
     mount = mount_factory("--dram-budget", "512MiB")
@@ -507,7 +508,7 @@ def test_32_readers_always_read_a_whole_published_version(mount_factory: MountFa
         for _ in range(32)
     ]
     try:
-        for seq in range(2, 8):
+        for seq in range(2, 6):
             time.sleep(1.0)
             publish(seq)
         stop.touch()
