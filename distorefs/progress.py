@@ -14,14 +14,14 @@ import logging
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import trio
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
-from rich.progress import Progress as RichProgress
 
 from distorefs.units import format_size
+
+if TYPE_CHECKING:  # rich is imported when a bar is drawn: 45 ms of every daemon's start otherwise
+    from rich.progress import Progress as RichProgress
 
 T = TypeVar("T")
 WATCH_EVERY_S = 0.5
@@ -43,6 +43,10 @@ class Progress:
         self._bar: RichProgress | None = None  # drawn once the work has taken every_s
 
     def _start_bar(self) -> RichProgress:
+        from rich.console import Console
+        from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+        from rich.progress import Progress as RichProgress
+
         amount = DownloadColumn() if self.unit == "bytes" else MofNCompleteColumn()
         bar = RichProgress(
             TextColumn("{task.description}"), BarColumn(), amount, TimeRemainingColumn(),

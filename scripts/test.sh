@@ -17,4 +17,9 @@ if [ "${DISTOREFS_SKIP_CHECKS:-0}" != 1 ]; then
     "$VENV/bin/ruff" format --check distorefs tests benchmarks docs/examples
     "$VENV/bin/mypy"
 fi
+# The suite starts hundreds of daemons and clients (`python -m distorefs`). Compile the
+# package's bytecode once here, so that none of them compiles its 92 modules from source
+# again: where PYTHONDONTWRITEBYTECODE is set (as on our VMs) that was 0.15 s of every
+# 0.45 s daemon start.
+"$VENV/bin/python" -m compileall -q -j 0 distorefs
 exec "$VENV/bin/python" -m pytest "$@"

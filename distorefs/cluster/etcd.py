@@ -21,12 +21,14 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
 import trio
 
 from distorefs.errors import PeerUnavailable
+
+if TYPE_CHECKING:  # httpx is imported by a client: a node outside a cluster never needs
+    import httpx  # it, and it was 70-90 ms of every daemon's start
 
 log = logging.getLogger(__name__)
 # httpx logs every request at INFO: a lease renewal a second would drown the daemon log.
@@ -88,7 +90,10 @@ class EtcdClient:
     def __init__(self, url: str, timeout_s: float = 3.0) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
-        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s)
+        import httpx
+
+        self._http: httpx.AsyncClient = httpx.AsyncClient(base_url=self.url, timeout=timeout_s)
+        self._http_error: type[Exception] = httpx.HTTPError
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -97,7 +102,7 @@ class EtcdClient:
         try:
             with trio.fail_after(self.timeout_s):
                 response = await self._http.post(path, json=body)
-        except (httpx.HTTPError, trio.TooSlowError, OSError) as exc:
+        except (self._http_error, trio.TooSlowError, OSError) as exc:
             raise PeerUnavailable(f"etcd {self.url}{path}: {type(exc).__name__}: {exc}") from None
         if response.status_code != 200:
             raise PeerUnavailable(f"etcd {self.url}{path}: HTTP {response.status_code}: {response.text[:200]}")
@@ -166,6 +171,8 @@ class EtcdClient:
                 "start_revision": str(start_revision),
             }
         }
+        import httpx
+
         try:
             async with self._http.stream(
                 "POST", "/v3/watch", json=request, timeout=httpx.Timeout(self.timeout_s, read=None)
@@ -187,6 +194,6 @@ class EtcdClient:
                     ]
                     if events:
                         yield events
-        except (httpx.HTTPError, OSError) as exc:
+        except (self._http_error, OSError) as exc:
             raise PeerUnavailable(f"etcd {self.url}: watch of {prefix!r} broke: {exc}") from None
         raise PeerUnavailable(f"etcd {self.url}: watch of {prefix!r} ended")
