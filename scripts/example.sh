@@ -6,6 +6,7 @@
 #   SECONDS_TO_RUN, ACTORS, OUT      how long, how many actor processes, where results go
 #   KILL_LEARNER_AT=S                kill -9 the learner after S and start it again: it
 #                                    resumes from the newest durable checkpoint
+#   STOP_AT_RETURN=R                 end early once 20 episodes in a row average R
 #   NODES=3                          cluster mode: a local etcd and 3 daemons on this
 #                                    machine, the buffer sharded over the 3, actors on each
 set -euo pipefail
@@ -58,7 +59,7 @@ done
 joined="$(IFS=,; echo "${MOUNTS[*]}")"
 python "$REPO/docs/examples/distributed_dqn.py" run --mount "$joined" --shards "$NODES" --out "$OUT" \
     --seconds "${SECONDS_TO_RUN:-120}" --actors "${ACTORS:-$((NODES > 1 ? NODES : 2))}" \
-    --kill-learner-at "${KILL_LEARNER_AT:-0}"
+    --kill-learner-at "${KILL_LEARNER_AT:-0}" --stop-at-return "${STOP_AT_RETURN:-0}"
 ls "${MOUNTS[0]}/checkpoints/dqn"
 cat "${MOUNTS[0]}/weights/policy/version"
 echo "results: $OUT (summary.json, curve.png)"
