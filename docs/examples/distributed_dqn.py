@@ -374,9 +374,9 @@ def supervise(
             killed = True
         # a learner to be killed ends the run early only once it was killed, started again
         # and made a checkpoint after its restart
-        restarts = [e["time"] for e in events if e["event"] == "start"][1:]
-        resumed = (args.kill_learner_at or args.kill_learner_after_step) == 0 or any(
-            e["event"] == "checkpoint" and e["time"] > restarts[0] for e in events if restarts
+        restarted = [e["time"] for e in events if e["event"] == "start"][1:2]
+        resumed = not (args.kill_learner_at or args.kill_learner_after_step) or any(
+            e["event"] == "checkpoint" and e["time"] > at for e in events for at in restarted
         )
         level = learned(out, args.stop_at_return) if args.stop_at_return and resumed else None
         if level is not None:

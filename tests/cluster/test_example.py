@@ -23,7 +23,7 @@ def test_distributed_dqn_learns_with_its_buffer_sharded_over_three_nodes(
     nodes = [cluster_node(f"n{i}") for i in range(3)]
     wait_for(lambda: len(json.loads((nodes[0].path / ".distore" / "peers").read_text())["live_nodes"]) == 3)
     out = tmp_path / "out"
-    result = subprocess.run(  # until 20 episodes in a row average 80 (about 30 s here), 120 s at most
+    result = subprocess.run(  # until 20 episodes in a row average 80 (19-30 s here), 120 s at most
         [sys.executable, str(EXAMPLE), "run", "--mount", ",".join(str(n.path) for n in nodes), "--shards", "3",
          "--out", str(out), "--seconds", "120", "--actors", "3", "--stop-at-return", "80"],
         capture_output=True, text=True, timeout=240, check=False,
