@@ -45,7 +45,7 @@ from distorefs.errors import (
 )
 from distorefs.fs import kernel
 from distorefs.fs.metrics import Metrics
-from distorefs.fs.polling import CpuRoom, PollWindow
+from distorefs.fs.polling import CpuRoom, PollWindow, polled_time
 from distorefs.fs.shm import ADOPT_XATTR, borrow_sealed, parse_fd
 from distorefs.fs.virtual import (
     KindDirectory,
@@ -332,10 +332,11 @@ class FsOperations(pyfuse3.Operations):
                 until = ended + window.length(self.session_request and room.spare())
                 while time.perf_counter() < until and not self.request_done.is_set():
                     await trio.lowlevel.checkpoint()  # trio polls its I/O without blocking here
-                polled = time.perf_counter() - ended
+                stopped = time.perf_counter()
                 if not self.request_done.is_set():
                     await self.request_done.wait()  # the thread sleeps until a request ends
-                if self.request_started <= ended + polled:
+                polled = polled_time(ended, until, stopped, self.request_started)
+                if self.request_started <= stopped:
                     window.hit(polled)  # it came while polling (and may have ended after)
                 else:
                     window.missed(polled, self.request_started - ended, self.session_request and room.spare())

@@ -34,6 +34,19 @@ SESSION_FACTOR = 5  # after a sampling session's draw the window may reach this 
 SESSION_MAX_S = 10e-3  # but no more than this (the largest --busy-poll-us takes) unless max_s is more
 
 
+def polled_time(ended: float, until: float, stopped: float, arrived: float) -> float:
+    """How long a window polled (time.perf_counter values): from `ended` (the request
+    before it ended) to the arrival of the next request (`arrived`) when that came while
+    it polled, else to when it stopped (`stopped`), and never past its end (`until`).
+
+    The wall time between `ended` and `stopped` is more than that, by work that is not
+    polling. A request that comes while the window polls is served at the poll's next
+    checkpoint, inside the window's loop. And a thread preempted past the window's end
+    stops only when it runs again: beside two CPU hogs, windows of 12-50 µs read as 4 ms
+    each, and the stats showed 23 ms of polling for 200 paced writes."""
+    return max(0.0, min(stopped, until, arrived) - ended)
+
+
 @dataclass
 class PollWindow:
     """How long to poll after a request, learnt from the gaps between requests."""
