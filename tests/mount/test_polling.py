@@ -39,12 +39,19 @@ def test_a_tight_loop_of_small_files_is_served_by_polling_by_default(mount_facto
 
 
 def test_a_client_that_pauses_between_calls_turns_polling_off(mount_factory: MountFactory) -> None:
-    """One write every 3 ms (a request each: a write-only open skips the page cache):
+    """One write every 10 ms (a request each: a write-only open skips the page cache):
     each gap is longer than the 200 us maximum, so the window halves to nothing within
     a few calls (at most 200, 100, 50, 25 and 12.5 us: the status read before the loop
     may have grown it to the maximum, and the requests of the two status reads may each
-    miss a window), where a window per call would poll 200 x 200 us = 40 ms and miss 200
+    miss a window), where a window per call would poll 150 x 200 us = 30 ms and miss 150
     times. A window of 0 polls nothing and counts no miss.
+
+    The pace is 10 ms because of what the daemon sees under load. Beside two CPU hogs,
+    with writes 3 ms apart, the daemon's thread was sometimes off its CPU for longer than
+    a gap. Two writes then waited for it, and it served them back to back: a short gap,
+    which starts the window again (at 50 us, as it should for a client that calls twice
+    in a row), then three misses on the way back to 0. That took the misses to 23-26 in
+    3 of 10 runs. A preemption of 10 ms is rare.
 
     The status file's name lasts 1 s in the kernel's dentry cache. On a slow machine the
     loop took longer than that, and the final status read began with a LOOKUP whose
@@ -58,19 +65,19 @@ def test_a_client_that_pauses_between_calls_turns_polling_off(mount_factory: Mou
     try:
         time.sleep(0.05)  # the open's own requests are behind us
         before = poll_stats(mount)
-        for i in range(200):
-            if i == 190:
+        for i in range(150):
+            if i == 140:
                 os.stat(status)
             os.pwrite(fd, b"y" * 512, i * 512)
-            time.sleep(0.003)
+            time.sleep(0.010)
         after = poll_stats(mount)
     finally:
         os.close(fd)
     assert after["window_us"] == 0
-    assert after["requests"] - before["requests"] >= 200  # every write was seen
+    assert after["requests"] - before["requests"] >= 150  # every write was seen
     assert after["misses"] - before["misses"] <= 20
-    assert after["polled_s"] - before["polled_s"] < 0.02
-    assert (mount.path / "paced").stat().st_size == 200 * 512
+    assert after["polled_s"] - before["polled_s"] < 0.015
+    assert (mount.path / "paced").stat().st_size == 150 * 512
     assert mount.unmount() == 0
 
 
