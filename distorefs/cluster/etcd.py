@@ -94,6 +94,7 @@ class EtcdClient:
 
         self._http: httpx.AsyncClient = httpx.AsyncClient(base_url=self.url, timeout=timeout_s)
         self._http_error: type[Exception] = httpx.HTTPError
+        self._watch_timeout = httpx.Timeout(timeout_s, read=None)  # a watch waits for events unbounded
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -171,12 +172,8 @@ class EtcdClient:
                 "start_revision": str(start_revision),
             }
         }
-        import httpx
-
         try:
-            async with self._http.stream(
-                "POST", "/v3/watch", json=request, timeout=httpx.Timeout(self.timeout_s, read=None)
-            ) as stream:
+            async with self._http.stream("POST", "/v3/watch", json=request, timeout=self._watch_timeout) as stream:
                 async for line in stream.aiter_lines():
                     if not line.strip():
                         continue
