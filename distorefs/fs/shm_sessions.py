@@ -52,6 +52,7 @@ RESPONSE = struct.Struct("<iIQQQQ")  # errno (0: a batch), items, batch id, stri
 OP_DRAW = 1
 MAX_BATCH = 4096  # items in one batch through a session (a reply is one datagram of 28 bytes per item)
 MAX_HELD = 16  # batches one session may hold at once
+SESSION_PASS_S = 0.0003  # a session serving queued requests lets the event loop run others at least this often
 MAX_TICKETS = 4096
 TICKET_BYTES = 32
 HELLO_TIMEOUT_S = 5.0
@@ -266,7 +267,7 @@ class SampleSessions:
         """The first datagram is the ticket; its owner's uid must be the peer's (`uid`,
         SO_PEERCRED at the accept)."""
         with trio.move_on_after(HELLO_TIMEOUT_S):
-            token = await conn.recv(TICKET_BYTES + 1)
+            token, _waited = await conn.recv(TICKET_BYTES + 1)
             ticket: Ticket | CopyTicket | None = self._tickets.get(token)
             if ticket is None:
                 ticket = self._copy_tickets.pop(token, None)
@@ -323,12 +324,15 @@ class _Channel:
         self._sock = socket.socket(fileno=accepted.detach())
         self._sock.setblocking(False)
 
-    async def recv(self, size: int) -> bytes:
+    async def recv(self, size: int) -> tuple[bytes, bool]:
+        """The next datagram, and whether this waited for it (a real schedule point)."""
+        waited = False
         while True:
             try:
-                return self._sock.recv(size)
+                return self._sock.recv(size), waited
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(self._sock)
+                waited = True
 
     async def send(self, parts: list[bytes], fds: list[int] | None = None) -> None:
         ancdata = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
@@ -371,13 +375,19 @@ class _Session:
 
     async def run(self) -> None:
         buffer = self._ticket.buffer
-        first = True
+        passed = time.perf_counter()  # when this session last let the event loop run others
         while True:
-            if not first:  # one pass through the scheduler per request, after its reply
+            # Requests already queued (a sampler's prefetch) are served back to back, and
+            # the event loop gets a pass only once SESSION_PASS_S has gone by since the
+            # last: a pass cost 22-24 µs of a DQN batch's 60-70 (docs/design.md,
+            # "Sampling sessions").
+            if time.perf_counter() - passed >= SESSION_PASS_S:
                 await trio.lowlevel.checkpoint()
-            first = False
-            message = await self._conn.recv(REQUEST.size + 1)
+                passed = time.perf_counter()
+            message, waited = await self._conn.recv(REQUEST.size + 1)
             started = time.perf_counter()
+            if waited:
+                passed = started
             if not message:
                 return  # the client closed (or died)
             if len(message) != REQUEST.size:

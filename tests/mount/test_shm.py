@@ -636,6 +636,57 @@ def test_version2_a_sampler_polls_for_its_reply_then_sleeps_until_it_comes(buffe
     assert stats(buffer)["samples"] == 4 * (1 + 30 + 10)
 
 
+def test_version2_a_session_that_always_has_requests_queued_leaves_the_mount_served(
+    mounted: Mount, buffer: Path
+) -> None:
+    """A session serves queued requests back to back, with a pass of the event loop only
+    every SESSION_PASS_S: a client that keeps its queue full (here one that sends
+    without waiting, most requests past its 16 held batches and refused with EINVAL)
+    must still leave the rest of the mount answered at once."""
+    (buffer / "config").write_text(json.dumps({"batch_size": 4}))
+    client.append(buffer, [b"x" * 100] * 64)
+    fd = os.open(buffer / "sample.shm", os.O_RDWR)
+    path, ticket = ticket_for(fd)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    conn.settimeout(10)
+    conn.connect(path)
+    conn.send(ticket)
+    conn.setblocking(False)
+    flooding = threading.Event()
+    counts = {"sent": 0, "replies": 0}
+
+    def flood() -> None:
+        request = REQUEST.pack(1, 0, 0)
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            with contextlib.suppress(BlockingIOError):
+                for _ in range(64):
+                    conn.send(request)
+                    counts["sent"] += 1
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    conn.recv(1 << 16)  # a batch's reply, or EINVAL past the 16 held
+                    counts["replies"] += 1
+            flooding.set()
+
+    flooder = threading.Thread(target=flood)
+    flooder.start()
+    try:
+        assert flooding.wait(10)
+        slowest = 0.0
+        while flooder.is_alive():
+            started = time.monotonic()
+            json.loads((mounted.path / ".distore" / "status").read_text())
+            slowest = max(slowest, time.monotonic() - started)
+    finally:
+        flooder.join()
+        conn.close()
+        os.close(fd)
+    assert counts["replies"] > 1000, counts  # the queue really was full for the daemon
+    assert slowest < 0.5, f"a read of .distore/status waited {slowest:.3f} s beside the flood"
+    assert stats(buffer)["samples"] == 4 * 16  # only the 16 held batches were drawn
+
+
 def mapping_flags(pid: int | str, name: str) -> list[set[str]]:
     """The VmFlags of each mapping of process `pid` whose path starts with `name`."""
     found: list[set[str]] = []
