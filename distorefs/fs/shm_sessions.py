@@ -267,7 +267,7 @@ class SampleSessions:
         """The first datagram is the ticket; its owner's uid must be the peer's (`uid`,
         SO_PEERCRED at the accept)."""
         with trio.move_on_after(HELLO_TIMEOUT_S):
-            token, _waited = await conn.recv(TICKET_BYTES + 1)
+            token = await conn.recv(TICKET_BYTES + 1)
             ticket: Ticket | CopyTicket | None = self._tickets.get(token)
             if ticket is None:
                 ticket = self._copy_tickets.pop(token, None)
@@ -324,15 +324,19 @@ class _Channel:
         self._sock = socket.socket(fileno=accepted.detach())
         self._sock.setblocking(False)
 
-    async def recv(self, size: int) -> tuple[bytes, bool]:
-        """The next datagram, and whether this waited for it (a real schedule point)."""
-        waited = False
+    def try_recv(self, size: int) -> bytes | None:
+        """The next datagram if one is queued (b"" once the peer closed), else None."""
+        try:
+            return self._sock.recv(size)
+        except BlockingIOError:
+            return None
+
+    async def recv(self, size: int) -> bytes:
         while True:
-            try:
-                return self._sock.recv(size), waited
-            except BlockingIOError:
-                await trio.lowlevel.wait_readable(self._sock)
-                waited = True
+            message = self.try_recv(size)
+            if message is not None:
+                return message
+            await trio.lowlevel.wait_readable(self._sock)
 
     async def send(self, parts: list[bytes], fds: list[int] | None = None) -> None:
         ancdata = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
@@ -375,19 +379,21 @@ class _Session:
 
     async def run(self) -> None:
         buffer = self._ticket.buffer
+        first = True
         passed = time.perf_counter()  # when this session last let the event loop run others
         while True:
-            # Requests already queued (a sampler's prefetch) are served back to back, and
-            # the event loop gets a pass only once SESSION_PASS_S has gone by since the
-            # last: a pass cost 22-24 µs of a DQN batch's 60-70 (docs/design.md,
-            # "Sampling sessions").
-            if time.perf_counter() - passed >= SESSION_PASS_S:
+            # After a reply the event loop gets a pass, unless the next request is queued
+            # already (a sampler's prefetch) and the last pass was less than
+            # SESSION_PASS_S ago: a pass cost 22-24 µs of a DQN batch's 60-70
+            # (docs/design.md, "Sampling sessions").
+            message = None if first else self._conn.try_recv(REQUEST.size + 1)
+            if not first and (message is None or time.perf_counter() - passed >= SESSION_PASS_S):
                 await trio.lowlevel.checkpoint()
                 passed = time.perf_counter()
-            message, waited = await self._conn.recv(REQUEST.size + 1)
+            first = False
+            if message is None:
+                message = await self._conn.recv(REQUEST.size + 1)
             started = time.perf_counter()
-            if waited:
-                passed = started
             if not message:
                 return  # the client closed (or died)
             if len(message) != REQUEST.size:
