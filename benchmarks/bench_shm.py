@@ -9,7 +9,8 @@ uniform), R2D2 (10 MB, batch 4, prioritized), each filled as bench_replay.py fil
 For the mount, blob buffers; cpprb gets one uint8 field of the item's size and the same
 sampler. Then several shm sampler processes at once on one DQN buffer (total samples/s:
 blob items as views, and schema batches gathered into one array as cpprb returns them),
-against as many processes each sampling a cpprb buffer of its own.
+against as many processes each sampling a cpprb buffer of its own (views also with
+`prefetch=2`, where the daemon finds requests queued).
 Prints JSON; docs/benchmarks.md keeps the results.
 """
 
@@ -170,6 +171,7 @@ def main() -> int:
             scaling: dict[str, dict[int, int]] = {}
             runs = [  # (label, workload, prefetch); no workload: cpprb
                 ("DQN_shm_views", "DQN", 0),  # blob items as views: the daemon's draws alone
+                ("DQN_shm_views_prefetch2", "DQN", 2),  # the same with requests queued (one event loop's bound)
                 ("DQN-schema_shm_prefetch2", "DQN-schema", 2),  # each batch gathered: a learner's copy
                 ("DQN_cpprb", None, 0),
             ]
