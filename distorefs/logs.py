@@ -91,27 +91,44 @@ def at_doubling(count: int) -> bool:
 
 
 class FailureLog:
-    """One WARNING line per failed request, at most `per_window` lines per operation in
-    each `window_s`; the first line after a window says how many were left out."""
+    """One WARNING line per failed request, at most `per_window` lines per operation (or
+    per key of `refused`) in each `window_s`; the first line after a window says how
+    many were left out. A client can make a request fail as often as it likes: its
+    lines must not flood the log that every other user's lines go to."""
 
     def __init__(self, logger: logging.Logger, per_window: int = 20, window_s: float = 10.0) -> None:
         self._log = logger
         self._per_window = per_window
         self._window_s = window_s
-        self._windows: dict[str, tuple[float, int, int]] = {}  # op -> (window start, lines, left out)
+        self._windows: dict[str, tuple[float, int, int]] = {}  # key -> (window start, lines, left out)
 
-    def failed(self, op: str, request: str, code: int, message: str = "") -> None:
+    def _admit(self, key: str) -> int | None:
+        """How many lines of `key` were left out before this one, or None to leave it out."""
         now = time.monotonic()
-        start, lines, left_out = self._windows.get(op, (now, 0, 0))
+        start, lines, left_out = self._windows.get(key, (now, 0, 0))
         if now - start >= self._window_s:
             start, lines = now, 0
         if lines >= self._per_window:
-            self._windows[op] = (start, lines, left_out + 1)
+            self._windows[key] = (start, lines, left_out + 1)
+            return None
+        self._windows[key] = (start, lines + 1, 0)
+        return left_out
+
+    def failed(self, op: str, request: str, code: int, message: str = "") -> None:
+        left_out = self._admit(op)
+        if left_out is None:
             return
-        self._windows[op] = (start, lines + 1, 0)
         name = errno.errorcode.get(code, str(code))
         more = f" ({left_out} more failures of {op} left out of the log)" if left_out else ""
         self._log.warning(
             "request failed: %s(%s) -> %s (%s)%s%s",
             op, request, name, os.strerror(code), f": {message}" if message else "", more,
         )  # fmt: skip
+
+    def refused(self, key: str, message: str) -> None:
+        """A store's refusal of a client's input (`key`: whose, e.g. a buffer's name)."""
+        left_out = self._admit(key)
+        if left_out is not None:
+            self._log.warning(
+                "%s%s", message, f" ({left_out} more refusals of {key} left out of the log)" if left_out else ""
+            )

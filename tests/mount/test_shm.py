@@ -642,9 +642,12 @@ def test_version2_a_session_that_always_has_requests_queued_leaves_the_mount_ser
     """A session serves queued requests back to back, with a pass of the event loop only
     every SESSION_PASS_S: a client that keeps its queue full (here one that sends
     without waiting, most requests past its 16 held batches and refused with EINVAL)
-    must still leave the rest of the mount answered at once."""
+    must still leave the rest of the mount answered at once, and its refusals must not
+    flood the daemon's log."""
     (buffer / "config").write_text(json.dumps({"batch_size": 4}))
     client.append(buffer, [b"x" * 100] * 64)
+    daemon_log = mounted.data_dir.parent / f"{mounted.data_dir.name}.daemon.log"
+    refusals_before = daemon_log.read_text().count("a session may hold")
     fd = os.open(buffer / "sample.shm", os.O_RDWR)
     path, ticket = ticket_for(fd)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -685,6 +688,9 @@ def test_version2_a_session_that_always_has_requests_queued_leaves_the_mount_ser
     assert counts["replies"] > 1000, counts  # the queue really was full for the daemon
     assert slowest < 0.5, f"a read of .distore/status waited {slowest:.3f} s beside the flood"
     assert stats(buffer)["samples"] == 4 * 16  # only the 16 held batches were drawn
+    # thousands of refusals, and the daemon's log took at most its 20 lines per 10 s of them
+    refused = daemon_log.read_text().count("a session may hold") - refusals_before
+    assert 1 <= refused <= 20, refused
 
 
 def mapping_flags(pid: int | str, name: str) -> list[set[str]]:

@@ -149,3 +149,20 @@ def test_progress_on_a_terminal_draws_a_bar_only_for_work_that_takes_a_while(
     slow.update(4)
     slow.finish()
     assert "slow" in capsys.readouterr().err  # the bar, drawn on stderr
+
+
+def test_refusals_are_bounded_per_key_and_say_what_was_left_out(caplog: pytest.LogCaptureFixture) -> None:
+    refusals = FailureLog(logging.getLogger("test.refusals"), per_window=2, window_s=0.2)
+    with caplog.at_level(logging.WARNING, logger="test.refusals"):
+        for i in range(6):
+            refusals.refused("buffers/a", f"buffers/a: bad record {i}")
+        refusals.refused("buffers/b", "buffers/b: bad record")
+        time.sleep(0.25)
+        refusals.refused("buffers/a", "buffers/a: bad record 6")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "buffers/a: bad record 0",
+        "buffers/a: bad record 1",
+        "buffers/b: bad record",
+        "buffers/a: bad record 6 (4 more refusals of buffers/a left out of the log)",
+    ]

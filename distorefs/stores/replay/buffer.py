@@ -48,6 +48,7 @@ from distorefs.errors import (
     StoreFull,
     TryAgain,
 )
+from distorefs.logs import FailureLog
 from distorefs.news import Outbox
 from distorefs.stores.replay.config import BufferConfig
 from distorefs.stores.replay.draws import (
@@ -208,6 +209,7 @@ class ReplayBuffer:
         # moves this on: a batch drawn ahead is handed out only while it has not moved
         self.changes = 0
         self.errors: list[str] = []
+        self._refusals = FailureLog(log)
         self.loaded_ns = time.time_ns()  # when this daemon made or restored it: its items' mtime
         self.deleted = False
         self._shard_limit = shard_limit
@@ -350,8 +352,10 @@ class ReplayBuffer:
         self._changed = trio.Event()
 
     def record_error(self, message: str) -> None:
-        """Keep the last few rejected inputs for `stats` (they also go to the daemon log)."""
-        log.warning("%s", message)
+        """Keep the last few rejected inputs for `stats`; they also go to the daemon log,
+        at most 20 lines per 10 s for this buffer (a client can send the same bad input
+        as fast as it likes: a session's refused draws came at thousands a second)."""
+        self._refusals.refused(f"buffers/{self.name}", message)
         self.errors = [*self.errors[-(RECENT_ERRORS - 1) :], f"{time.strftime('%H:%M:%S')} {message}"]
 
     # --- waiting ----------------------------------------------------------------------
