@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import io
 import json
-import logging
 import os
 import stat
 from collections.abc import Awaitable, Callable, Sequence
@@ -80,7 +79,6 @@ from distorefs.stores.replay.store import BufferStore
 
 T = TypeVar("T")
 
-log = logging.getLogger(__name__)
 
 SIGNAL_POLL_S = 0.05
 CONTROL_NAMES = (b"config", b"append", b"sample", b"priority", b"stats")
@@ -904,11 +902,11 @@ class PriorityHandle(WholeInputHandle):
         return True
 
     async def release(self) -> None:
-        """Where no FLUSH came (priority.npy), what is still pending was never applied."""
+        """Where no FLUSH came (priority.npy), what is still pending was never applied:
+        `_end_of_input` records its refusal in `stats` errors and the log (bounded per
+        buffer), the only places it shows, as no close reports it."""
         await scheduling.checkpoint()  # (one: the next request waits behind a release)
-        refused = self._end_of_input()
-        if refused is not None:
-            log.warning("%s (a close of priority.npy, which reports nothing)", refused.message)
+        self._end_of_input()
 
 
 class ItemHandle(VirtualHandle):

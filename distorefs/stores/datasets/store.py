@@ -14,6 +14,7 @@ import trio
 
 from distorefs.errors import DistorefsError, Exists, NotFound, OutOfMemory
 from distorefs.ids import DATASET_OWNER_BASE, OWNERS_PER_DATASET, is_dataset_owner
+from distorefs.logs import at_doubling
 from distorefs.memory import available_bytes
 from distorefs.news import Outbox
 from distorefs.stores.datasets.dataset import Dataset, DatasetConfig
@@ -63,6 +64,7 @@ class DatasetStore:
         self._next_owner = int(meta.get_kv("next_dataset_owner", DATASET_OWNER_BASE))
         self._stream_send, self._stream_recv = trio.open_memory_channel[Stream](STREAM_QUEUE)
         self.streams: set[Stream] = set()
+        self.streams_unprefetched = 0  # opens that found the prefetcher's queue full
         # Layouts (8 bytes a position) shared by the open streams of the same dataset,
         # order, rank and world, each counted once, all together at most the DRAM budget
         # (as the fs layer bounds open listings and batches; apart from the block cache's
@@ -182,8 +184,13 @@ class DatasetStore:
         self._stream_layouts[stream] = key
         try:
             self._stream_send.send_nowait(stream)
-        except trio.WouldBlock:
-            log.warning("datasets/%s: too many streams opening at once; this one reads without prefetch", ds.name)
+        except trio.WouldBlock:  # a client can open streams as fast as it likes: a line per doubling
+            self.streams_unprefetched += 1
+            if at_doubling(self.streams_unprefetched):
+                log.warning(
+                    "datasets/%s: too many streams opening at once; this one reads without prefetch (%d so far)",
+                    ds.name, self.streams_unprefetched,
+                )  # fmt: skip
         return stream
 
     def _page_cache_limit(self) -> int:
