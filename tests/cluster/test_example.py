@@ -11,9 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from tests.cluster.conftest import NodeFactory
-from tests.conftest import best_run_of_episodes, first_episodes, wait_for
+from tests.conftest import EXAMPLE, best_run_of_episodes, first_episodes, wait_for
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "distributed_dqn.py"
 RANDOM_RETURN = 22
 
 

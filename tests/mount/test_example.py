@@ -13,11 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import best_run_of_episodes, first_episodes, mounted_at
+from tests.conftest import EXAMPLE, best_run_of_episodes, first_episodes, mounted_at
 
 pytestmark = pytest.mark.mount
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "distributed_dqn.py"
 RANDOM_RETURN = 22  # CartPole-v1 with a random policy: about 22 per episode
 
 
