@@ -36,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from bench_posix import drop_caches  # (the page cache stays where not root)
 
 
 def distore(*args: str) -> None:
@@ -69,15 +70,6 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def drop_caches() -> None:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w", encoding="ascii") as f:
-            f.write("3\n")
-    except OSError:
-        pass
 
 
 def measure_save(save: Callable[[Path], None], path: Path) -> tuple[float, float]:
