@@ -165,6 +165,7 @@ def _translate(
             finally:
                 scheduling.done(serving)
                 self.metrics.observe(fn.__name__, started, failed)
+                self.requests_ended += 1
                 self.request_done.set()
 
         return wrapper
@@ -243,6 +244,7 @@ class FsOperations(pyfuse3.Operations):
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
         self.request_done = trio.Event()  # set at the end of every request (busy polling)
+        self.requests_ended = 0  # FUSE requests and session draws, counted where request_done is set
         self.request_started = 0.0  # time.perf_counter() at the start of the latest request
         self.session_request = False  # the latest request was a sampling session's draw
         self.requests = 0  # requests begun since the start
@@ -312,6 +314,7 @@ class FsOperations(pyfuse3.Operations):
         window may be longer (fs/polling.py)."""
         self.request_started = started
         self.session_request = True
+        self.requests_ended += 1
         self.request_done.set()
 
     async def run_busy_poll(self, window: PollWindow) -> None:
@@ -323,9 +326,12 @@ class FsOperations(pyfuse3.Operations):
         polling beyond a few windows."""
         self.virtual.add_status(lambda: {"busy_poll": window.stats()})
         room = CpuRoom()
+        seen = self.requests_ended
         while True:
             await self.request_done.wait()
             self.request_done = trio.Event()
+            window.followed(self.requests_ended - seen - 1)  # the first wakes it; any others followed it
+            seen = self.requests_ended
             while True:
                 ended = time.perf_counter()
                 # (a session's longer window only on a CPU nobody else wants: fs/polling.py)
@@ -340,6 +346,8 @@ class FsOperations(pyfuse3.Operations):
                     window.hit(polled)  # it came while polling (and may have ended after)
                 else:
                     window.missed(polled, self.request_started - ended, self.session_request and room.spare())
+                window.followed(self.requests_ended - seen - 1)  # the others ended before this pass
+                seen = self.requests_ended
                 self.request_done = trio.Event()
 
     async def _stale_attrs(self, directory: VirtualDir) -> None:

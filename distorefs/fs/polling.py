@@ -55,6 +55,7 @@ class PollWindow:
     window_s: float = 0.0
     requests: int = 0  # requests seen, polled for or not
     hits: int = 0  # requests that came while polling
+    queued: int = 0  # requests that ended before the poller could start a window for the one before
     misses: int = 0  # windows that ran out (the thread then slept; a window of 0 is none)
     polled_s: float = 0.0  # time spent polling, hits and misses
 
@@ -79,6 +80,13 @@ class PollWindow:
         self.hits += 1
         self.polled_s += polled_s
 
+    def followed(self, count: int) -> None:
+        """`count` requests ended back to back, each before the poller ran after the one
+        before (a sampling session's next draw already on its socket, FUSE requests
+        served in one pass of the event loop): no window was open for them, none needed."""
+        self.requests += count
+        self.queued += count
+
     def missed(self, polled_s: float, gap_s: float, session: bool = False) -> None:
         """The window ran out after `polled_s`; the next request (a sampling session's
         draw where `session`) came `gap_s` after the last one ended. A gap the maximum for
@@ -102,6 +110,7 @@ class PollWindow:
             "window_us": round(self.window_s * 1e6),
             "requests": self.requests,
             "hits": self.hits,
+            "queued": self.queued,
             "misses": self.misses,
             "polled_s": round(self.polled_s, 6),
         }

@@ -113,7 +113,9 @@ def test_draws_of_a_shared_memory_session_are_requests_for_the_poller(mount_fact
         for _ in range(200):
             assert len(sampler.sample()) == 4
         after = poll_stats(mount)
-    # each draw, except that two ending before the poller runs count once (15% here)
-    assert after["requests"] - before["requests"] >= 100
+    # every draw is a request: one the poller polled for, or one that followed the one
+    # before it on the socket before the poller ran (no window needed), and the few of
+    # the two status reads
+    assert 200 <= after["requests"] - before["requests"] <= 212
     assert after["hits"] > before["hits"]
     assert mount.unmount() == 0

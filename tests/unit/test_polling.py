@@ -61,8 +61,17 @@ def test_hits_keep_the_window_and_every_poll_is_counted() -> None:
     assert window.polled_s == pytest.approx(80e-6)
     assert window.stats() == {
         "max_us": 200, "session_max_us": 1000, "window_us": 25,
-        "requests": 3, "hits": 2, "misses": 1, "polled_s": 8e-05,
+        "requests": 3, "hits": 2, "queued": 0, "misses": 1, "polled_s": 8e-05,
     }  # fmt: skip
+
+
+def test_requests_that_followed_one_another_are_counted_and_leave_the_window_alone() -> None:
+    window = PollWindow(MAX_S)
+    window.hit(10e-6)
+    window.followed(3)  # three more ended before the poller ran again
+    window.followed(0)
+    assert (window.requests, window.hits, window.queued, window.misses) == (4, 1, 3, 0)
+    assert (window.window_s, window.polled_s) == (START_S, pytest.approx(10e-6))
 
 
 def test_a_client_that_computes_between_calls_costs_a_bounded_amount_of_polling() -> None:
