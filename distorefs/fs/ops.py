@@ -30,6 +30,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
 import trio
+import trio.testing
 
 from distorefs import logs, scheduling
 from distorefs.errors import (
@@ -45,7 +46,7 @@ from distorefs.errors import (
 )
 from distorefs.fs import kernel
 from distorefs.fs.metrics import Metrics
-from distorefs.fs.polling import CpuRoom, PollWindow, polled_time
+from distorefs.fs.polling import CpuRoom, PollWindow, ReadyIo
 from distorefs.fs.shm import ADOPT_XATTR, borrow_sealed, parse_fd
 from distorefs.fs.virtual import (
     KindDirectory,
@@ -245,6 +246,7 @@ class FsOperations(pyfuse3.Operations):
         self._next_fh = 1
         self.request_done = trio.Event()  # set at the end of every request (busy polling)
         self.requests_ended = 0  # FUSE requests and session draws, counted where request_done is set
+        self._poll_seen = 0  # requests_ended when the busy poller last counted them
         self.request_started = 0.0  # time.perf_counter() at the start of the latest request
         self.session_request = False  # the latest request was a sampling session's draw
         self.requests = 0  # requests begun since the start
@@ -318,37 +320,66 @@ class FsOperations(pyfuse3.Operations):
         self.request_done.set()
 
     async def run_busy_poll(self, window: PollWindow) -> None:
-        """Background task (`--busy-poll-us`, fs/polling.py): after each request keep the
-        event loop polling /dev/fuse without sleeping for `window`'s current length, so
-        the next request of a client in a tight loop is picked up at once instead of
-        after a wake-up of the daemon's thread. The window adapts to the gaps between
-        requests: an idle daemon, or a client that computes between its calls, costs no
-        polling beyond a few windows."""
-        self.virtual.add_status(lambda: {"busy_poll": window.stats()})
+        """Background task (`--busy-poll-us`, fs/polling.py): after each request, while
+        the event loop has nothing else to run, keep its thread polling trio's
+        descriptors without sleeping for `window`'s current length, so the next request
+        of a client in a tight loop is picked up at once instead of after a wake-up of
+        the daemon's thread. The window adapts to the gaps between requests: an idle
+        daemon, or a client that computes between its calls, costs no polling beyond a
+        few windows (design.md, "Polling only an idle loop")."""
+        ready = ReadyIo()
+        if not ready.available:
+            log.warning("busy polling is off: this trio's event loop has no epoll descriptor to poll")
+            return
+        self.virtual.add_status(lambda: {"busy_poll": self._poll_stats(window)})
         room = CpuRoom()
-        seen = self.requests_ended
+        self._poll_seen = self.requests_ended
+        await self.request_done.wait()  # the first request
+        window.followed(self.requests_ended - self._poll_seen - 1)  # it woke the poller; any others followed it
+        self._poll_seen = self.requests_ended
+        ended, idle = time.perf_counter(), False
         while True:
-            await self.request_done.wait()
-            self.request_done = trio.Event()
-            window.followed(self.requests_ended - seen - 1)  # the first wakes it; any others followed it
-            seen = self.requests_ended
+            # (a session's longer window only on a CPU nobody else wants: fs/polling.py)
+            until = ended + window.length(self.session_request and room.spare())
+            spun = 0.0
             while True:
-                ended = time.perf_counter()
-                # (a session's longer window only on a CPU nobody else wants: fs/polling.py)
-                until = ended + window.length(self.session_request and room.spare())
-                while time.perf_counter() < until and not self.request_done.is_set():
-                    await trio.lowlevel.checkpoint()  # trio polls its I/O without blocking here
-                stopped = time.perf_counter()
-                if not self.request_done.is_set():
-                    await self.request_done.wait()  # the thread sleeps until a request ends
-                polled = polled_time(ended, until, stopped, self.request_started)
-                if self.request_started <= stopped:
-                    window.hit(polled)  # it came while polling (and may have ended after)
-                else:
-                    window.missed(polled, self.request_started - ended, self.session_request and room.spare())
-                window.followed(self.requests_ended - seen - 1)  # the others ended before this pass
-                seen = self.requests_ended
+                if not idle:
+                    await trio.testing.wait_all_tasks_blocked()  # nothing runnable, nothing ready
+                idle = False
+                now = time.perf_counter()
+                if self.requests_ended != self._poll_seen or now >= until:
+                    break
+                deadline = now + max(0.0, trio.lowlevel.current_statistics().seconds_to_next_deadline)
+                stopped = ready.spin(min(until, deadline))  # until something is ready
+                spun += min(stopped, until) - now  # (a thread preempted mid-spin: at most the window)
+            stopped = time.perf_counter()
+            slept = self.requests_ended == self._poll_seen
+            if slept:
                 self.request_done = trio.Event()
+                await self.request_done.wait()  # the thread sleeps until a request ends
+            count = self.requests_ended - self._poll_seen
+            if slept and self.request_started > stopped:
+                window.missed(spun, self.request_started - ended, self.session_request and room.spare())
+                window.followed(count - 1)
+            elif slept or spun > 0:
+                window.hit(spun)  # it came while polling (and may have ended after)
+                window.followed(count - 1)
+            else:
+                window.followed(count)  # they came before the loop ran out of work: no polling needed
+            self._poll_seen = self.requests_ended
+            # a new window from now; where this is the loop's idle moment, it polls at once
+            ended, idle = time.perf_counter(), not slept
+
+    def _poll_stats(self, window: PollWindow) -> dict[str, float | int]:
+        """`window.stats()` with the requests the poller has not counted yet (it counts at
+        the loop's next idle moment) as `queued`; the poller may yet count the first of
+        them as a hit."""
+        stats = window.stats()
+        pending = self.requests_ended - self._poll_seen
+        if pending > 0:
+            stats["requests"] += pending
+            stats["queued"] += pending
+        return stats
 
     async def _stale_attrs(self, directory: VirtualDir) -> None:
         """The kernel caches some nodes' attributes (weights versions, a buffer's control

@@ -1,11 +1,16 @@
 """The adaptive busy-poll window (fs/polling.py): how it learns from the gaps between
-requests. The polling itself is tested through a mount (tests/mount/test_posix.py)."""
+requests, and how it sees the event loop's descriptors. The polling itself is tested
+through a mount (tests/mount/test_polling.py)."""
 
 from __future__ import annotations
 
+import socket
+import time
 from pathlib import Path
 
 import pytest
+import trio
+import trio.testing
 
 from distorefs.fs.polling import (
     MIN_S,
@@ -14,7 +19,7 @@ from distorefs.fs.polling import (
     START_S,
     CpuRoom,
     PollWindow,
-    polled_time,
+    ReadyIo,
     runnable_threads,
 )
 
@@ -140,17 +145,37 @@ def test_a_cpu_to_spare_is_read_from_the_runnable_threads(tmp_path: Path) -> Non
     assert not CpuRoom(str(tmp_path / "missing"), cpus=64).spare()
 
 
-def test_polled_time_is_the_polling_alone_not_a_handler_inside_the_window_nor_a_preemption_past_it() -> None:
-    ended = 100.0
-    until = ended + 50e-6
-    # a request that came 30 us in, whose handler ran inside the loop until 400 us
-    assert polled_time(ended, until, stopped=ended + 400e-6, arrived=ended + 30e-6) == pytest.approx(30e-6)
-    # a window that ran out, its thread preempted: the loop stopped 4 ms after it began
-    assert polled_time(ended, until, stopped=ended + 4e-3, arrived=ended + 5e-3) == pytest.approx(50e-6)
-    # and a request that came during that preemption: polled to the window's end
-    assert polled_time(ended, until, stopped=ended + 4e-3, arrived=ended + 1e-3) == pytest.approx(50e-6)
-    # a window that ran out on time: all of it
-    assert polled_time(ended, until, stopped=until + 1e-6, arrived=ended + 3e-3) == pytest.approx(50e-6)
-    # no window, and a request that began before the last one ended: nothing polled
-    assert polled_time(ended, ended, stopped=ended + 1e-6, arrived=ended + 3e-3) == 0.0
-    assert polled_time(ended, until, stopped=ended + 1e-6, arrived=ended - 1e-3) == 0.0
+def test_the_loops_descriptors_are_polled_without_taking_their_events() -> None:
+    """ReadyIo sees a descriptor a task waits on turn ready, and the task still gets its
+    event from trio (trio arms descriptors EPOLLONESHOT: one stolen event would leave the
+    task waiting for good)."""
+
+    async def main() -> tuple[float, float, bytes]:
+        ready = ReadyIo()
+        assert ready.available
+        a, b = socket.socketpair()
+        with a, b:
+            a.setblocking(False)
+            got: list[bytes] = []
+
+            async def reader() -> None:
+                await trio.lowlevel.wait_readable(a)
+                got.append(a.recv(16))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(reader)
+                await trio.testing.wait_all_tasks_blocked()  # the reader waits in trio's epoll
+                started = time.perf_counter()
+                nothing = ready.spin(started + 0.05) - started  # nothing ready: the whole 50 ms
+                b.send(b"ping")
+                started = time.perf_counter()
+                seen = ready.spin(started + 5.0) - started  # ready at once
+                with trio.fail_after(5):
+                    while not got:
+                        await trio.sleep(0.001)
+        return nothing, seen, got[0]
+
+    nothing, seen, data = trio.run(main)
+    assert nothing >= 0.05
+    assert seen < 1.0
+    assert data == b"ping"
