@@ -46,7 +46,7 @@ from distorefs.errors import (
 )
 from distorefs.fs import kernel
 from distorefs.fs.metrics import Metrics
-from distorefs.fs.polling import CpuRoom, PollWindow, ReadyIo
+from distorefs.fs.polling import CpuRoom, PollWindow
 from distorefs.fs.shm import ADOPT_XATTR, borrow_sealed, parse_fd
 from distorefs.fs.virtual import (
     KindDirectory,
@@ -320,17 +320,14 @@ class FsOperations(pyfuse3.Operations):
         self.request_done.set()
 
     async def run_busy_poll(self, window: PollWindow) -> None:
-        """Background task (`--busy-poll-us`, fs/polling.py): after each request, while
-        the event loop has nothing else to run, keep its thread polling trio's
-        descriptors without sleeping for `window`'s current length, so the next request
-        of a client in a tight loop is picked up at once instead of after a wake-up of
-        the daemon's thread. The window adapts to the gaps between requests: an idle
-        daemon, or a client that computes between its calls, costs no polling beyond a
-        few windows (design.md, "Polling only an idle loop")."""
-        ready = ReadyIo()
-        if not ready.available:
-            log.warning("busy polling is off: this trio's event loop has no epoll descriptor to poll")
-            return
+        """Background task (`--busy-poll-us`, fs/polling.py): after each request, once
+        the event loop has nothing else to run, keep it polling /dev/fuse without
+        sleeping for `window`'s current length, so the next request of a client in a
+        tight loop is picked up at once instead of after a wake-up of the daemon's
+        thread. The window adapts to the gaps between requests: an idle daemon, or a
+        client that computes between its calls, costs no polling beyond a few windows.
+        A request that comes before the loop runs out of work is a hit that cost no
+        polling (design.md, "Polling only an idle loop")."""
         self.virtual.add_status(lambda: {"busy_poll": self._poll_stats(window)})
         room = CpuRoom()
         self._poll_seen = self.requests_ended
@@ -341,39 +338,32 @@ class FsOperations(pyfuse3.Operations):
         while True:
             # (a session's longer window only on a CPU nobody else wants: fs/polling.py)
             until = ended + window.length(self.session_request and room.spare())
-            spun = 0.0
-            while True:
-                if not idle:
-                    await trio.testing.wait_all_tasks_blocked()  # nothing runnable, nothing ready
-                idle = False
-                now = time.perf_counter()
-                if self.requests_ended != self._poll_seen or now >= until:
-                    break
-                deadline = now + max(0.0, trio.lowlevel.current_statistics().seconds_to_next_deadline)
-                stopped = ready.spin(min(until, deadline))  # until something is ready
-                spun += min(stopped, until) - now  # (a thread preempted mid-spin: at most the window)
+            if not idle:
+                await trio.testing.wait_all_tasks_blocked()  # nothing runnable, nothing ready
+            started, polled, at_idle = time.perf_counter(), 0.0, True
+            if self.requests_ended == self._poll_seen and started < until:
+                at_idle = False
+                while time.perf_counter() < until and self.requests_ended == self._poll_seen:
+                    await trio.lowlevel.checkpoint()  # trio polls its I/O without blocking here
+                polled = min(time.perf_counter(), until) - started  # (a preemption: at most the window)
             stopped = time.perf_counter()
             slept = self.requests_ended == self._poll_seen
             if slept:
                 self.request_done = trio.Event()
                 await self.request_done.wait()  # the thread sleeps until a request ends
-            count = self.requests_ended - self._poll_seen
-            if slept and self.request_started > stopped:
-                window.missed(spun, self.request_started - ended, self.session_request and room.spare())
-                window.followed(count - 1)
-            elif slept or spun > 0:
-                window.hit(spun)  # it came while polling (and may have ended after)
-                window.followed(count - 1)
+            if self.request_started <= stopped:
+                window.hit(polled)  # it came within the window (and may have ended after)
             else:
-                window.followed(count)  # they came before the loop ran out of work: no polling needed
+                window.missed(polled, self.request_started - ended, self.session_request and room.spare())
+            window.followed(self.requests_ended - self._poll_seen - 1)  # the others ended before this pass
             self._poll_seen = self.requests_ended
-            # a new window from now; where this is the loop's idle moment, it polls at once
-            ended, idle = time.perf_counter(), not slept
+            # a new window from now; where the loop is idle now, it polls at once
+            ended, idle = time.perf_counter(), at_idle and not slept
 
     def _poll_stats(self, window: PollWindow) -> dict[str, float | int]:
-        """`window.stats()` with the requests the poller has not counted yet (it counts at
-        the loop's next idle moment) as `queued`; the poller may yet count the first of
-        them as a hit."""
+        """`window.stats()` with the requests the poller has not counted yet (it counts
+        them when the loop next runs out of work) as `queued`; the first of them will
+        count as a hit or a miss instead."""
         stats = window.stats()
         pending = self.requests_ended - self._poll_seen
         if pending > 0:

@@ -15,8 +15,8 @@ next request is served as soon as the loop gets to it anyway, and polling would 
 add scheduler passes in front of it (a client making small files back to back, whose
 next request comes before the daemon has finished its work after the last reply:
 the poller's passes took 2,970 files/s down from 3,520 without polling on a VM whose
-wake-ups were cheap). Once the loop has nothing to do, `ReadyIo.spin` polls trio's own
-epoll descriptor in a tight loop until something is ready.
+wake-ups were cheap). The poller waits for the loop to run out of work
+(`trio.testing.wait_all_tasks_blocked`), and only then runs its scheduler passes.
 
 A shared-memory sampling session (fs/shm_sessions.py) is a learner drawing batch after
 batch: its next request comes once the client has copied the last batch out of the
@@ -33,11 +33,8 @@ two cores: 97k -> 82k samples/s).
 from __future__ import annotations
 
 import os
-import select
 import time
 from dataclasses import dataclass
-
-import trio
 
 START_S = 50e-6  # a window grows from this (haltpoll's guest_halt_poll_grow_start)
 MIN_S = 10e-6  # a window halved below this becomes 0: no polling until a short gap again
@@ -145,41 +142,6 @@ class CpuRoom:
         return self._room
 
 
-class ReadyIo:
-    """Whether any descriptor the running trio loop waits on is ready (a FUSE request,
-    a sampling session's socket, a worker thread's result): a `poll` of trio's own
-    epoll descriptor, which reports its ready list without taking events from it (trio
-    arms each descriptor EPOLLONESHOT, and only an `epoll_wait` delivers and disarms).
-    `available` is False where trio's internals are not the ones this was written for
-    (trio is pinned in pyproject.toml); the poller then polls with a trio pass per try."""
-
-    def __init__(self) -> None:
-        self._poll: select.poll | None = None
-        try:
-            fd = trio._core._run.GLOBAL_RUN_CONTEXT.runner.io_manager._epoll.fileno()
-        except AttributeError:
-            return
-        if isinstance(fd, int):
-            self._poll = select.poll()
-            self._poll.register(fd, select.POLLIN)
-
-    @property
-    def available(self) -> bool:
-        return self._poll is not None
-
-    def spin(self, until: float) -> float:
-        """Poll without sleeping until something is ready or time.perf_counter() reaches
-        `until`; the time it stopped. Holds the event loop: call it only when the loop
-        has nothing else to run (`trio.testing.wait_all_tasks_blocked`), with `until`
-        no later than trio's next deadline."""
-        assert self._poll is not None
-        poll = self._poll.poll
-        while True:
-            now = time.perf_counter()
-            if now >= until or poll(0):
-                return now
-
-
 __all__ = [
     "MIN_S",
     "SESSION_FACTOR",
@@ -187,6 +149,5 @@ __all__ = [
     "START_S",
     "CpuRoom",
     "PollWindow",
-    "ReadyIo",
     "runnable_threads",
 ]

@@ -22,10 +22,11 @@ def poll_stats(mount: Mount) -> dict[str, float]:
 
 
 def test_a_tight_loop_of_small_files_is_served_by_polling_by_default(mount_factory: MountFactory) -> None:
-    """Six requests a file. A request that comes before the event loop has run out of
-    work is `queued` (on a VM whose wake-ups are cheap, most of them: the daemon's work
-    after a reply takes longer than the client's next call); one that comes while the
-    idle loop polls is a hit. Either way the daemon's thread did not sleep for it."""
+    """Six requests a file, each within the window after the one before: a hit, whether
+    the idle loop was polling when it came or the daemon was still busy with the last
+    one (on a VM whose wake-ups are cheap, most of them: the daemon's work after a reply
+    takes longer than the client's next call), or `queued` where several ended before
+    the poller counted. Either way the daemon's thread did not sleep for it."""
     mount = mount_factory()
     root = mount.path / "small"
     root.mkdir()
@@ -44,11 +45,9 @@ def test_a_tight_loop_of_small_files_is_served_by_polling_by_default(mount_facto
 def test_a_client_that_calls_again_within_the_window_finds_the_thread_awake(mount_factory: MountFactory) -> None:
     """A write every 30 us (the client spins between its calls): the event loop runs
     out of work after each reply, and the poller, polling the idle loop, catches the
-    next write in its window (a hit) instead of letting the thread sleep (a miss).
-    Beside two CPU hogs most writes are `queued` instead (543-579 of 607): the daemon's
-    thread loses its CPU after a reply, and the next write is there before its loop
-    runs out of work. Either way the thread did not sleep for it; a poller that never
-    polled would count every write a miss."""
+    next write in its window (a hit) instead of letting the thread sleep (a miss). A
+    poller made to never poll (a window of 0) counted 293 of 608 requests as misses,
+    310 as queued and 2 as hits."""
     mount = mount_factory()
     fd = os.open(mount.path / "spaced", os.O_CREAT | os.O_WRONLY, 0o644)
     try:
@@ -148,5 +147,5 @@ def test_draws_of_a_shared_memory_session_are_requests_for_the_poller(mount_fact
     # before it on the socket before the poller ran (no window needed), and the few of
     # the two status reads
     assert 200 <= after["requests"] - before["requests"] <= 212
-    assert after["hits"] > before["hits"]
+    assert after["hits"] > before["hits"], str({k: after[k] - before[k] for k in after})
     assert mount.unmount() == 0

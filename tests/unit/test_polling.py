@@ -1,16 +1,11 @@
 """The adaptive busy-poll window (fs/polling.py): how it learns from the gaps between
-requests, and how it sees the event loop's descriptors. The polling itself is tested
-through a mount (tests/mount/test_polling.py)."""
+requests. The polling itself is tested through a mount (tests/mount/test_polling.py)."""
 
 from __future__ import annotations
 
-import socket
-import time
 from pathlib import Path
 
 import pytest
-import trio
-import trio.testing
 
 from distorefs.fs.polling import (
     MIN_S,
@@ -19,7 +14,6 @@ from distorefs.fs.polling import (
     START_S,
     CpuRoom,
     PollWindow,
-    ReadyIo,
     runnable_threads,
 )
 
@@ -143,39 +137,3 @@ def test_a_cpu_to_spare_is_read_from_the_runnable_threads(tmp_path: Path) -> Non
     room._checked -= CpuRoom.CHECK_S
     assert not room.spare()
     assert not CpuRoom(str(tmp_path / "missing"), cpus=64).spare()
-
-
-def test_the_loops_descriptors_are_polled_without_taking_their_events() -> None:
-    """ReadyIo sees a descriptor a task waits on turn ready, and the task still gets its
-    event from trio (trio arms descriptors EPOLLONESHOT: one stolen event would leave the
-    task waiting for good)."""
-
-    async def main() -> tuple[float, float, bytes]:
-        ready = ReadyIo()
-        assert ready.available
-        a, b = socket.socketpair()
-        with a, b:
-            a.setblocking(False)
-            got: list[bytes] = []
-
-            async def reader() -> None:
-                await trio.lowlevel.wait_readable(a)
-                got.append(a.recv(16))
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(reader)
-                await trio.testing.wait_all_tasks_blocked()  # the reader waits in trio's epoll
-                started = time.perf_counter()
-                nothing = ready.spin(started + 0.05) - started  # nothing ready: the whole 50 ms
-                b.send(b"ping")
-                started = time.perf_counter()
-                seen = ready.spin(started + 5.0) - started  # ready at once
-                with trio.fail_after(5):
-                    while not got:
-                        await trio.sleep(0.001)
-        return nothing, seen, got[0]
-
-    nothing, seen, data = trio.run(main)
-    assert nothing >= 0.05
-    assert seen < 1.0
-    assert data == b"ping"
