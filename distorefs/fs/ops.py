@@ -46,7 +46,7 @@ from distorefs.errors import (
 )
 from distorefs.fs import kernel
 from distorefs.fs.metrics import Metrics
-from distorefs.fs.polling import CpuRoom, PollWindow
+from distorefs.fs.polling import CpuRoom, PollWindow, polled_time
 from distorefs.fs.shm import ADOPT_XATTR, borrow_sealed, parse_fd
 from distorefs.fs.virtual import (
     KindDirectory,
@@ -340,17 +340,18 @@ class FsOperations(pyfuse3.Operations):
             until = ended + window.length(self.session_request and room.spare())
             if not idle:
                 await trio.testing.wait_all_tasks_blocked()  # nothing runnable, nothing ready
-            started, polled, at_idle = time.perf_counter(), 0.0, True
+            started, at_idle = time.perf_counter(), True
             if self.requests_ended == self._poll_seen and started < until:
                 at_idle = False
                 while time.perf_counter() < until and self.requests_ended == self._poll_seen:
                     await trio.lowlevel.checkpoint()  # trio polls its I/O without blocking here
-                polled = min(time.perf_counter(), until) - started  # (a preemption: at most the window)
             stopped = time.perf_counter()
             slept = self.requests_ended == self._poll_seen
             if slept:
                 self.request_done = trio.Event()
                 await self.request_done.wait()  # the thread sleeps until a request ends
+            # (up to the next request's arrival where it came while polling: not its handler)
+            polled = 0.0 if at_idle else polled_time(started, until, stopped, self.request_started)
             if self.request_started <= stopped:
                 window.hit(polled)  # it came within the window (and may have ended after)
             else:

@@ -14,6 +14,7 @@ from distorefs.fs.polling import (
     START_S,
     CpuRoom,
     PollWindow,
+    polled_time,
     runnable_threads,
 )
 
@@ -137,3 +138,19 @@ def test_a_cpu_to_spare_is_read_from_the_runnable_threads(tmp_path: Path) -> Non
     room._checked -= CpuRoom.CHECK_S
     assert not room.spare()
     assert not CpuRoom(str(tmp_path / "missing"), cpus=64).spare()
+
+
+def test_polled_time_is_the_polling_alone_not_a_handler_inside_the_window_nor_a_preemption_past_it() -> None:
+    ended = 100.0
+    until = ended + 50e-6
+    # a request that came 30 us in, whose handler ran inside the loop until 400 us
+    assert polled_time(ended, until, stopped=ended + 400e-6, arrived=ended + 30e-6) == pytest.approx(30e-6)
+    # a window that ran out, its thread preempted: the loop stopped 4 ms after it began
+    assert polled_time(ended, until, stopped=ended + 4e-3, arrived=ended + 5e-3) == pytest.approx(50e-6)
+    # and a request that came during that preemption: polled to the window's end
+    assert polled_time(ended, until, stopped=ended + 4e-3, arrived=ended + 1e-3) == pytest.approx(50e-6)
+    # a window that ran out on time: all of it
+    assert polled_time(ended, until, stopped=until + 1e-6, arrived=ended + 3e-3) == pytest.approx(50e-6)
+    # no window, and a request that began before the last one ended: nothing polled
+    assert polled_time(ended, ended, stopped=ended + 1e-6, arrived=ended + 3e-3) == 0.0
+    assert polled_time(ended, until, stopped=ended + 1e-6, arrived=ended - 1e-3) == 0.0
