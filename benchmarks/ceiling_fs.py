@@ -3,7 +3,9 @@ bytearrays, with no log, no cache tier, no metadata database and no checks beyon
 POSIX needs. Whatever distorefs does per request costs on top of this; a benchmark
 divides by it to say how much of the FUSE ceiling distorefs reaches.
 
-    python benchmarks/ceiling_fs.py MOUNTPOINT [--direct-io]   # prints "ready" once mounted; SIGTERM/umount ends it
+    python benchmarks/ceiling_fs.py MOUNTPOINT [--direct-io] [--queued-reads]
+
+It prints "ready" once mounted; SIGTERM or an unmount ends it.
 
 Mounted with the options distorefs uses (pyfuse3's defaults, fsname/subtype, noatime)
 and the same open flags (keep_cache for files); getxattr is left to pyfuse3's default
@@ -13,6 +15,10 @@ distorefs answers every time: that difference is part of what the ceiling shows.
 `--direct-io` opens every file without the page cache (`direct_io`, no `keep_cache`), as
 distorefs serves its control files and dataset streams: each read() is READ requests
 answered from the filesystem's memory, the ceiling of such a file.
+
+`--queued-reads` reads requests that are already queued at once, as distorefs does by
+default (`--queued-reads-us`, scripts/pyfuse3-queued-reads.patch); without it the ceiling
+runs pyfuse3's own request loop, as the issue defines it.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from typing import Any
 
 import pyfuse3
 import trio
+
+QUEUED_READS_S = 300e-6  # --queued-reads (pyfuse3.set_queued_reads; distorefs' default window)
 
 ROOT = pyfuse3.ROOT_INODE
 CHUNK = 1 << 20  # file data in chunks of up to 1 MiB: appends never copy more than one chunk
@@ -231,6 +239,8 @@ def main() -> int:
     keep_freed_memory()
     options = set(pyfuse3.default_options) | {"fsname=ceiling", "subtype=ceiling", "noatime"}
     pyfuse3.init(CeilingFs(direct_io="--direct-io" in sys.argv[2:]), mountpoint, options)
+    if "--queued-reads" in sys.argv[2:]:  # distorefs' --queued-reads-us, at its default
+        pyfuse3.set_queued_reads(QUEUED_READS_S)
     print("ready", flush=True)
     try:
         trio.run(pyfuse3.main)

@@ -113,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
         " wake-ups, one that pauses turns it off). Default 200; 0: never poll",
     )  # fmt: skip
     mount.add_argument(
+        "--queued-reads-us", type=int, default=300, metavar="US",
+        help="read a request already queued on /dev/fuse as soon as the last is answered, without a pass of"
+        " the event loop, for up to this many microseconds before the daemon yields to its other work."
+        " Default 300; 0: every read waits for the event loop first",
+    )  # fmt: skip
+    mount.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -285,6 +291,7 @@ def _daemon_config(args: argparse.Namespace) -> Any:
         dataset_page_cache_bytes=None if args.dataset_page_cache == "auto" else parse_size(args.dataset_page_cache),
         dataset_dram_bytes=None if args.dataset_dram == "auto" else parse_size(args.dataset_dram),
         busy_poll_us=args.busy_poll_us,
+        queued_reads_us=args.queued_reads_us,
         shm_dir=os.path.abspath(args.shm_dir),
         cluster=_cluster_config(args),
     )
@@ -371,6 +378,7 @@ def start_background(config: Any, args: argparse.Namespace) -> int:
         "--log-file", log_path, "--log-rotate", args.log_rotate,
     ]  # fmt: skip
     argv += ["--wait-timeout", str(config.wait_timeout_s), "--busy-poll-us", str(config.busy_poll_us)]
+    argv += ["--queued-reads-us", str(config.queued_reads_us)]
     argv += ["--shm-dir", config.shm_dir]
     if config.checkpoint_sync_close:
         argv.append("--checkpoint-sync-close")

@@ -74,6 +74,7 @@ READ_AHEAD_KB = 1024
 
 
 MAX_BUSY_POLL_US = 10_000
+MAX_QUEUED_READS_US = 10_000
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class DaemonConfig:
     dataset_page_cache_bytes: int | None = None  # streamed whole via the page cache up to this; None: auto
     dataset_dram_bytes: int | None = None  # loaded into the DRAM cache by its streams up to this; None: auto
     busy_poll_us: int = 200  # the most the daemon polls for the next request after one (0: off; fs/polling.py)
+    queued_reads_us: int = 300  # a queued request is read without a pass of the event loop for this long (0: off)
     shm_dir: str = "/dev/shm"  # where sample.shm makes its regions (missing: the shm path is off)
     cluster: ClusterConfig | None = None  # None: the single-node embedded default
 
@@ -145,6 +147,8 @@ class DaemonConfig:
             raise ConfigError(f"--metrics-port must be 1..65535, got {self.metrics_port}")
         if not 0 <= self.busy_poll_us <= MAX_BUSY_POLL_US:
             raise ConfigError(f"--busy-poll-us must be 0..{MAX_BUSY_POLL_US}, got {self.busy_poll_us}")
+        if not 0 <= self.queued_reads_us <= MAX_QUEUED_READS_US:
+            raise ConfigError(f"--queued-reads-us must be 0..{MAX_QUEUED_READS_US}, got {self.queued_reads_us}")
         if not 0.0 < self.compact_min_dead_ratio <= 1.0:
             raise ConfigError(f"compact_min_dead_ratio must be in (0, 1], got {self.compact_min_dead_ratio}")
 
@@ -515,6 +519,26 @@ async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb, freeze
     return Daemon(blocks, buffers, weights, datasets, checkpoints, ops, node, shared)
 
 
+def read_queued_requests(ops: FsOperations, window_us: int) -> None:
+    """After `pyfuse3.init`: a request already queued on /dev/fuse is read as soon as the
+    one before it is answered, without the two passes of the event loop that pyfuse3's
+    request loop makes before every read (its read lock, then the wait for the fd), for
+    up to `window_us` after the loop last waited for the fd; then it waits (a schedule
+    point) as before. `.distore/status` shows it under `queued_reads` (docs/design.md,
+    "Queued requests read at once"). pyfuse3 without scripts/pyfuse3-queued-reads.patch
+    cannot: then, or with 0, every read waits first."""
+    on = window_us > 0 and hasattr(pyfuse3, "set_queued_reads")
+    if on:
+        pyfuse3.set_queued_reads(window_us / 1e6)
+    elif window_us > 0:
+        log.warning("pyfuse3 lacks set_queued_reads (scripts/pyfuse3-queued-reads.patch): every read waits first")
+
+    def status() -> dict[str, object]:
+        return {"queued_reads": {"window_us": window_us if on else 0, "requests": pyfuse3.queued_reads() if on else 0}}
+
+    ops.virtual.add_status(status)
+
+
 async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
     """Mount, serve until unmounted or signalled, then persist everything and return.
 
@@ -550,6 +574,7 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
                 pyfuse3.init(daemon.ops, config.mountpoint, options)
             except RuntimeError as exc:
                 raise ConfigError(f"cannot mount {config.mountpoint}: {exc}") from None
+            read_queued_requests(daemon.ops, config.queued_reads_us)
             try:
                 async with trio.open_nursery() as nursery:
                     if daemon.node is not None:

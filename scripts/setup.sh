@@ -19,7 +19,8 @@ dpkg -s libfuse3-dev >/dev/null 2>&1 || need_apt+=(libfuse3-dev)
 command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
 command -v gcc >/dev/null 2>&1 || need_apt+=(gcc)
 # patch: pyfuse3 is built from its sdist with scripts/pyfuse3-noflush.patch,
-# scripts/pyfuse3-read-pieces.patch and scripts/pyfuse3-fallocate.patch applied
+# scripts/pyfuse3-read-pieces.patch, scripts/pyfuse3-fallocate.patch and
+# scripts/pyfuse3-queued-reads.patch applied
 command -v patch >/dev/null 2>&1 || need_apt+=(patch)
 # copy tools the tests run against kind directories (cp and tar come with Debian)
 command -v rsync >/dev/null 2>&1 || need_apt+=(rsync)
@@ -51,14 +52,16 @@ stamp="$VENV/.distorefs-installed"
 noflush_patch="$REPO/scripts/pyfuse3-noflush.patch"
 pieces_patch="$REPO/scripts/pyfuse3-read-pieces.patch"
 fallocate_patch="$REPO/scripts/pyfuse3-fallocate.patch"
-want="$(cat "$REPO/pyproject.toml" "$noflush_patch" "$pieces_patch" "$fallocate_patch" | sha256sum | cut -d' ' -f1) test,dev"
+queued_patch="$REPO/scripts/pyfuse3-queued-reads.patch"
+want="$(cat "$REPO/pyproject.toml" "$noflush_patch" "$pieces_patch" "$fallocate_patch" "$queued_patch" | sha256sum | cut -d' ' -f1) test,dev"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "setup: installing distorefs and its test extra into $VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
     # pyfuse3 at the version pyproject.toml pins, from its sdist, with FOPEN_NOFLUSH added
     # (a read-only close then costs no FLUSH round trip; docs/operations.md) and READ
     # replies in pieces (a stream served from DRAM without a copy; docs/design.md) and
-    # fallocate(2) (Operations.fallocate; docs/design.md)
+    # fallocate(2) (Operations.fallocate; docs/design.md) and queued requests read at once
+    # (set_queued_reads; docs/design.md)
     pyfuse3_pin="$(grep -o 'pyfuse3==[0-9.]*' "$REPO/pyproject.toml")"
     build="$(mktemp -d)"
     "$VENV/bin/python" -m pip download -q --no-deps --no-binary :all: -d "$build" "$pyfuse3_pin"
@@ -66,6 +69,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     patch -s -p1 -d "$build/pyfuse3-${pyfuse3_pin#pyfuse3==}" < "$noflush_patch"
     patch -s -p1 -d "$build/pyfuse3-${pyfuse3_pin#pyfuse3==}" < "$pieces_patch"
     patch -s -p1 -d "$build/pyfuse3-${pyfuse3_pin#pyfuse3==}" < "$fallocate_patch"
+    patch -s -p1 -d "$build/pyfuse3-${pyfuse3_pin#pyfuse3==}" < "$queued_patch"
     "$VENV/bin/python" -m pip install -q --force-reinstall --no-deps "$build/pyfuse3-${pyfuse3_pin#pyfuse3==}"
     rm -rf "$build"
     "$VENV/bin/python" -m pip install -q -e "$REPO[test,dev]"

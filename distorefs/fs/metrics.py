@@ -60,6 +60,7 @@ class DaemonCollector(Collector):
         for part, what in (
             ("blocks", "block tier"),
             ("busy_poll", "polling for the next request"),
+            ("queued_reads", "requests read at once, queued behind the one before"),
             ("page_cache_stores", "batches stored into the page cache"),
         ):
             numbers = status.get(part)

@@ -149,6 +149,11 @@ def test_a_non_empty_mount_point_and_a_budget_over_memory_are_refused(tmp_path: 
     assert len(result.stderr.strip().splitlines()) == 1
     result = distore("mount", str(tmp_path / "d3"), "--busy-poll-us", "-5")
     assert (result.returncode, result.stderr.strip()) == (2, "distore mount: --busy-poll-us must be 0..10000, got -5")
+    result = distore("mount", str(tmp_path / "d3"), "--queued-reads-us", "20000")
+    assert (result.returncode, result.stderr.strip()) == (
+        2,
+        "distore mount: --queued-reads-us must be 0..10000, got 20000",
+    )
     result = distore("mount", str(tmp_path / "d4"), "--dataset-page-cache", "most")
     assert (result.returncode, result.stderr.strip()) == (
         2,
