@@ -59,6 +59,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--busy-poll-us", type=int, default=None, help="the daemon's --busy-poll-us (default: its own)")
+    parser.add_argument(
+        "--queued-reads-us", type=int, default=None, help="the daemon's --queued-reads-us (default: its own)"
+    )
     args = parser.parse_args()
     record = np.zeros(1, RECORD)
     raw = record.tobytes()
@@ -92,6 +95,8 @@ def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="distorefs-latency-"))
     try:
         polling = [] if args.busy_poll_us is None else ["--busy-poll-us", str(args.busy_poll_us)]
+        if args.queued_reads_us is not None:
+            polling += ["--queued-reads-us", str(args.queued_reads_us)]
         with mounted(base, "--dram-budget", "1GiB", *polling) as mnt:
             b = mnt / "buffers" / "lat"
             b.mkdir()

@@ -10,8 +10,9 @@ an append's WRITE took 9 µs off an open-write-close append.
 So the request wrapper (fs/ops.py) marks the task that serves a request with
 `deferring`, and `checkpoint()` inside it is a cancel point only
 (`trio.lowlevel.checkpoint_if_cancelled`). The schedule point comes right after the
-reply: pyfuse3's request loop takes a `trio.Lock` and waits for /dev/fuse before it reads
-the next request, and both yield, whether or not a request is already queued. A request
+reply: pyfuse3's request loop waits for /dev/fuse before it reads the next request.
+While requests are queued it reads them at once instead, for up to `--queued-reads-us`
+(300 µs) after it last waited (daemon.read_queued_requests); then it waits. A request
 that runs longer than DEFER_S gets real schedule points again from then on, so that a
 handler looping over many awaits cannot hold the event loop. A function that really
 waits (a thread, a lock, an event) yields as before. A sampling session marks its

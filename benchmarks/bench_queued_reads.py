@@ -1,0 +1,145 @@
+"""Queued requests read at once (`--queued-reads-us`, docs/design.md "Queued requests read
+at once"): distorefs with it (the default) and without it (`--queued-reads-us 0`),
+against the bare pyfuse3 filesystem with pyfuse3's own request loop (the ceiling of
+issue 17) and with the same patch (`ceiling_fs.py --queued-reads`), all four mounted at
+once and measured in turn, round after round.
+
+    .venv/bin/python benchmarks/bench_queued_reads.py [--rounds 6] [--files 3000] [--json F]
+
+- Small files: 4 KiB create + write + close, files/s per round, and the process's CPU
+  time (user + system, from /proc) per file.
+- Writers at once: four threads, each with its own write-only descriptor, 1,000
+  `pwrite`s of 512 bytes each (a request per call): writes/s, all four together.
+- `pwrite` alone: one thread, 2,000 calls back to back, p50 and p99 in µs.
+
+Medians over the rounds, and each mount's ratio to the stock ceiling. No thresholds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_polling import daemon_pid  # noqa: E402
+from bench_posix import Ceiling, Distore, small_files  # noqa: E402
+
+MOUNTS = ("distorefs", "distorefs-0", "ceiling", "ceiling-queued")
+WRITERS = 4
+WRITES = 1000
+SOLO_CALLS = 2000
+
+
+def cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def writers_at_once(root: Path) -> float:
+    """WRITERS threads of WRITES pwrites each: writes/s, all together."""
+
+    def write(k: int) -> None:
+        fd = os.open(root / f"w{k}", os.O_CREAT | os.O_WRONLY, 0o644)
+        try:
+            for i in range(WRITES):
+                os.pwrite(fd, b"w" * 512, i * 512)
+        finally:
+            os.close(fd)
+
+    threads = [threading.Thread(target=write, args=(k,)) for k in range(WRITERS)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return WRITERS * WRITES / (time.perf_counter() - started)
+
+
+def pwrite_alone(root: Path) -> tuple[float, float]:
+    """SOLO_CALLS pwrites back to back: p50 and p99 in µs."""
+    fd = os.open(root / "solo", os.O_CREAT | os.O_WRONLY, 0o644)
+    times = []
+    try:
+        for i in range(SOLO_CALLS):
+            started = time.perf_counter()
+            os.pwrite(fd, b"s" * 512, i * 512)
+            times.append(time.perf_counter() - started)
+    finally:
+        os.close(fd)
+    times.sort()
+    return times[len(times) // 2] * 1e6, times[int(len(times) * 0.99)] * 1e6
+
+
+def ceiling_pid(mnt: Path) -> int:
+    out = subprocess.run(["pgrep", "-f", f"ceiling_fs.py {mnt}( |$)"], capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[0])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--files", type=int, default=3000)
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+    series: dict[str, dict[str, list[float]]] = {
+        name: {"files_per_s": [], "cpu_us_per_file": [], "writers_per_s": [], "pwrite_p50_us": [], "pwrite_p99_us": []}
+        for name in MOUNTS
+    }
+    with tempfile.TemporaryDirectory(prefix="distorefs-bench-", dir="/var/tmp") as tmp, ExitStack() as stack:
+        base = Path(tmp)
+        for name in ("c", "cq"):
+            (base / name).mkdir()
+        roots = {
+            "distorefs": stack.enter_context(Distore(base / "d", "1GiB")).parent,
+            "distorefs-0": stack.enter_context(Distore(base / "d0", "1GiB", ["--queued-reads-us", "0"])).parent,
+            "ceiling": stack.enter_context(Ceiling(base / "c")),
+            "ceiling-queued": stack.enter_context(Ceiling(base / "cq", ["--queued-reads"])),
+        }
+        pids = {name: (daemon_pid if name.startswith("distorefs") else ceiling_pid)(r) for name, r in roots.items()}
+        for r in range(args.rounds):
+            for name in MOUNTS if r % 2 == 0 else MOUNTS[::-1]:
+                d = roots[name] / f"round{r}"
+                d.mkdir()
+                used = cpu_s(pids[name])
+                started = time.perf_counter()
+                small_files(d, args.files)
+                series[name]["files_per_s"].append(args.files / (time.perf_counter() - started))
+                series[name]["cpu_us_per_file"].append((cpu_s(pids[name]) - used) / args.files * 1e6)
+                series[name]["writers_per_s"].append(writers_at_once(d))
+                p50, p99 = pwrite_alone(d)
+                series[name]["pwrite_p50_us"].append(p50)
+                series[name]["pwrite_p99_us"].append(p99)
+        counted = {
+            name: json.loads((roots[name] / ".distore" / "status").read_text())["queued_reads"]
+            for name in ("distorefs", "distorefs-0")
+        }
+    medians = {name: {key: statistics.median(values) for key, values in s.items()} for name, s in series.items()}
+    ceiling = medians["ceiling"]
+    results = {
+        "rounds": {name: {key: [round(v, 1) for v in vs] for key, vs in s.items()} for name, s in series.items()},
+        "medians": {name: {key: round(v, 1) for key, v in m.items()} for name, m in medians.items()},
+        "vs_ceiling": {
+            name: {key: round(m[key] / ceiling[key], 3) for key in ("files_per_s", "writers_per_s")}
+            for name, m in medians.items()
+        },
+        "queued_reads": counted,
+    }
+    print(json.dumps(results, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
