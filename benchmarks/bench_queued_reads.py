@@ -11,6 +11,9 @@ once and measured in turn, round after round.
 - Writers at once: four threads, each with its own write-only descriptor, 1,000
   `pwrite`s of 512 bytes each (a request per call): writes/s, all four together.
 - `pwrite` alone: one thread, 2,000 calls back to back, p50 and p99 in µs.
+- Dataset records as a data loader's workers read them (distorefs only): a sealed
+  dataset of `--records` 10,000-byte records in DRAM, `records/<i>` opened and read
+  whole at random by one and by four processes for `--seconds`: records/s.
 
 Medians over the rounds, and each mount's ratio to the stock ceiling. No thresholds.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -29,6 +33,8 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_polling import daemon_pid  # noqa: E402
@@ -38,6 +44,8 @@ MOUNTS = ("distorefs", "distorefs-0", "ceiling", "ceiling-queued")
 WRITERS = 4
 WRITES = 1000
 SOLO_CALLS = 2000
+RECORD_BYTES = 10_000
+LOADER_PROCESSES = (1, 4)
 
 
 def cpu_s(pid: int) -> float:
@@ -81,6 +89,47 @@ def pwrite_alone(root: Path) -> tuple[float, float]:
     return times[len(times) // 2] * 1e6, times[int(len(times) * 0.99)] * 1e6
 
 
+def make_dataset(ds: Path, records: int) -> None:
+    """A sealed dataset of `records` random records of RECORD_BYTES (namespace.md)."""
+    ds.mkdir()
+    length = np.frombuffer(np.uint64(RECORD_BYTES).tobytes(), np.uint8)
+    with open(ds / "append", "wb", buffering=0) as f:
+        f.write(b"DSITEMS1")
+        for first in range(0, records, 1000):
+            count = min(1000, records - first)
+            body = np.random.default_rng(first).integers(0, 255, (count, RECORD_BYTES), dtype=np.uint8)
+            f.write(np.hstack([np.repeat(length[None], count, axis=0), body]).tobytes())
+    (ds / "state").write_text("seal\n")
+
+
+def load_records(ds: Path, records: int, seed: int, seconds: float, done: multiprocessing.Queue[int]) -> None:
+    """One loader process: random `records/<i>`, each opened and read whole."""
+    rng = np.random.default_rng(seed)
+    count, until = 0, time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        for i in rng.integers(0, records, 50).tolist():
+            with open(ds / "records" / str(i), "rb") as f:
+                if len(f.read()) != RECORD_BYTES:
+                    raise AssertionError(f"records/{i} is not {RECORD_BYTES} bytes")
+            count += 1
+    done.put(count)
+
+
+def loaders(ds: Path, records: int, processes: int, seconds: float) -> float:
+    """`processes` loaders at once: records/s, all together."""
+    done: multiprocessing.Queue[int] = multiprocessing.Queue()
+    procs = [
+        multiprocessing.Process(target=load_records, args=(ds, records, k, seconds, done)) for k in range(processes)
+    ]
+    started = time.perf_counter()
+    for proc in procs:
+        proc.start()
+    total = sum(done.get(timeout=seconds + 60) for _ in procs)
+    for proc in procs:
+        proc.join()
+    return total / (time.perf_counter() - started)
+
+
 def ceiling_pid(mnt: Path) -> int:
     out = subprocess.run(["pgrep", "-f", f"ceiling_fs.py {mnt}( |$)"], capture_output=True, text=True, check=True)
     return int(out.stdout.split()[0])
@@ -90,6 +139,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--files", type=int, default=3000)
+    parser.add_argument("--records", type=int, default=20_000, help="records of the loaders' dataset")
+    parser.add_argument("--seconds", type=float, default=2.0, help="each loaders' measurement")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     series: dict[str, dict[str, list[float]]] = {
@@ -106,6 +157,11 @@ def main() -> int:
             "ceiling": stack.enter_context(Ceiling(base / "c")),
             "ceiling-queued": stack.enter_context(Ceiling(base / "cq", ["--queued-reads"])),
         }
+        datasets = {name: roots[name] / "datasets" / "loader" for name in ("distorefs", "distorefs-0")}
+        for name, ds in datasets.items():
+            make_dataset(ds, args.records)
+            series[name] |= {f"loaders_{n}_per_s": [] for n in LOADER_PROCESSES}
+            loaders(ds, args.records, 1, 0.5)  # the first reads, untimed
         pids = {name: (daemon_pid if name.startswith("distorefs") else ceiling_pid)(r) for name, r in roots.items()}
         for r in range(args.rounds):
             for name in MOUNTS if r % 2 == 0 else MOUNTS[::-1]:
@@ -120,6 +176,11 @@ def main() -> int:
                 p50, p99 = pwrite_alone(d)
                 series[name]["pwrite_p50_us"].append(p50)
                 series[name]["pwrite_p99_us"].append(p99)
+                if name in datasets:
+                    for n in LOADER_PROCESSES:
+                        series[name][f"loaders_{n}_per_s"].append(
+                            loaders(datasets[name], args.records, n, args.seconds)
+                        )
         counted = {
             name: json.loads((roots[name] / ".distore" / "status").read_text())["queued_reads"]
             for name in ("distorefs", "distorefs-0")
