@@ -45,6 +45,13 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def emit(results: dict[str, object], path: str | None) -> None:
+    """Print a benchmark's results as JSON, and write them to `path` too if given."""
+    print(json.dumps(results, indent=2))
+    if path:
+        Path(path).write_text(json.dumps(results, indent=2) + "\n")
+
+
 def poll_stats(mnt: Path) -> dict[str, float]:
     stats = json.loads((mnt / ".distore" / "status").read_text()).get("busy_poll", {})
     return stats if isinstance(stats, dict) else {}
@@ -109,9 +116,7 @@ def main() -> int:
         "daemon_cpu_us_per_small_file": round(statistics.median(cpu_per_file), 1),
         "spaced_calls": spaced,
     }
-    print(json.dumps(results, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    emit(results, args.json)
     return 0
 
 

@@ -37,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_polling import daemon_pid  # noqa: E402
+from bench_polling import cpu_s, daemon_pid, emit  # noqa: E402
 from bench_posix import Ceiling, Distore, small_files  # noqa: E402
 
 MOUNTS = ("distorefs", "distorefs-0", "ceiling", "ceiling-queued")
@@ -46,12 +46,6 @@ WRITES = 1000
 SOLO_CALLS = 2000
 RECORD_BYTES = 10_000
 LOADER_PROCESSES = (1, 4)
-
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def writers_at_once(root: Path) -> float:
@@ -196,9 +190,7 @@ def main() -> int:
         },
         "queued_reads": counted,
     }
-    print(json.dumps(results, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    emit(results, args.json)
     return 0
 
 
