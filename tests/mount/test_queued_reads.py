@@ -28,31 +28,21 @@ def write_at_once(root: Path) -> None:
     thread while other requests are read by another of pyfuse3's worker tasks."""
     errors: list[BaseException] = []
 
-    def writer(k: int) -> None:
+    def write(name: str, tag: int, count: int, fsync: bool) -> None:
         try:
-            fd = os.open(root / f"w{k}", os.O_CREAT | os.O_WRONLY, 0o644)
+            fd = os.open(root / name, os.O_CREAT | os.O_WRONLY, 0o644)
             try:
-                for i in range(WRITES):
-                    os.pwrite(fd, record(k, i), i * 511)
+                for i in range(count):
+                    os.pwrite(fd, record(tag, i), i * 511)
+                    if fsync:
+                        os.fsync(fd)
             finally:
                 os.close(fd)
         except BaseException as exc:  # noqa: BLE001 (reported by the test)
             errors.append(exc)
 
-    def syncer() -> None:
-        try:
-            fd = os.open(root / "synced", os.O_CREAT | os.O_WRONLY, 0o644)
-            try:
-                for i in range(50):
-                    os.pwrite(fd, record(99, i), i * 511)
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=writer, args=(k,)) for k in range(WRITERS)]
-    threads.append(threading.Thread(target=syncer))
+    threads = [threading.Thread(target=write, args=(f"w{k}", k, WRITES, False)) for k in range(WRITERS)]
+    threads.append(threading.Thread(target=write, args=("synced", 99, 50, True)))
     for thread in threads:
         thread.start()
     for thread in threads:
