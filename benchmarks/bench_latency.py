@@ -94,10 +94,10 @@ def main() -> int:
 
     base = Path(tempfile.mkdtemp(prefix="distorefs-latency-"))
     try:
-        polling = [] if args.busy_poll_us is None else ["--busy-poll-us", str(args.busy_poll_us)]
+        daemon_args = [] if args.busy_poll_us is None else ["--busy-poll-us", str(args.busy_poll_us)]
         if args.queued_reads_us is not None:
-            polling += ["--queued-reads-us", str(args.queued_reads_us)]
-        with mounted(base, "--dram-budget", "1GiB", *polling) as mnt:
+            daemon_args += ["--queued-reads-us", str(args.queued_reads_us)]
+        with mounted(base, "--dram-budget", "1GiB", *daemon_args) as mnt:
             b = mnt / "buffers" / "lat"
             b.mkdir()
             schema = {"obs": ["float32", [128]], "action": "int64", "reward": "float32", "next_obs": ["float32", [125]]}

@@ -25,7 +25,6 @@ import json
 import multiprocessing
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -124,11 +123,6 @@ def loaders(ds: Path, records: int, processes: int, seconds: float) -> float:
     return total / (time.perf_counter() - started)
 
 
-def ceiling_pid(mnt: Path) -> int:
-    out = subprocess.run(["pgrep", "-f", f"ceiling_fs.py {mnt}( |$)"], capture_output=True, text=True, check=True)
-    return int(out.stdout.split()[0])
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=6)
@@ -148,15 +142,16 @@ def main() -> int:
         roots = {
             "distorefs": stack.enter_context(Distore(base / "d", "1GiB")).parent,
             "distorefs-0": stack.enter_context(Distore(base / "d0", "1GiB", ["--queued-reads-us", "0"])).parent,
-            "ceiling": stack.enter_context(Ceiling(base / "c")),
-            "ceiling-queued": stack.enter_context(Ceiling(base / "cq", ["--queued-reads"])),
         }
+        ceilings = {"ceiling": Ceiling(base / "c"), "ceiling-queued": Ceiling(base / "cq", ["--queued-reads"])}
+        roots |= {name: stack.enter_context(ceiling) for name, ceiling in ceilings.items()}
         datasets = {name: roots[name] / "datasets" / "loader" for name in ("distorefs", "distorefs-0")}
         for name, ds in datasets.items():
             make_dataset(ds, args.records)
             series[name] |= {f"loaders_{n}_per_s": [] for n in LOADER_PROCESSES}
             loaders(ds, args.records, 1, 0.5)  # the first reads, untimed
-        pids = {name: (daemon_pid if name.startswith("distorefs") else ceiling_pid)(r) for name, r in roots.items()}
+        pids = {name: daemon_pid(roots[name]) for name in ("distorefs", "distorefs-0")}
+        pids |= {name: ceiling.proc.pid for name, ceiling in ceilings.items() if ceiling.proc is not None}
         for r in range(args.rounds):
             for name in MOUNTS if r % 2 == 0 else MOUNTS[::-1]:
                 d = roots[name] / f"round{r}"
