@@ -524,9 +524,10 @@ def read_queued_requests(ops: FsOperations, window_us: int) -> None:
     one before it is answered, without the two passes of the event loop that pyfuse3's
     request loop makes before every read (its read lock, then the wait for the fd), for
     up to `window_us` after the loop last waited for the fd; then it waits (a schedule
-    point) as before. `.distore/status` shows it under `queued_reads` (docs/design.md,
-    "Queued requests read at once"). pyfuse3 without scripts/pyfuse3-queued-reads.patch
-    cannot: then, or with 0, every read waits first."""
+    point) as before. One task at a time waits for the fd then, another taking over when
+    a handler suspends. `.distore/status` shows it under `queued_reads` (docs/design.md,
+    "Queued requests read at once, one reader at a time"). pyfuse3 without
+    scripts/pyfuse3-queued-reads.patch cannot: then, or with 0, every read waits first."""
     on = window_us > 0 and hasattr(pyfuse3, "set_queued_reads")
     if on:
         pyfuse3.set_queued_reads(window_us / 1e6)

@@ -1,11 +1,14 @@
 """Queued requests read at once (`--queued-reads-us`, scripts/pyfuse3-queued-reads.patch):
 a request that is already on /dev/fuse when the one before it is answered is read
-without a pass of the event loop. `.distore/status` counts them under `queued_reads`."""
+without a pass of the event loop, and one task at a time waits for /dev/fuse, another
+taking over when a handler waits. `.distore/status` counts them under `queued_reads`."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -79,4 +82,50 @@ def test_a_window_of_zero_waits_for_the_event_loop_before_every_read(mount_facto
     write_at_once(mount.path)
     assert mount.status()["queued_reads"] == {"window_us": 0, "requests": 0}
     assert_written(mount.path)
+    assert mount.unmount() == 0
+
+
+def test_handlers_that_wait_leave_a_reader_behind_them(mount_factory: MountFactory) -> None:
+    """Eight reads of a buffer's `sample` wait for items at once, each in a handler that
+    suspends: every time one does, another task must take over reading /dev/fuse (one
+    task waits for it at a time). While all eight wait, the mount still answers: 20
+    small files are written and read back and the directory listed; then five appends
+    end every wait, and each read returns a batch of the appended items."""
+    mount = mount_factory()
+    buffer = mount.path / "buffers" / "waits"
+    buffer.mkdir()
+    (buffer / "config").write_text(json.dumps({"min_size_to_sample": 5, "sample_timeout": 60}))
+    results: list[bytes] = []
+    errors: list[BaseException] = []
+
+    def sample() -> None:
+        try:
+            with open(buffer / "sample", "rb") as f:
+                results.append(f.read())
+        except BaseException as exc:  # noqa: BLE001 (reported by the test)
+            errors.append(exc)
+
+    readers = [threading.Thread(target=sample) for _ in range(8)]
+    for reader in readers:
+        reader.start()
+    try:
+        deadline = time.monotonic() + 30
+        while json.loads((buffer / "stats").read_text())["blocked_readers"] != len(readers):
+            assert time.monotonic() < deadline, "the eight reads never all waited"
+            time.sleep(0.05)
+        for i in range(20):  # served while eight handlers wait
+            (mount.path / f"f{i}").write_bytes(b"%d" % i * 1000)
+        assert all((mount.path / f"f{i}").read_bytes() == b"%d" % i * 1000 for i in range(20))
+        assert {f"f{i}" for i in range(20)} <= set(os.listdir(mount.path))
+        assert json.loads((buffer / "stats").read_text())["blocked_readers"] == len(readers)
+        for i in range(5):
+            (buffer / "append").write_bytes(b"item-%d" % i)
+    finally:
+        for reader in readers:
+            reader.join(timeout=60)
+    assert not any(reader.is_alive() for reader in readers), "a sample read did not return within 60 s"
+    assert not errors, errors
+    assert len(results) == len(readers)
+    assert all(b"item-" in batch for batch in results), results
+    os.rmdir(buffer)
     assert mount.unmount() == 0
