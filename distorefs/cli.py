@@ -119,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
         " Default 300; 0: every read waits for the event loop first",
     )  # fmt: skip
     mount.add_argument(
+        "--max-waiting-requests", type=int, default=512, metavar="N",
+        help="how many requests may wait at once, mount-wide, for a buffer's items or its rate limiter or"
+        " a new weights version; one more gets EAGAIN at once, and the mount keeps answering everything"
+        " else (default 512)",
+    )  # fmt: skip
+    mount.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -292,6 +298,7 @@ def _daemon_config(args: argparse.Namespace) -> Any:
         dataset_dram_bytes=None if args.dataset_dram == "auto" else parse_size(args.dataset_dram),
         busy_poll_us=args.busy_poll_us,
         queued_reads_us=args.queued_reads_us,
+        max_waiting_requests=args.max_waiting_requests,
         shm_dir=os.path.abspath(args.shm_dir),
         cluster=_cluster_config(args),
     )
@@ -379,6 +386,7 @@ def start_background(config: Any, args: argparse.Namespace) -> int:
     ]  # fmt: skip
     argv += ["--wait-timeout", str(config.wait_timeout_s), "--busy-poll-us", str(config.busy_poll_us)]
     argv += ["--queued-reads-us", str(config.queued_reads_us)]
+    argv += ["--max-waiting-requests", str(config.max_waiting_requests)]
     argv += ["--shm-dir", config.shm_dir]
     if config.checkpoint_sync_close:
         argv.append("--checkpoint-sync-close")

@@ -30,7 +30,7 @@ import trio
 from distorefs import compiled, progress, service
 from distorefs.errors import ConfigError, DistorefsError
 from distorefs.fs import kernel
-from distorefs.fs.buffers import BuffersDir
+from distorefs.fs.buffers import MAX_WAITING_REQUESTS, WAITING, BuffersDir
 from distorefs.fs.datasets import DatasetsDir
 from distorefs.fs.ops import FsOperations
 from distorefs.fs.polling import PollWindow
@@ -75,6 +75,17 @@ READ_AHEAD_KB = 1024
 
 MAX_BUSY_POLL_US = 10_000
 MAX_QUEUED_READS_US = 10_000
+MAX_WAITING_LIMIT = 16_384
+MIN_REQUEST_TASKS = 128
+
+
+def request_tasks(max_waiting: int) -> int:
+    """pyfuse3's most worker tasks: each request in progress holds one, also while it
+    waits; room for the waits `--max-waiting-requests` allows and as many more for
+    everything else. pyfuse3's default of 99 let 99 waiting samples stop the mount
+    (design.md, "Requests that wait, bounded"). A task costs a few KiB until its request
+    buffer is touched."""
+    return max(MIN_REQUEST_TASKS, 2 * max_waiting)
 
 
 @dataclass(frozen=True)
@@ -99,6 +110,7 @@ class DaemonConfig:
     dataset_dram_bytes: int | None = None  # loaded into the DRAM cache by its streams up to this; None: auto
     busy_poll_us: int = 200  # the most the daemon polls for the next request after one (0: off; fs/polling.py)
     queued_reads_us: int = 300  # a queued request is read without a pass of the event loop for this long (0: off)
+    max_waiting_requests: int = MAX_WAITING_REQUESTS  # requests that may wait for items, the rate limiter, a version
     shm_dir: str = "/dev/shm"  # where sample.shm makes its regions (missing: the shm path is off)
     cluster: ClusterConfig | None = None  # None: the single-node embedded default
 
@@ -149,6 +161,8 @@ class DaemonConfig:
             raise ConfigError(f"--busy-poll-us must be 0..{MAX_BUSY_POLL_US}, got {self.busy_poll_us}")
         if not 0 <= self.queued_reads_us <= MAX_QUEUED_READS_US:
             raise ConfigError(f"--queued-reads-us must be 0..{MAX_QUEUED_READS_US}, got {self.queued_reads_us}")
+        if not 1 <= self.max_waiting_requests <= MAX_WAITING_LIMIT:
+            raise ConfigError(f"--max-waiting-requests must be 1..{MAX_WAITING_LIMIT}, got {self.max_waiting_requests}")
         if not 0.0 < self.compact_min_dead_ratio <= 1.0:
             raise ConfigError(f"compact_min_dead_ratio must be in (0, 1], got {self.compact_min_dead_ratio}")
 
@@ -504,6 +518,8 @@ async def assemble(config: DaemonConfig, nvme_log: NvmeLog, meta: MetaDb, freeze
     virtual.add_status(gc_statistics)
     virtual.add_status(checkpoints.statistics)
     virtual.add_status(kernel.statistics)
+    WAITING.limit = config.max_waiting_requests
+    virtual.add_status(WAITING.statistics)
     ops = FsOperations(PosixTree(files, checkpoints), virtual, blocks.disk_stats, config.block_bytes)
     ops.metrics.watch(virtual.status, buffers, weights, node.peers_report if node is not None else None)
     virtual.add_control(b"metrics", ops.metrics.render)
@@ -589,7 +605,7 @@ async def serve(config: DaemonConfig, ready: Callable[[str], None]) -> None:
                     # the compiled kernels load when first asked for (compiled.py: numba's
                     # import holds the GIL for 0.4-2 s); their plain versions run until then
                     compiled.load_on_first_use(load_kernels)
-                    await pyfuse3.main()
+                    await pyfuse3.main(max_tasks=request_tasks(config.max_waiting_requests))
                     service.notify("STOPPING=1\nSTATUS=unmounted; persisting")
                     nursery.cancel_scope.cancel()
             finally:

@@ -38,6 +38,7 @@ from distorefs.errors import (
     NotSupported,
     ReadOnly,
     Stale,
+    TryAgain,
 )
 from distorefs.fs import kernel
 from distorefs.fs.shm import SLOTS as SHM_SLOTS
@@ -80,7 +81,12 @@ from distorefs.stores.replay.store import BufferStore
 T = TypeVar("T")
 
 
-SIGNAL_POLL_S = 0.05
+SIGNAL_POLL_S = 0.05  # a waiting request looks for a signal to its caller this often, while few wait
+SIGNAL_CHECKS_PER_POLL = 64  # past this many waiting, their checks (40 µs each) spread out to keep this rate
+# Requests that may wait for items or the rate limiter at once, mount-wide: each holds one
+# of pyfuse3's worker tasks (MAX_REQUEST_TASKS, daemon.py) while it waits, and with all of
+# them waiting the mount answered no one (docs/design.md, "Requests that wait, bounded").
+MAX_WAITING_REQUESTS = 512
 CONTROL_NAMES = (b"config", b"append", b"sample", b"priority", b"stats")
 MAX_SAMPLE_COUNT = 1 << 20
 PRIORITY_INPUT_BYTES = 64 << 20
@@ -102,11 +108,53 @@ def signal_pending(pid: int) -> bool:
         return False
 
 
-async def interruptible(pid: int, wait: Callable[[], Awaitable[T]]) -> T:
+class WaitingRequests:
+    """How many requests wait in `interruptible` now, the most that may, and how many
+    were refused for it (`.distore/status` `waiting_requests`). One per daemon process."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.now = 0
+        self.refused = 0
+
+    def enter(self, label: str) -> None:
+        if self.now >= self.limit:
+            self.refused += 1
+            raise TryAgain(
+                f"{label}: {self.now} requests of this mount are waiting already, the most that may"
+                f" (a sample without enough items, appends held by the rate limiter): try again later"
+            )
+        self.now += 1
+
+    def leave(self) -> None:
+        self.now -= 1
+
+    def signal_poll_s(self) -> float:
+        """How long a waiting request sleeps between two looks for a signal: SIGNAL_POLL_S,
+        longer once more than SIGNAL_CHECKS_PER_POLL wait (512 waiting: 0.4 s)."""
+        return SIGNAL_POLL_S * max(1.0, self.now / SIGNAL_CHECKS_PER_POLL)
+
+    def statistics(self) -> dict[str, object]:
+        return {"waiting_requests": {"now": self.now, "limit": self.limit, "refused": self.refused}}
+
+
+WAITING = WaitingRequests(MAX_WAITING_REQUESTS)
+
+
+async def interruptible(pid: int, wait: Callable[[], Awaitable[T]], label: str = "a request") -> T:
     """Run `wait`; if the process `pid` gets a signal meanwhile, cancel it: Interrupted.
+    TryAgain at once where MAX_WAITING_REQUESTS wait already (`WAITING`).
 
     Errors of `wait` (TryAgain ...) come out as themselves, not in an ExceptionGroup.
     """
+    WAITING.enter(label)
+    try:
+        return await _interruptible(pid, wait)
+    finally:
+        WAITING.leave()
+
+
+async def _interruptible(pid: int, wait: Callable[[], Awaitable[T]]) -> T:
     result: list[T] = []
     failure: list[DistorefsError] = []
     interrupted = False
@@ -115,7 +163,7 @@ async def interruptible(pid: int, wait: Callable[[], Awaitable[T]]) -> T:
         async def watch() -> None:
             nonlocal interrupted
             while True:
-                await trio.sleep(SIGNAL_POLL_S)
+                await trio.sleep(WAITING.signal_poll_s())
                 if signal_pending(pid):
                     interrupted = True
                     nursery.cancel_scope.cancel()
@@ -135,12 +183,15 @@ async def interruptible(pid: int, wait: Callable[[], Awaitable[T]]) -> T:
     return result[0]
 
 
-async def run_waiting(pid: int, nonblocking: bool, ready: bool, call: Callable[[bool], Awaitable[T]]) -> T:
+async def run_waiting(
+    pid: int, nonblocking: bool, ready: bool, call: Callable[[bool], Awaitable[T]], label: str = "a request"
+) -> T:
     """Run `call(nonblocking)`. When it is going to wait (not ready, and blocking is
-    allowed), run it so that a signal to the caller interrupts it (EINTR)."""
+    allowed), run it so that a signal to the caller interrupts it (EINTR), and only
+    where fewer than MAX_WAITING_REQUESTS wait already (else TryAgain, naming `label`)."""
     if nonblocking or ready:
         return await call(nonblocking)
-    return await interruptible(pid, lambda: call(False))
+    return await interruptible(pid, lambda: call(False), label)
 
 
 def config_text(buffer: ReplayBuffer) -> bytes:
@@ -209,7 +260,8 @@ class AppendHandle(AppendStreamHandle):
                 raise NotFound(f"buffers/{buffer.name} was removed")
             part = items[at : at + APPEND_SLICE]
             ready = buffer.can_append(len(part))
-            await run_waiting(self._pid, self._nonblocking, ready, functools.partial(buffer.append, part))
+            append = functools.partial(buffer.append, part)
+            await run_waiting(self._pid, self._nonblocking, ready, append, f"buffers/{buffer.name}/append")
             await buffer.persist_appends()
 
     async def write(self, offset: int, data: bytes) -> int:
@@ -544,7 +596,10 @@ class SampleHandle(BatchHolder):
         if self._columnar:
             self._check_fields()
         ready = buffer.can_sample(count)
-        batch = await run_waiting(self._pid, nonblocking, ready, lambda nb: buffer.sample_into(count, nb, self._hold))
+        batch = await run_waiting(
+            self._pid, nonblocking, ready, lambda nb: buffer.sample_into(count, nb, self._hold),
+            f"buffers/{buffer.name}/sample",
+        )  # fmt: skip
         self._data = batch.data
         if self._columnar:
             self._check_fields(batch.data)
@@ -651,8 +706,9 @@ class StreamHandle(BatchHolder):
             if ahead is None:
                 ready = buffer.can_sample(count)
                 batch = await run_waiting(
-                    self._pid, self._nonblocking, ready, lambda nb: buffer.sample_into(count, nb, self._hold)
-                )
+                    self._pid, self._nonblocking, ready, lambda nb: buffer.sample_into(count, nb, self._hold),
+                    f"buffers/{buffer.name}/sample.stream",
+                )  # fmt: skip
                 self._data = batch.data
             else:
                 await scheduling.checkpoint()
@@ -802,8 +858,9 @@ class ShmSampleHandle(VirtualHandle):
         buffer, count = self._buffer, self._count
         ready = buffer.can_sample(count)
         return await run_waiting(
-            self._pid, self._nonblocking, ready, lambda nb: buffer.sample_into(count, nb, self._place)
-        )
+            self._pid, self._nonblocking, ready, lambda nb: buffer.sample_into(count, nb, self._place),
+            f"buffers/{buffer.name}/sample.shm",
+        )  # fmt: skip
 
     async def write(self, offset: int, data: bytes) -> int:
         """`release <slot> [<slot> ...]` lines give slots back; an unknown slot is EINVAL.

@@ -61,6 +61,7 @@ class DaemonCollector(Collector):
             ("blocks", "block tier"),
             ("busy_poll", "polling for the next request"),
             ("queued_reads", "requests read at once, queued behind the one before"),
+            ("waiting_requests", "requests waiting for items, the rate limiter or a version (now, limit, refused)"),
             ("page_cache_stores", "batches stored into the page cache"),
         ):
             numbers = status.get(part)

@@ -236,6 +236,7 @@ class WaitHandle(VirtualHandle):
                     self._nonblocking,
                     model.version > last or model.deleted,
                     lambda nb: self._store.wait_newer(model, last, self._timeout_s, nb),
+                    f"weights/{model.name.decode(errors='replace')}/wait",
                 )
             except NotFound:
                 return b""

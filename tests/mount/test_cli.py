@@ -154,6 +154,11 @@ def test_a_non_empty_mount_point_and_a_budget_over_memory_are_refused(tmp_path: 
         2,
         "distore mount: --queued-reads-us must be 0..10000, got 20000",
     )
+    result = distore("mount", str(tmp_path / "d3"), "--max-waiting-requests", "0")
+    assert (result.returncode, result.stderr.strip()) == (
+        2,
+        "distore mount: --max-waiting-requests must be 1..16384, got 0",
+    )
     result = distore("mount", str(tmp_path / "d4"), "--dataset-page-cache", "most")
     assert (result.returncode, result.stderr.strip()) == (
         2,

@@ -11,6 +11,7 @@ import math
 import mmap
 import os
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -592,3 +593,83 @@ def test_generated_input_to_a_dataset_never_hurts_the_daemon(
     mounted: Mount, dataset: Path, target: str, data: bytes
 ) -> None:
     write_hostile(mounted, dataset / target, data, lambda: dataset_snapshot(dataset), stream=False)
+
+
+def wait_in_samples(buffer: Path, readers: int) -> tuple[list[object], list[threading.Thread]]:
+    """`readers` threads, each in a blocking read of `buffer`'s `sample` (5 items needed,
+    none there, 60 s): their outcomes (bytes, or an errno) and the threads."""
+    (buffer / "config").write_text(json.dumps({"min_size_to_sample": 5, "sample_timeout": 60}))
+    outcomes: list[object] = []
+
+    def sample() -> None:
+        fd = os.open(buffer / "sample", os.O_RDONLY)
+        try:
+            outcomes.append(os.read(fd, 1 << 20))
+        except OSError as exc:
+            outcomes.append(exc.errno)
+        finally:
+            os.close(fd)
+
+    threads = [threading.Thread(target=sample, daemon=True) for _ in range(readers)]
+    for thread in threads:
+        thread.start()
+    return outcomes, threads
+
+
+def end_the_waits(buffer: Path, threads: list[threading.Thread]) -> None:
+    for i in range(5):
+        (buffer / "append").write_bytes(b"item-%d" % i)
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "a sample read did not return within 60 s"
+
+
+def test_more_waiting_samples_than_pyfuse3s_default_tasks_leave_the_mount_answering(
+    mounted: Mount, request: pytest.FixtureRequest
+) -> None:
+    """150 reads of `sample` wait for items at once: each holds one of pyfuse3's worker
+    tasks, and with its default of 99 the mount answered no one (a status read timed
+    out after 10 s). Now the mount keeps answering while all 150 wait, and each gets a
+    batch once the items come."""
+    with dir_for_test(mounted.path / "buffers", request) as buffer:
+        outcomes, threads = wait_in_samples(buffer, 150)
+        try:
+            wait_for(lambda: json.loads((buffer / "stats").read_text())["blocked_readers"] == 150, timeout_s=60)
+            started = time.monotonic()
+            waiting = json.loads((mounted.path / ".distore" / "status").read_text())["waiting_requests"]
+            (mounted.path / f"{buffer.name}-file").write_bytes(b"still answering")
+            assert (mounted.path / f"{buffer.name}-file").read_bytes() == b"still answering"
+            assert time.monotonic() - started < 10
+            assert (waiting["now"], waiting["limit"]) == (150, 512), waiting
+        finally:
+            end_the_waits(buffer, threads)
+        assert len(outcomes) == 150
+        assert all(isinstance(batch, bytes) and b"item-" in batch for batch in outcomes), outcomes[:3]
+        os.unlink(mounted.path / f"{buffer.name}-file")
+
+
+def test_waits_past_max_waiting_requests_get_eagain_at_once_and_the_rest_are_served(
+    mount_factory: MountFactory,
+) -> None:
+    """`--max-waiting-requests 8`: of twelve blocking reads of `sample`, eight wait and
+    four get EAGAIN at once (counted as refused in `.distore/status`); the mount answers
+    meanwhile, and the eight get their batches when the items come."""
+    mount = mount_factory("--max-waiting-requests", "8")
+    buffer = mount.path / "buffers" / "waits"
+    buffer.mkdir()
+    outcomes, threads = wait_in_samples(buffer, 12)
+    try:
+        wait_for(lambda: outcomes.count(errno.EAGAIN) == 4, timeout_s=60)
+        wait_for(lambda: json.loads((buffer / "stats").read_text())["blocked_readers"] == 8, timeout_s=60)
+        status = json.loads((mount.path / ".distore" / "status").read_text())
+        assert status["waiting_requests"] == {"now": 8, "limit": 8, "refused": 4}
+        assert os.listdir(buffer)  # the mount answers
+    finally:
+        end_the_waits(buffer, threads)
+    assert outcomes.count(errno.EAGAIN) == 4
+    batches = [outcome for outcome in outcomes if isinstance(outcome, bytes)]
+    assert len(batches) == 8
+    assert all(b"item-" in batch for batch in batches)
+    assert json.loads((mount.path / ".distore" / "status").read_text())["waiting_requests"]["now"] == 0
+    os.rmdir(buffer)
+    assert mount.unmount() == 0

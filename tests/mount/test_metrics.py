@@ -63,6 +63,8 @@ def test_metrics_file_and_port_serve_requests_state_and_buffers(tmp_path: Path) 
         assert got[("distorefs_busy_poll_requests", ())] >= 1
         assert got[("distorefs_queued_reads_window_us", ())] == 300  # on by default
         assert got[("distorefs_queued_reads_requests", ())] >= status["queued_reads"]["requests"]  # read before
+        assert got[("distorefs_waiting_requests_limit", ())] == 512  # --max-waiting-requests
+        assert got[("distorefs_waiting_requests_now", ())] == 0
         assert got[("distorefs_gc_collections_total", (("generation", "2"),))] >= 1  # start-up's own
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
             served = samples(reply.read().decode())
