@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -352,3 +353,33 @@ class Ticker:
             if self.passes > before:
                 return True
         return False
+
+
+def wait_in_samples(buffer: Path, readers: int) -> tuple[list[object], list[threading.Thread]]:
+    """`readers` threads, each in a blocking read of `buffer`'s `sample` (5 items needed,
+    none there, 60 s): their outcomes (bytes, or an errno) and the threads."""
+    (buffer / "config").write_text(json.dumps({"min_size_to_sample": 5, "sample_timeout": 60}))
+    outcomes: list[object] = []
+
+    def sample() -> None:
+        fd = os.open(buffer / "sample", os.O_RDONLY)
+        try:
+            outcomes.append(os.read(fd, 1 << 20))
+        except OSError as exc:
+            outcomes.append(exc.errno)
+        finally:
+            os.close(fd)
+
+    threads = [threading.Thread(target=sample, daemon=True) for _ in range(readers)]
+    for thread in threads:
+        thread.start()
+    return outcomes, threads
+
+
+def end_the_waits(buffer: Path, threads: list[threading.Thread]) -> None:
+    """Five appends, which end every wait of `wait_in_samples`; then its threads, joined (bounded)."""
+    for i in range(5):
+        (buffer / "append").write_bytes(b"item-%d" % i)
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "a sample read did not return within 60 s"

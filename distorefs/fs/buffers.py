@@ -83,9 +83,10 @@ T = TypeVar("T")
 
 SIGNAL_POLL_S = 0.05  # a waiting request looks for a signal to its caller this often, while few wait
 SIGNAL_CHECKS_PER_POLL = 64  # past this many waiting, their checks (40 µs each) spread out to keep this rate
-# Requests that may wait for items or the rate limiter at once, mount-wide: each holds one
-# of pyfuse3's worker tasks (MAX_REQUEST_TASKS, daemon.py) while it waits, and with all of
-# them waiting the mount answered no one (docs/design.md, "Requests that wait, bounded").
+# The default of --max-waiting-requests: requests that may wait at once, mount-wide, for
+# items, a rate limiter or a new weights version. Each holds one of pyfuse3's worker tasks
+# while it waits (daemon.request_tasks), and with all of them waiting the mount answered
+# no one (docs/design.md, "Requests that wait, bounded").
 MAX_WAITING_REQUESTS = 512
 CONTROL_NAMES = (b"config", b"append", b"sample", b"priority", b"stats")
 MAX_SAMPLE_COUNT = 1 << 20
@@ -122,7 +123,8 @@ class WaitingRequests:
             self.refused += 1
             raise TryAgain(
                 f"{label}: {self.now} requests of this mount are waiting already, the most that may"
-                f" (a sample without enough items, appends held by the rate limiter): try again later"
+                f" (samples without enough items, appends held by a rate limiter, reads of a model's wait):"
+                f" try again later"
             )
         self.now += 1
 
@@ -143,7 +145,7 @@ WAITING = WaitingRequests(MAX_WAITING_REQUESTS)
 
 async def interruptible(pid: int, wait: Callable[[], Awaitable[T]], label: str = "a request") -> T:
     """Run `wait`; if the process `pid` gets a signal meanwhile, cancel it: Interrupted.
-    TryAgain at once where MAX_WAITING_REQUESTS wait already (`WAITING`).
+    TryAgain at once where `WAITING.limit` (--max-waiting-requests) wait already.
 
     Errors of `wait` (TryAgain ...) come out as themselves, not in an ExceptionGroup.
     """
@@ -188,7 +190,7 @@ async def run_waiting(
 ) -> T:
     """Run `call(nonblocking)`. When it is going to wait (not ready, and blocking is
     allowed), run it so that a signal to the caller interrupts it (EINTR), and only
-    where fewer than MAX_WAITING_REQUESTS wait already (else TryAgain, naming `label`)."""
+    where fewer than `WAITING.limit` wait already (else TryAgain, naming `label`)."""
     if nonblocking or ready:
         return await call(nonblocking)
     return await interruptible(pid, lambda: call(False), label)

@@ -11,7 +11,6 @@ import math
 import mmap
 import os
 import stat
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from distorefs import client
-from tests.conftest import Mount, dir_for_test, wait_for
+from tests.conftest import Mount, dir_for_test, end_the_waits, wait_for, wait_in_samples
 
 MountFactory = Callable[..., Mount]
 
@@ -593,35 +592,6 @@ def test_generated_input_to_a_dataset_never_hurts_the_daemon(
     mounted: Mount, dataset: Path, target: str, data: bytes
 ) -> None:
     write_hostile(mounted, dataset / target, data, lambda: dataset_snapshot(dataset), stream=False)
-
-
-def wait_in_samples(buffer: Path, readers: int) -> tuple[list[object], list[threading.Thread]]:
-    """`readers` threads, each in a blocking read of `buffer`'s `sample` (5 items needed,
-    none there, 60 s): their outcomes (bytes, or an errno) and the threads."""
-    (buffer / "config").write_text(json.dumps({"min_size_to_sample": 5, "sample_timeout": 60}))
-    outcomes: list[object] = []
-
-    def sample() -> None:
-        fd = os.open(buffer / "sample", os.O_RDONLY)
-        try:
-            outcomes.append(os.read(fd, 1 << 20))
-        except OSError as exc:
-            outcomes.append(exc.errno)
-        finally:
-            os.close(fd)
-
-    threads = [threading.Thread(target=sample, daemon=True) for _ in range(readers)]
-    for thread in threads:
-        thread.start()
-    return outcomes, threads
-
-
-def end_the_waits(buffer: Path, threads: list[threading.Thread]) -> None:
-    for i in range(5):
-        (buffer / "append").write_bytes(b"item-%d" % i)
-    for thread in threads:
-        thread.join(timeout=60)
-    assert not any(thread.is_alive() for thread in threads), "a sample read did not return within 60 s"
 
 
 def test_more_waiting_samples_than_pyfuse3s_default_tasks_leave_the_mount_answering(

@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.conftest import Mount
+from tests.conftest import Mount, end_the_waits, wait_for, wait_in_samples
 
 MountFactory = Callable[..., Mount]
 
@@ -94,38 +93,17 @@ def test_handlers_that_wait_leave_a_reader_behind_them(mount_factory: MountFacto
     mount = mount_factory()
     buffer = mount.path / "buffers" / "waits"
     buffer.mkdir()
-    (buffer / "config").write_text(json.dumps({"min_size_to_sample": 5, "sample_timeout": 60}))
-    results: list[bytes] = []
-    errors: list[BaseException] = []
-
-    def sample() -> None:
-        try:
-            with open(buffer / "sample", "rb") as f:
-                results.append(f.read())
-        except BaseException as exc:  # noqa: BLE001 (reported by the test)
-            errors.append(exc)
-
-    readers = [threading.Thread(target=sample) for _ in range(8)]
-    for reader in readers:
-        reader.start()
+    outcomes, readers = wait_in_samples(buffer, 8)
     try:
-        deadline = time.monotonic() + 30
-        while json.loads((buffer / "stats").read_text())["blocked_readers"] != len(readers):
-            assert time.monotonic() < deadline, "the eight reads never all waited"
-            time.sleep(0.05)
+        wait_for(lambda: json.loads((buffer / "stats").read_text())["blocked_readers"] == len(readers), timeout_s=30)
         for i in range(20):  # served while eight handlers wait
             (mount.path / f"f{i}").write_bytes(b"%d" % i * 1000)
         assert all((mount.path / f"f{i}").read_bytes() == b"%d" % i * 1000 for i in range(20))
         assert {f"f{i}" for i in range(20)} <= set(os.listdir(mount.path))
         assert json.loads((buffer / "stats").read_text())["blocked_readers"] == len(readers)
-        for i in range(5):
-            (buffer / "append").write_bytes(b"item-%d" % i)
     finally:
-        for reader in readers:
-            reader.join(timeout=60)
-    assert not any(reader.is_alive() for reader in readers), "a sample read did not return within 60 s"
-    assert not errors, errors
-    assert len(results) == len(readers)
-    assert all(b"item-" in batch for batch in results), results
+        end_the_waits(buffer, readers)
+    assert len(outcomes) == len(readers)
+    assert all(isinstance(batch, bytes) and b"item-" in batch for batch in outcomes), outcomes
     os.rmdir(buffer)
     assert mount.unmount() == 0
