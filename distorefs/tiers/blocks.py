@@ -85,6 +85,8 @@ class BlockStatistics:
     inline_notes: int  # of them, written on the event loop (the rest went to a thread)
     row_notes: int  # persists (closes) acknowledged by a row note in the log instead of a commit
     written_behind_bytes: int  # full blocks written to the log by the write-behind before their close
+    durable_persists: int  # durable persists asked for (fsync, a sync close ...)
+    durable_commits: int  # commits that made them durable (fewer where they came together: group commit)
     flush_lag_s: float  # age bound of the oldest write still only in DRAM (0: none)
     durable_lag_s: float  # age bound of the oldest log record not yet fsync'ed (0: none)
 
@@ -128,6 +130,11 @@ class BlockStore(ByteRanges, Compaction):
         self.written_behind_bytes = 0
         self._frozen = {}
         self._flush_lock = trio.Lock()
+        self._durable_lock = trio.Lock()
+        self._forming = None
+        self.durable_persists = 0
+        self.durable_commits = 0
+        self._checkpointed_at = 0.0  # (the first durable persist checkpoints)
         self._flush_wanted = trio.Event()
         self._room_freed = trio.Event()
         self._flushed_bytes = 0
@@ -747,5 +754,7 @@ class BlockStore(ByteRanges, Compaction):
             inline_notes=self.inline_notes,
             row_notes=self.row_notes,
             written_behind_bytes=self.written_behind_bytes,
+            durable_persists=self.durable_persists,
+            durable_commits=self.durable_commits,
             **self.lags(),
         )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 # took 0.45-0.56 s, with 64 MiB 0.34-0.44 s (docs/benchmarks.md, "Thirteenth session"):
 # each trip also pays the hop to the thread and back and its bookkeeping on the event loop.
 FLUSH_BATCH_BYTES = 64 * 1024 * 1024
+CHECKPOINT_S = 5.0  # durable persists fold the WAL into the database at most this often
 WRITE_BEHIND_BYTES = 8 * 1024 * 1024  # full dirty blocks that start a write-behind pass
 WRITE_BEHIND_RETRY_S = 1.0  # after a pass that failed (a full disk)
 INLINE_APPEND_BYTES = 256 * 1024  # log-only persists up to this size write on the event loop
@@ -87,6 +89,17 @@ def below_dirty_background() -> bool:
         return False
 
 
+@dataclasses.dataclass(eq=False)
+class DurableGroup:
+    """Durable persists (fsyncs) that share one commit: those asked for while the commit
+    before them was in flight (`WriteBack._persist_durable`)."""
+
+    owners: set[int]
+    done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    began: bool = False  # its commit began: membership closed
+    failed: bool = False  # its commit raised (the members persist again, each its own way)
+
+
 class WriteBack(BlockTierBase):
     """Flushing, persisting and committing (mixed into BlockStore)."""
 
@@ -113,6 +126,11 @@ class WriteBack(BlockTierBase):
     inline_appends: int  # log-only persists written on the event loop (the rest went to a thread)
     inline_notes: int  # notes written on the event loop (the rest went to a thread)
     row_notes: int  # persists acknowledged by a row note instead of a commit
+    _durable_lock: trio.Lock  # one durable group's commit at a time
+    _forming: DurableGroup | None  # the group the next durable persist joins (its commit not begun)
+    durable_persists: int  # durable persists asked for (fsyncs and the like)
+    durable_commits: int  # commits that made them durable: fewer, where they came together
+    _checkpointed_at: float  # when a durable commit last folded the WAL into the database
 
     def lags(self) -> dict[str, float]:
         """flush_lag_s and durable_lag_s: bounds of how long the oldest write has waited
@@ -292,10 +310,58 @@ class WriteBack(BlockTierBase):
         if not durable and self._persist_noted(owner):
             await scheduling.checkpoint()
             return
-        if len(self._dirty.get(owner, ())) * self.block_bytes > FLUSH_BATCH_BYTES:
-            await self.flush(owner)  # big files go in batches first
+        if durable:
+            await self._persist_durable(owner)
+            return
+        await self._commit_owners({owner}, durable=False)
+
+    async def _persist_durable(self, owner: int) -> None:
+        """Group commit: `owner`'s blocks and every staged change durable in one commit
+        with the other durable persists asked for while the commit before them ran. The
+        first of them waits for that commit to end, then commits for all; the others wait
+        for its end. A persist that joins a group is in its commit, which freezes the
+        blocks only when it begins (docs/design.md, "Durable persists in groups"). Where
+        the group's commit failed, each other member commits again by itself and reports
+        its own outcome; where the first member was cancelled before the commit began,
+        they form a new group."""
+        self.durable_persists += 1
+        while True:
+            group = self._forming
+            if group is not None:
+                group.owners.add(owner)
+                await group.done.wait()
+                if not group.began:
+                    continue  # its first member was cancelled first: form another
+                if group.failed:
+                    async with self._durable_lock:
+                        with trio.CancelScope(shield=True):
+                            await self._commit_owners({owner}, durable=True)
+                return
+            group = self._forming = DurableGroup({owner})
+            try:
+                async with self._durable_lock:
+                    self._forming = None
+                    group.began = True
+                    with trio.CancelScope(shield=True):  # the members count on this commit
+                        await self._commit_owners(group.owners, durable=True)
+            except BaseException:
+                group.failed = group.began
+                if self._forming is group:
+                    self._forming = None
+                raise
+            finally:
+                group.done.set()
+            return
+
+    async def _commit_owners(self, owners: set[int], durable: bool) -> None:
+        """The owners' dirty blocks to the log and every staged change committed, in one
+        trip to a worker thread (`durable`: the log fsync'ed before a FULL commit)."""
+        for owner in sorted(owners):
+            if len(self._dirty.get(owner, ())) * self.block_bytes > FLUSH_BATCH_BYTES:
+                await self.flush(owner)  # big files go in batches first
         async with self._flush_lock:
-            snapshots, records = self._freeze(BlockKey(owner, i) for i in sorted(self._dirty.get(owner, ())))
+            keys = [BlockKey(owner, i) for owner in sorted(owners) for i in sorted(self._dirty.get(owner, ()))]
+            snapshots, records = self._freeze(keys)
             locations: list[LogLocation] = []
 
             def append_then_rows() -> Changes:
@@ -305,13 +371,19 @@ class WriteBack(BlockTierBase):
                 return {"blocks": {tuple(r[0]): tuple(loc) for r, loc in zip(records, locations, strict=True)}}
 
             started = time.monotonic()
+            # an fsync's commit folds the WAL into the database only every CHECKPOINT_S:
+            # a checkpoint is two more writes and fsyncs, most of a lone fsync's time
+            checkpoint = durable and started - self._checkpointed_at >= CHECKPOINT_S
             self._stage_mark()
             try:
-                await self._meta.commit(durable=durable, before_commit=append_then_rows, checkpoint=durable)
+                await self._meta.commit(durable=durable, before_commit=append_then_rows, checkpoint=checkpoint)
             finally:
                 self._thaw(snapshots, records)
             if durable:
                 self._synced(started)
+                self.durable_commits += 1
+                if checkpoint:
+                    self._checkpointed_at = started
             elif records:
                 self._logged()
             if locations:
@@ -605,6 +677,7 @@ class WriteBack(BlockTierBase):
             started = time.monotonic()
             await self._meta.commit(durable=True, before_commit=self._log.sync, checkpoint=True)
             self._synced(started)
+            self._checkpointed_at = started
         else:
             await self._meta.commit()
 

@@ -134,6 +134,48 @@ def test_kill_9_keeps_every_fsynced_and_closed_file(mount_factory: MountFactory)
     assert mount.unmount() == 0
 
 
+def test_fsyncs_of_many_threads_at_once_share_commits_and_each_survives_kill_9(mount_factory: MountFactory) -> None:
+    """16 threads, each writing and fsyncing its own file 10 times: fsyncs that come while
+    a durable commit runs share the next one (`durable_commits` well under
+    `durable_persists` in `.distore/status`), and after a kill -9 each file holds what
+    its last fsync covered."""
+    mount = mount_factory()
+    root = tree(mount)
+    errors: list[BaseException] = []
+
+    def fsync_loop(k: int) -> None:
+        try:
+            fd = os.open(root / f"t{k}", os.O_CREAT | os.O_WRONLY, 0o644)
+            try:
+                for i in range(10):
+                    os.pwrite(fd, b"%02d:%02d|" % (k, i) * 512, 0)
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException as exc:  # noqa: BLE001 (reported by the test)
+            errors.append(exc)
+
+    before = mount.status()["blocks"]
+    threads = [threading.Thread(target=fsync_loop, args=(k,)) for k in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "an fsync loop did not end within 120 s"
+    assert not errors, errors
+    after = mount.status()["blocks"]
+    persists = after["durable_persists"] - before["durable_persists"]
+    commits = after["durable_commits"] - before["durable_commits"]
+    assert persists >= 160
+    assert commits <= persists // 2, (persists, commits)
+    mount.kill9()
+
+    mount = mount_factory()
+    for k in range(16):
+        assert (tree(mount) / f"t{k}").read_bytes() == b"%02d:09|" % k * 512
+    assert mount.unmount() == 0
+
+
 def test_a_big_file_goes_to_the_log_while_written_and_a_kill_9_after_its_close_keeps_it(
     mount_factory: MountFactory,
 ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import trio
 
-from distorefs.errors import OutOfMemory, StoreFull
+from distorefs.errors import DistorefsError, OutOfMemory, StoreFull
 from distorefs.tiers import blocks as blocks_module
 from distorefs.tiers import copy_ranges, nvme_log, writeback
 from distorefs.tiers.blocks import BlockStore
@@ -894,4 +895,73 @@ async def test_a_block_rewritten_while_written_behind_keeps_its_last_bytes(
     store = open_store(tmp_path)
     await store.read_tail()
     assert [await read_all(store, BlockKey(9, number)) for number in range(4)] == last
+    await store.close()
+
+
+async def test_durable_persists_asked_for_together_share_commits_and_all_come_back(tmp_path: Path) -> None:
+    """32 owners, each writing and persisting durably five times at once (32 fsync loops):
+    the persists that come while a commit runs wait for it and share the next one, and
+    after a kill every owner's last write is there."""
+    store = open_store(tmp_path, budget=64 * BLOCK, segment=64 * BLOCK)
+    owners = range(10, 42)
+
+    async def fsync_loop(owner: int) -> None:
+        for i in range(5):
+            await store.write(BlockKey(owner, 0), 0, b"%d:%d|" % (owner, i) * 100)
+            await store.persist(owner, durable=True)
+
+    async with trio.open_nursery() as nursery:
+        for owner in owners:
+            nursery.start_soon(fsync_loop, owner)
+    stats = store.statistics()
+    assert stats.durable_persists == 160
+    assert stats.durable_commits <= 160 // 4, stats.durable_commits
+    assert store.dirty_bytes == 0
+    killed(store)
+    store = open_store(tmp_path, budget=64 * BLOCK, segment=64 * BLOCK)
+    await store.read_tail()
+    for owner in owners:
+        assert await read_all(store, BlockKey(owner, 0)) == b"%d:4|" % owner * 100
+    await store.close()
+
+
+async def test_members_of_a_durable_group_whose_commit_failed_commit_again_by_themselves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The log's second fsync fails: the persist that led that group's commit gets the
+    error, and each other member commits again by itself and returns durable."""
+    store = open_store(tmp_path, budget=64 * BLOCK, segment=64 * BLOCK)
+    syncs = 0
+    real_sync = store._log.sync
+
+    def sync_failing_once() -> None:
+        nonlocal syncs
+        syncs += 1
+        if syncs == 2:
+            raise OSError(errno.EIO, "injected")
+        real_sync()
+
+    monkeypatch.setattr(store._log, "sync", sync_failing_once)
+    failures: list[int] = []
+
+    async def fsync_loop(owner: int) -> None:
+        for i in range(3):
+            await store.write(BlockKey(owner, 0), 0, b"%d:%d|" % (owner, i) * 100)
+            try:
+                await store.persist(owner, durable=True)
+            except (OSError, DistorefsError):
+                failures.append(owner)
+
+    async with trio.open_nursery() as nursery:
+        for owner in range(10, 18):
+            nursery.start_soon(fsync_loop, owner)
+    assert len(failures) == 1
+    assert syncs > 2
+    assert store.durable_commits < store.durable_persists  # (persists did come together)
+    await store.persist(failures[0], durable=True)  # the failed one, again: fine now
+    killed(store)
+    store = open_store(tmp_path, budget=64 * BLOCK, segment=64 * BLOCK)
+    await store.read_tail()
+    for owner in range(10, 18):
+        assert await read_all(store, BlockKey(owner, 0)) == b"%d:2|" % owner * 100
     await store.close()
