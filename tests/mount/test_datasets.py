@@ -519,5 +519,9 @@ def test_a_dataset_of_small_records_within_its_dram_share_is_served_from_dram(
             got += f.read()
             assert stream_stats(path)["in_dram"] == int(kept)
         assert [(i, bytes(b)) for i, _w, b in decode_blob_batch(bytes(got))] == expected
-    assert mount.status()["blocks"]["dram_reserved_bytes"] == 0  # type: ignore[index]
+    # the stream's reservations go with its RELEASE, which the kernel sends after the close returns
+    wait_for(
+        lambda: mount.status()["blocks"]["dram_reserved_bytes"] == 0,  # type: ignore[index]
+        what="the stream's RELEASE, sent after the close",
+    )
     assert mount.unmount() == 0
